@@ -1,0 +1,45 @@
+# tritonlm: `make serve` and `make test` are the two commands; both set up what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.tritonlm-setup
+MODEL ?= smollm2-135m
+DRAFT ?=
+NAME ?=
+REPO ?= model_repository
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test bench doctor clean
+
+setup: $(STAMP)
+
+# Re-runs only when the dependency list changes; a second `make setup` is a no-op.
+$(STAMP): pyproject.toml scripts/setup_system.sh
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+		|| $(PIP) install --quiet --disable-pip-version-check torch==2.13.0
+	$(PIP) install --quiet --disable-pip-version-check -e ".[test]"
+	bash scripts/setup_system.sh $(PY)
+	$(VENV)/bin/tritonlm setup-backend
+	@touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/tritonlm serve-default --model $(MODEL) $(if $(DRAFT),--draft $(DRAFT)) $(if $(NAME),--name $(NAME)) \
+		--repo $(REPO) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+test: setup
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/python perf/run_all.py
+
+doctor: setup
+	$(VENV)/bin/tritonlm doctor
+
+clean:
+	rm -rf build results .pytest_cache

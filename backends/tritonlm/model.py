@@ -1,0 +1,29 @@
+"""Triton entry point of the `tritonlm` Python-based backend.
+
+A model's config.pbtxt says `backend: "tritonlm"` and names its task in
+`parameters { key: "task" ... }`; this file only picks the handler for that task.
+All logic lives in the importable `tritonlm` package.
+"""
+
+import json
+import os
+import sys
+
+try:
+    import tritonlm  # noqa: F401  (installed with `pip install -e .` or `pip install .`)
+except ImportError:  # running from a checkout: backends/tritonlm/model.py -> repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
+
+from tritonlm.glue import make_handler
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.handler = make_handler(config, args)
+
+    def execute(self, requests):
+        return self.handler.execute(requests)
+
+    def finalize(self):
+        self.handler.finalize()

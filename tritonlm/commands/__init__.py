@@ -1,0 +1,1 @@
+"""Subcommands of the `tritonlm` CLI that drive the server and tools."""

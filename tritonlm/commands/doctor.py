@@ -1,0 +1,74 @@
+"""`tritonlm doctor`: what is installed and working, and what to do about the rest."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import subprocess
+
+from tritonlm.paths import StackError, perf_analyzer_binary, perf_analyzer_env, triton_install
+
+
+def add_parser(sub) -> None:
+    sub.add_parser("doctor", help="check the serving stack on this machine").set_defaults(func=run)
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def checks() -> list[tuple[str, bool, str]]:
+    """(what, ok, detail or fix) for each piece of the stack."""
+    rows: list[tuple[str, bool, str]] = []
+    try:
+        install = triton_install()
+        rows.append(("tritonserver binary", True, str(install.server_binary)))
+        stub = install.stub_for_running_python()
+        rows.append(("Python backend stub", stub.exists(), str(stub) if stub.exists() else "missing: run `make setup`"))
+        from tritonlm.paths import BACKEND_DIR
+
+        prepared = (BACKEND_DIR / "python" / "triton_python_backend_stub").exists()
+        rows.append(("backend directory", prepared, str(BACKEND_DIR) if prepared else "run `tritonlm setup-backend`"))
+    except StackError as e:
+        rows.append(("tritonserver binary", False, str(e)))
+    try:
+        pa = perf_analyzer_binary()
+        proc = subprocess.run([str(pa), "--version"], env=perf_analyzer_env(), capture_output=True, text=True, timeout=30)
+        out = (proc.stdout + proc.stderr).strip()
+        if proc.returncode == 0 and "Version" in out:
+            rows.append(("perf_analyzer", True, out.splitlines()[-1]))
+        else:
+            fix = "apt-get install libb64-0d" if "libb64" in out else "pip install nvidia-cuda-runtime-cu12" if "cudart" in out else "run `make setup`"
+            rows.append(("perf_analyzer", False, f"{out.splitlines()[-1] if out else 'fails to start'}: {fix}"))
+    except StackError as e:
+        rows.append(("perf_analyzer", False, str(e)))
+    for pkg in ("tritonclient", "torch", "onnxruntime", "onnxruntime-gpu", "onnx", "transformers", "numpy"):
+        v = _version(pkg)
+        if v is not None or pkg != "onnxruntime-gpu":
+            rows.append((pkg, v is not None, v or f"missing: pip install {pkg} (or `make setup`)"))
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        rows.append(("CUDA (torch)", True, f"yes: {torch.cuda.get_device_name(0)}" if cuda else "no (CPU only)"))
+    except ImportError:
+        pass
+    try:
+        import onnxruntime as ort
+
+        rows.append(("ONNX Runtime providers", True, ", ".join(ort.get_available_providers())))
+    except ImportError:
+        pass
+    return rows
+
+
+def run(args) -> int:
+    rows = checks()
+    width = max(len(r[0]) for r in rows)
+    for what, ok, detail in rows:
+        print(f"{'ok ' if ok else 'BAD'}  {what:<{width}}  {detail}")
+    bad = [r for r in rows if not r[1]]
+    print(f"\n{len(bad)} problem(s)" if bad else "\nall good")
+    return 1 if bad else 0

@@ -1,0 +1,1 @@
+"""Built-in models and model loading (Hugging Face ids, local folders, GGUF files)."""
