@@ -1,0 +1,66 @@
+"""StepBatch: the contract between the scheduler and a runner for one forward pass.
+
+Every sequence in the batch brings `num_new[b]` new tokens (1 when decoding, a
+chunk when prefilling, K+1 when verifying a speculative draft) on top of
+`past_len[b]` tokens whose keys/values are already in the KV pool.
+
+KV pool layout (see kv_cache.KVPool): per layer one K and one V tensor of shape
+[num_slots, num_kv_heads, head_dim]; a "slot" holds one token of one sequence.
+`slot_table[b, p]` is the slot of position p of sequence b (p < past_len + num_new;
+entries past that are padding and point at slot 0, never read unmasked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [B, T] int64, new tokens right-padded (pad value irrelevant)
+    num_new: torch.Tensor  # [B] int64, valid new tokens per row, 1 <= num_new[b] <= T
+    past_len: torch.Tensor  # [B] int64, tokens already cached per row
+    slot_table: torch.Tensor  # [B, L] int64, L >= max(past_len + num_new)
+    all_logits: bool = False  # True: logits for every new token (speculative verify); False: last valid one only
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def position_ids(self) -> torch.Tensor:
+        """[B, T] absolute positions of the new tokens (padding rows clamp to the last valid one)."""
+        t = torch.arange(self.width, dtype=torch.int64).unsqueeze(0)
+        t = torch.minimum(t, (self.num_new - 1).unsqueeze(1))
+        return self.past_len.unsqueeze(1) + t
+
+    def new_slots(self) -> torch.Tensor:
+        """[B, T] slot of each new token (padding entries repeat the last valid slot)."""
+        return torch.gather(self.slot_table, 1, self.position_ids())
+
+    @staticmethod
+    def build(
+        new_tokens: list[list[int]], past_lens: list[int], slot_rows: list[list[int]], all_logits: bool = False
+    ) -> "StepBatch":
+        """From plain lists: new_tokens[b] (non-empty), past_lens[b], slot_rows[b] (>= past+new slots)."""
+        bsz = len(new_tokens)
+        width = max(len(t) for t in new_tokens)
+        total = max(p + len(t) for p, t in zip(past_lens, new_tokens))
+        ids = torch.zeros(bsz, width, dtype=torch.int64)
+        slots = torch.zeros(bsz, total, dtype=torch.int64)
+        for b, (toks, past, row) in enumerate(zip(new_tokens, past_lens, slot_rows)):
+            ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
+            n = past + len(toks)
+            slots[b, :n] = torch.tensor(row[:n], dtype=torch.int64)
+        return StepBatch(
+            input_ids=ids,
+            num_new=torch.tensor([len(t) for t in new_tokens], dtype=torch.int64),
+            past_len=torch.tensor(past_lens, dtype=torch.int64),
+            slot_table=slots,
+            all_logits=all_logits,
+        )

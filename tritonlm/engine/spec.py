@@ -1,0 +1,53 @@
+"""Model shape facts the engine needs, read once from a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str  # "gpt2" | "llama"
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (< num_heads with grouped-query attention)
+    head_dim: int
+    vocab_size: int
+    max_positions: int  # context length the model supports
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV cache bytes one token costs: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @staticmethod
+    def from_hf_config(config, dtype: torch.dtype = torch.float32) -> "ModelSpec":
+        model_type = getattr(config, "model_type", "")
+        if model_type == "gpt2":
+            return ModelSpec(
+                architecture="gpt2",
+                num_layers=config.n_layer,
+                num_heads=config.n_head,
+                num_kv_heads=config.n_head,
+                head_dim=config.n_embd // config.n_head,
+                vocab_size=config.vocab_size,
+                max_positions=config.n_positions,
+                dtype=dtype,
+            )
+        if model_type == "llama":
+            heads = config.num_attention_heads
+            return ModelSpec(
+                architecture="llama",
+                num_layers=config.num_hidden_layers,
+                num_heads=heads,
+                num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                vocab_size=config.vocab_size,
+                max_positions=config.max_position_embeddings,
+                dtype=dtype,
+            )
+        raise ValueError(f"unsupported architecture {model_type!r}: tritonlm supports gpt2 and llama")
