@@ -8,6 +8,8 @@ import importlib
 import logging
 import sys
 
+from tritonlm.errors import CliError
+
 # module -> it defines add_parser(subparsers) registering its subcommand(s)
 SUBCOMMAND_MODULES = [
     "tritonlm.commands.serve",
@@ -48,10 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-
-
-class CliError(RuntimeError):
-    """An error the user can act on: printed as one line, exit code 1."""
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+from tritonlm.errors import CliError
 from tritonlm.paths import StackError
 from tritonlm.server import ServerStartError, TritonServer
 
@@ -30,8 +31,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def serve(repo: Path, args: argparse.Namespace) -> int:
-    from tritonlm.cli import CliError
-
     server = TritonServer(
         repo,
         args.http_port,

@@ -1,0 +1,5 @@
+"""Errors a user can act on."""
+
+
+class CliError(RuntimeError):
+    """Printed by the CLI as one line `error: ...`, exit code 1."""
