@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,12 @@ def server_env(install: TritonInstall | None = None) -> dict[str, str]:
     install = install or triton_install()
     env = dict(os.environ)
     libs = [str(install.bundled_libs), str(install.root / "lib")]
+    # The stub links libpython3.X.so dynamically; it must be THIS interpreter's, or
+    # compiled modules (ssl, ...) of the venv's Python fail with undefined symbols
+    # when a system libpython of another patch release is found first.
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir:
+        libs.insert(0, libdir)
     if env.get("LD_LIBRARY_PATH"):
         libs.append(env["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = ":".join(libs)

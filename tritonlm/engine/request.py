@@ -1,0 +1,83 @@
+"""What a client asks for and what the engine reports back: plain data, no Triton types."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+_ids = itertools.count(1)
+
+
+class InvalidRequestError(ValueError):
+    """Bad input from a client; the message names the input and what is allowed."""
+
+
+class ServerBusyError(RuntimeError):
+    """The waiting queue is full: the client should retry later."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float | None = None  # None or 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    end_id: int | None = None  # None: the tokenizer's EOS; -1: never stop on a token
+    stop_words: tuple[str, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token id sequences that must never be produced
+    return_log_probs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature or self.top_k == 1
+
+    def validate(self) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens: must be >= 0, got {self.min_tokens}")
+        if self.temperature is not None and (self.temperature < 0 or self.temperature != self.temperature):
+            raise InvalidRequestError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise InvalidRequestError(f"repetition_penalty: must be > 0 (1 = off), got {self.repetition_penalty}")
+
+
+@dataclass
+class GenerationEvent:
+    """One report to the client: new text (maybe empty) and, at the end, why it finished."""
+
+    request_id: int
+    text: str = ""  # new text since the previous event
+    token_ids: list[int] = field(default_factory=list)  # new token ids since the previous event
+    log_probs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: proposed so far
+    accepted_draft_tokens: int = 0
+
+
+EventCallback = Callable[[GenerationEvent], None]
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_event: EventCallback
+    stream: bool = True  # False: the engine reports once, at the end
+    request_id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.monotonic)
+    num_draft_tokens: int | None = None  # speculative decoding: None = model default, 0 = off
+    is_cancelled: Callable[[], bool] | None = None  # polled once per step (client gone / cancelled)

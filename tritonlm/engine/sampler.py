@@ -1,0 +1,106 @@
+"""Next-token choice per row of one batch, each row with its own settings.
+
+Order (as Hugging Face's logits processors apply them): repetition penalty,
+banned tokens (bad words, EOS before min_tokens), temperature, top-k, top-p,
+then argmax (greedy) or a draw from the row's own seeded generator, so a seed
+gives the same text whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tritonlm.engine.request import SamplingParams
+
+
+@dataclass
+class RowState:
+    """What the sampler needs to know about one sequence."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt + generated so far (for penalties and bad words)
+    num_generated: int
+    eos_id: int | None
+    generator: torch.Generator | None = None
+
+    @staticmethod
+    def make(params: SamplingParams, token_ids: list[int], eos_id: int | None) -> "RowState":
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator()
+            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return RowState(params, token_ids, 0, eos_id, gen)
+
+
+def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
+    """[V] raw logits -> [V] logits with penalties, bans and temperature applied (a new tensor)."""
+    p = row.params
+    out = logits.to(torch.float32).clone()
+    if p.repetition_penalty != 1.0 and row.token_ids:
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.int64)
+        vals = out[seen]
+        out[seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
+    for banned in banned_tokens(row):
+        out[banned] = float("-inf")
+    if not p.greedy and p.temperature != 1.0:
+        out = out / p.temperature
+    return out
+
+
+def banned_tokens(row: RowState) -> list[int]:
+    p = row.params
+    banned: list[int] = []
+    if row.eos_id is not None and row.num_generated < p.min_tokens:
+        banned.append(row.eos_id)
+    for seq in p.bad_words:
+        # ban the last token of a bad word when the text so far ends with the rest of it
+        prefix = list(seq[:-1])
+        if not prefix or row.token_ids[-len(prefix):] == prefix:
+            banned.append(seq[-1])
+    return banned
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """[V] -> [V] with tokens outside top-k / the top-p nucleus set to -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def next_token_distribution(logits: torch.Tensor, row: RowState) -> torch.Tensor:
+    """[V] raw logits -> [V] probabilities the row samples from (one-hot for greedy)."""
+    processed = process_logits(logits, row)
+    if row.params.greedy:
+        probs = torch.zeros_like(processed)
+        probs[int(torch.argmax(processed))] = 1.0
+        return probs
+    filtered = filter_top_k_top_p(processed, row.params.top_k, row.params.top_p)
+    return torch.softmax(filtered, dim=-1)
+
+
+def sample_row(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
+    """[V] raw logits -> (token, its log-probability under the processed distribution)."""
+    processed = process_logits(logits, row)
+    if row.params.greedy:
+        token = int(torch.argmax(processed))
+    else:
+        filtered = filter_top_k_top_p(processed, row.params.top_k, row.params.top_p)
+        probs = torch.softmax(filtered, dim=-1)
+        token = int(torch.multinomial(probs, 1, generator=row.generator).item())
+    logprob = float(torch.log_softmax(processed, dim=-1)[token]) if row.params.return_log_probs else 0.0
+    return token, logprob
+
+
+def sample(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, float]]:
+    """[B, V] -> one (token, logprob) per row."""
+    return [sample_row(logits[i], row) for i, row in enumerate(rows)]

@@ -1,0 +1,140 @@
+"""One frozen settings object per generation model, parsed from config.pbtxt
+`parameters` (all strings) and validated once at load. A bad value refuses to
+load with a message naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class SettingsError(ValueError):
+    """A config.pbtxt parameter is wrong; the message names it and says what is allowed."""
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def parse_bytes(field: str, text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*", text.lower())
+    if not m:
+        raise SettingsError(f"{field}: {text!r} is not a size (examples: 67108864, 64MiB, 1.5GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model_dir: Path  # the model's folder in the repository
+    hf_dir: Path  # Hugging Face folder: config, weights, tokenizer
+    runtime: str = "torch"  # "torch" | "onnx"
+    onnx_model: Path | None = None
+    device: str = "cpu"
+    max_context: int | None = None  # None: the model's own maximum
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float | None = None  # of free device memory, when kv_cache_bytes is not set
+    kv_block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queue_size: int = 1024
+    queue_timeout_s: float = 0.0  # 0: wait as long as it takes
+    default_max_tokens: int = 16
+    use_kv_cache: bool = True  # False only for benchmarks: recompute the whole sequence every step
+    num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    # speculative decoding
+    draft_model: Path | None = None
+    speculative: str = "off"  # "off" | "draft" | "prompt_lookup"
+    num_draft_tokens: int = 4  # maximum K
+    prompt_lookup_ngram: int = 3
+
+    @staticmethod
+    def from_params(params: dict[str, str], model_dir: Path) -> "EngineSettings":
+        model_dir = Path(model_dir)
+        known = {f.name for f in dataclasses.fields(EngineSettings)} | {"task"}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise SettingsError(f"unknown parameter(s) {unknown}; known: {sorted(known - {'model_dir'})}")
+
+        def get_int(name: str, default: int, minimum: int) -> int:
+            raw = params.get(name, "")
+            if raw == "":
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                raise SettingsError(f"{name}: {raw!r} is not an integer") from None
+            if value < minimum:
+                raise SettingsError(f"{name}: must be >= {minimum}, got {value}")
+            return value
+
+        def get_float(name: str, default: float | None) -> float | None:
+            raw = params.get(name, "")
+            if raw == "":
+                return default
+            try:
+                return float(raw)
+            except ValueError:
+                raise SettingsError(f"{name}: {raw!r} is not a number") from None
+
+        def get_bool(name: str, default: bool) -> bool:
+            raw = params.get(name, "").strip().lower()
+            if raw == "":
+                return default
+            if raw in ("1", "true", "yes", "on"):
+                return True
+            if raw in ("0", "false", "no", "off"):
+                return False
+            raise SettingsError(f"{name}: {raw!r} is not a boolean (true/false)")
+
+        def get_path(name: str, default: str | None) -> Path | None:
+            raw = params.get(name, "") or default
+            if not raw:
+                return None
+            path = Path(raw)
+            path = path if path.is_absolute() else (model_dir / path)
+            if not path.exists():
+                raise SettingsError(f"{name}: {raw!r} does not exist (looked at {path}); re-export the model")
+            return path
+
+        runtime = params.get("runtime", "torch") or "torch"
+        if runtime not in ("torch", "onnx"):
+            raise SettingsError(f"runtime: {runtime!r} is not supported; use 'torch' or 'onnx'")
+        device = params.get("device", "cpu") or "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise SettingsError(f"device: {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+        speculative = params.get("speculative", "") or ("draft" if params.get("draft_model") else "off")
+        if speculative not in ("off", "draft", "prompt_lookup"):
+            raise SettingsError(f"speculative: {speculative!r}; use 'off', 'draft' or 'prompt_lookup'")
+        kv_bytes = parse_bytes("kv_cache_bytes", params["kv_cache_bytes"]) if params.get("kv_cache_bytes") else None
+        fraction = get_float("kv_cache_fraction", None)
+        if fraction is not None and not 0 < fraction <= 1:
+            raise SettingsError(f"kv_cache_fraction: must be in (0, 1], got {fraction}")
+        max_context = get_int("max_context", 0, 0) or None
+        s = EngineSettings(
+            model_dir=model_dir,
+            hf_dir=get_path("hf_dir", "1/hf"),
+            runtime=runtime,
+            onnx_model=get_path("onnx_model", None),
+            device=device,
+            max_context=max_context,
+            kv_cache_bytes=kv_bytes,
+            kv_cache_fraction=fraction,
+            kv_block_size=get_int("kv_block_size", 16, 1),
+            max_num_seqs=get_int("max_num_seqs", 64, 1),
+            max_num_batched_tokens=get_int("max_num_batched_tokens", 512, 1),
+            max_queue_size=get_int("max_queue_size", 1024, 0),
+            queue_timeout_s=get_float("queue_timeout_s", 0.0) or 0.0,
+            default_max_tokens=get_int("default_max_tokens", 16, 1),
+            use_kv_cache=get_bool("use_kv_cache", True),
+            num_threads=get_int("num_threads", 0, 0),
+            draft_model=get_path("draft_model", None),
+            speculative=speculative,
+            num_draft_tokens=get_int("num_draft_tokens", 4, 1),
+            prompt_lookup_ngram=get_int("prompt_lookup_ngram", 3, 1),
+        )
+        if s.runtime == "onnx" and s.onnx_model is None:
+            raise SettingsError("onnx_model: required with runtime 'onnx' (path to the exported model.onnx)")
+        if s.speculative == "draft" and s.draft_model is None:
+            raise SettingsError("draft_model: required with speculative 'draft' (a draft model's Hugging Face folder)")
+        return s

@@ -1,0 +1,85 @@
+"""Triton glue of the generation model (decoupled): tensors in, engine events out.
+
+execute() only parses each request and hands it to the engine; the engine thread
+generates for everyone at once and each event becomes a response sent through
+the request's response sender (the last one flagged final).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+from tritonlm.engine.loader import build_engine
+from tritonlm.engine.request import GenerationEvent, GenerationRequest, InvalidRequestError, ServerBusyError
+from tritonlm.engine.settings import EngineSettings
+from tritonlm.glue.metrics import TritonMetrics
+from tritonlm.protocol import bad_word_token_ids, event_outputs, parse_request
+
+log = logging.getLogger(__name__)
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class Handler:
+    def __init__(self, config, params, args):
+        self.name = config["name"]
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ValueError(
+                f"model '{self.name}': the generation model must be decoupled "
+                "(add model_transaction_policy { decoupled: true } to config.pbtxt)"
+            )
+        model_dir = Path(args["model_repository"])
+        self.settings = EngineSettings.from_params(params, model_dir)
+        self.metrics = TritonMetrics(self.name, args.get("model_version", "1"))
+        self.engine = build_engine(self.settings, observer=self.metrics)
+        self.metrics.set_kv_capacity(self.engine.cache.total_bytes, self.engine.runner.spec.bytes_per_token)
+        self.engine.start()
+        self.metrics.watch(self.engine)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except (InvalidRequestError, ServerBusyError) as e:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
+            except Exception as e:  # never leave a client without its final response
+                log.exception("request failed")
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}")), flags=FINAL)
+        return None
+
+    def _submit(self, request, sender) -> None:
+        inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+        parsed = parse_request(inputs, self.settings.default_max_tokens)
+        params = parsed.params
+        if parsed.bad_words_text:
+            params = type(params)(**{**params.__dict__, "bad_words": bad_word_token_ids(self.engine.tokenizer, parsed.bad_words_text)})
+        prefix = "" if (parsed.exclude_input_in_output or parsed.stream) else parsed.text
+        want_logprobs = params.return_log_probs
+
+        def on_event(event: GenerationEvent) -> None:
+            nonlocal prefix
+            if event.error is not None:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(event.error)), flags=FINAL)
+                return
+            outputs = event_outputs(event, prefix, with_log_probs=want_logprobs)
+            prefix = ""
+            tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
+            sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if event.finished else 0)
+
+        self.engine.submit(
+            GenerationRequest(
+                prompt_ids=self.engine.encode(parsed.text),
+                params=params,
+                on_event=on_event,
+                stream=parsed.stream,
+                num_draft_tokens=parsed.num_draft_tokens,
+                is_cancelled=request.is_cancelled,
+            )
+        )
+
+    def finalize(self):
+        self.metrics.unwatch()
+        self.engine.shutdown()

@@ -1,0 +1,117 @@
+"""Engine events -> Triton custom metrics (pb_utils.MetricFamily), shown on the
+metrics port beside Triton's own nv_inference_* series."""
+
+from __future__ import annotations
+
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class _Histogram:
+    """A Prometheus histogram where the stub has one; else a sum and a count counter."""
+
+    def __init__(self, name: str, help_: str, labels: dict, buckets: list[float]):
+        kind = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)
+        if kind is not None:
+            self.family = pb_utils.MetricFamily(name=name, description=help_, kind=kind)
+            self.metric = self.family.Metric(labels=labels, buckets=buckets)
+            self.sum = self.count = None
+        else:
+            self.metric = None
+            self.sum_family = pb_utils.MetricFamily(name=f"{name}_sum", description=help_, kind=pb_utils.MetricFamily.COUNTER)
+            self.count_family = pb_utils.MetricFamily(name=f"{name}_count", description=help_, kind=pb_utils.MetricFamily.COUNTER)
+            self.sum = self.sum_family.Metric(labels=labels)
+            self.count = self.count_family.Metric(labels=labels)
+
+    def observe(self, value: float) -> None:
+        if self.metric is not None:
+            self.metric.observe(value)
+        else:
+            self.sum.increment(value)
+            self.count.increment(1)
+
+
+class TritonMetrics:
+    def __init__(self, model: str, version: str):
+        labels = {"model": model, "version": str(version)}
+        self._families: list = []
+        self.ttft = _Histogram("tritonlm_time_to_first_token_seconds", "Time from arrival to the first generated token", labels, TTFT_BUCKETS)
+        self.tpot = _Histogram("tritonlm_time_per_output_token_seconds", "Time per output token after the first", labels, TPOT_BUCKETS)
+        self.batch = _Histogram("tritonlm_batch_size", "Sequences in each forward pass", labels, BATCH_BUCKETS)
+
+        # a MetricFamily must outlive its Metric objects: keep every family referenced
+
+        def family(name: str, help_: str, kind):
+            fam = pb_utils.MetricFamily(name=name, description=help_, kind=kind)
+            self._families.append(fam)
+            return fam
+
+        def gauge(name: str, help_: str):
+            return family(name, help_, pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+
+        def counter(name: str, help_: str, extra: dict | None = None, fam=None):
+            fam = fam or family(name, help_, pb_utils.MetricFamily.COUNTER)
+            return fam, fam.Metric(labels={**labels, **(extra or {})})
+
+        self.running = gauge("tritonlm_requests_running", "Sequences in the running batch")
+        self.waiting = gauge("tritonlm_requests_waiting", "Requests queued for KV cache room")
+        self.kv_used = gauge("tritonlm_kv_cache_used_bytes", "KV cache bytes reserved by live sequences")
+        self.kv_total = gauge("tritonlm_kv_cache_total_bytes", "KV cache budget in bytes")
+        self.kv_per_token = gauge("tritonlm_kv_cache_bytes_per_token", "KV cache bytes one token costs")
+        _, self.tokens = counter("tritonlm_generated_tokens_total", "Tokens generated")
+        fam = family("tritonlm_requests_finished_total", "Requests finished, by reason", pb_utils.MetricFamily.COUNTER)
+        self.finished = {r: counter("", "", {"reason": r}, fam)[1] for r in FINISH_REASONS}
+        self._engine = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # EngineObserver hooks (engine thread)
+    def on_step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+        self.batch.observe(batch_size)
+        self._refresh()
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.tokens.increment(1)
+
+    def on_output_tokens(self, count: int, seconds_per_token: float) -> None:
+        self.tpot.observe(seconds_per_token)
+        self.tokens.increment(count)
+
+    def on_finish(self, reason: str) -> None:
+        if reason in self.finished:
+            self.finished[reason].increment(1)
+        self._refresh()
+
+    def set_kv_capacity(self, total_bytes: int, bytes_per_token: int) -> None:
+        self.kv_total.set(total_bytes)
+        self.kv_per_token.set(bytes_per_token)
+
+    def _refresh(self) -> None:
+        engine = self._engine
+        if engine is not None:
+            self.running.set(engine.scheduler.num_running)
+            self.waiting.set(engine.scheduler.num_waiting)
+            self.kv_used.set(engine.cache.used_bytes)
+
+    def watch(self, engine) -> None:
+        """Keep gauges fresh while idle too (a cancelled request frees its cache between steps)."""
+        self._engine = engine
+
+        def loop():
+            while not self._stop.wait(0.5):
+                self._refresh()
+
+        self._thread = threading.Thread(target=loop, name="tritonlm-metrics", daemon=True)
+        self._thread.start()
+
+    def unwatch(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
