@@ -1,0 +1,290 @@
+"""The engine alone (no server): continuous batching, KV budget, sampling, stop rules,
+checked token for token against transformers' own generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.genrepo import hf_greedy, tiny
+from tritonlm.engine.engine import Engine
+from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.request import GenerationRequest, InvalidRequestError, SamplingParams, ServerBusyError
+from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.engine.scheduler import SchedulerConfig
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time there was a small robot who wanted",
+    "Hi",
+    "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25",
+    "Café naïve — 你好，世界 🙂",
+    "def main(): return",
+]
+
+
+def make_engine(kv_sequences: float = 8, max_context: int = 256, use_kv_cache: bool = True, **sched) -> Engine:
+    model, tok = tiny()
+    runner = TorchRunner(model)
+    budget = int(kv_sequences * (max_context + 16) * runner.spec.bytes_per_token) + 16 * runner.spec.bytes_per_token
+    cache = KVCacheManager(runner.spec, budget, block_size=16)
+    return Engine(runner, tok, cache, SchedulerConfig(**sched), max_context=max_context, use_kv_cache=use_kv_cache)
+
+
+class Collector:
+    def __init__(self):
+        self.events = {}
+
+    def request(self, engine: Engine, prompt: str, stream: bool = True, **params) -> int:
+        req = GenerationRequest(engine.encode(prompt), SamplingParams(**params), self._on_event, stream=stream)
+        engine.submit(req)
+        self.events[req.request_id] = []
+        return req.request_id
+
+    def _on_event(self, ev):
+        self.events[ev.request_id].append(ev)
+
+    def ids(self, rid):
+        return [t for e in self.events[rid] for t in e.token_ids]
+
+    def text(self, rid):
+        return "".join(e.text for e in self.events[rid])
+
+    def final(self, rid):
+        assert self.events[rid] and self.events[rid][-1].finished
+        return self.events[rid][-1]
+
+
+def drain(engine: Engine, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not (engine.has_work() or engine._inbox):
+            return
+        engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def test_batch_of_mixed_prompts_equals_hf_generate_token_for_token():
+    engine = make_engine(max_num_batched_tokens=8)  # small budget: prompts prefill in chunks
+    col = Collector()
+    rids = [col.request(engine, p, max_tokens=24) for p in PROMPTS]
+    drain(engine)
+    _, tok = tiny()
+    for p, rid in zip(PROMPTS, rids):
+        ref = hf_greedy(p, 24)
+        assert col.ids(rid) == ref, p
+        assert col.text(rid) == tok.decode(ref)
+        fin = col.final(rid)
+        assert fin.finish_reason == "length" and fin.num_output_tokens == 24
+        assert fin.num_input_tokens == len(tok(p).input_ids)
+    assert engine.cache.used_bytes == 0 and engine.cache.live_sequences() == 0
+
+
+def test_same_text_alone_in_a_batch_of_16_and_when_joining_a_running_batch():
+    prompt = "Once upon a time"
+    alone = Collector()
+    e1 = make_engine()
+    rid = alone.request(e1, prompt, max_tokens=30)
+    drain(e1)
+    expected = alone.text(rid)
+
+    e2 = make_engine()
+    batch = Collector()
+    mixed = [PROMPTS[i % len(PROMPTS)] + " " * (i % 3) for i in range(15)]
+    rids = [batch.request(e2, p, max_tokens=10 + i) for i, p in enumerate(mixed)]
+    target = batch.request(e2, prompt, max_tokens=30)
+    drain(e2)
+    assert batch.text(target) == expected
+    assert e2.stats.max_batch_size == 16
+
+    e3 = make_engine()
+    late = Collector()
+    for p in PROMPTS:
+        late.request(e3, p, max_tokens=40)
+    for _ in range(7):  # others are mid-decode when it joins
+        e3.step()
+    target = late.request(e3, prompt, max_tokens=30)
+    drain(e3)
+    assert late.text(target) == expected
+
+
+def test_kv_budget_of_two_sequences_serves_twelve_requests():
+    engine = make_engine(kv_sequences=2)
+    budget = engine.cache.total_bytes
+    col = Collector()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
+    rids = [col.request(engine, p, max_tokens=200) for p in prompts]  # each reserves most of a full context
+    peak_running = 0
+    while engine.has_work() or engine._inbox:
+        engine.step()
+        peak_running = max(peak_running, engine.scheduler.num_running)
+        assert engine.cache.used_bytes <= budget
+    assert peak_running == 2
+    assert engine.stats.max_kv_used_bytes <= budget
+    for p, rid in zip(prompts, rids):
+        assert col.final(rid).finish_reason == "length"
+        assert col.ids(rid) == hf_greedy(p, 200)
+
+
+def test_streaming_pieces_concatenate_to_the_non_streaming_text():
+    engine = make_engine()
+    col = Collector()
+    prompt = "Café naïve — 你好"
+    s = col.request(engine, prompt, stream=True, max_tokens=60)
+    n = col.request(engine, prompt, stream=False, max_tokens=60)
+    drain(engine)
+    assert len(col.events[n]) == 1  # non-streaming: one answer
+    assert col.text(s) == col.text(n)
+    pieces = [e.text for e in col.events[s]]
+    assert len(pieces) > 10
+    for piece in pieces:  # each piece is whole characters: it re-encodes to itself
+        assert piece.encode("utf-8").decode("utf-8") == piece
+
+
+def test_kv_cache_off_gives_the_same_tokens():
+    on, off = make_engine(), make_engine(use_kv_cache=False)
+    c_on, c_off = Collector(), Collector()
+    r_on = [c_on.request(on, p, max_tokens=12) for p in PROMPTS[:3]]
+    r_off = [c_off.request(off, p, max_tokens=12) for p in PROMPTS[:3]]
+    drain(on)
+    drain(off)
+    for a, b in zip(r_on, r_off):
+        assert c_on.ids(a) == c_off.ids(b)
+
+
+def test_repetition_penalty_matches_hf():
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, PROMPTS[1], max_tokens=20, repetition_penalty=1.5)
+    drain(engine)
+    assert col.ids(rid) == hf_greedy(PROMPTS[1], 20, repetition_penalty=1.5)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+    def run(with_neighbours: bool):
+        engine = make_engine()
+        col = Collector()
+        if with_neighbours:
+            for p in PROMPTS:
+                col.request(engine, p, max_tokens=15, temperature=0.9, seed=7)
+        rid = col.request(engine, "Once upon a time", max_tokens=25, temperature=1.0, top_k=40, top_p=0.9, seed=1234)
+        drain(engine)
+        return col.ids(rid)
+
+    first = run(False)
+    assert first == run(False) == run(True)
+    other_engine = make_engine()
+    col = Collector()
+    rid = col.request(other_engine, "Once upon a time", max_tokens=25, temperature=1.0, top_k=40, top_p=0.9, seed=99)
+    drain(other_engine)
+    assert col.ids(rid) != first  # another seed, another text
+    greedy = hf_greedy("Once upon a time", 25)
+    assert first != greedy
+
+
+def test_top_k_one_is_greedy():
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, PROMPTS[0], max_tokens=15, temperature=1.3, top_k=1, seed=3)
+    drain(engine)
+    assert col.ids(rid) == hf_greedy(PROMPTS[0], 15)
+
+
+def test_end_id_stops_and_min_tokens_defers_it():
+    ref = hf_greedy(PROMPTS[0], 20)
+    end = ref[5]  # a token greedy decoding produces at step 6
+    first = ref.index(end)
+    engine = make_engine()
+    col = Collector()
+    a = col.request(engine, PROMPTS[0], max_tokens=20, end_id=end)
+    b = col.request(engine, PROMPTS[0], max_tokens=20, end_id=end, min_tokens=first + 3)
+    drain(engine)
+    assert col.final(a).finish_reason == "stop" and col.ids(a) == ref[:first]
+    assert end not in col.ids(b)[: first + 3] and len(col.ids(b)) >= first + 3
+
+
+def test_stop_word_split_across_tokens_is_found_and_removed():
+    _, tok = tiny()
+    ref = hf_greedy(PROMPTS[1], 40)
+    text = tok.decode(ref)
+    # a stop string that straddles the boundary between two generated tokens
+    cut = len(tok.decode(ref[:10]))
+    stop = text[cut - 2 : cut + 2]
+    assert len(stop) == 4
+    for stream in (True, False):
+        engine = make_engine()
+        col = Collector()
+        rid = col.request(engine, PROMPTS[1], stream=stream, max_tokens=40, stop_words=(stop,))
+        drain(engine)
+        out = col.text(rid)
+        assert col.final(rid).finish_reason == "stop"
+        assert out == text[: text.index(stop)]
+        assert stop not in out
+
+
+def test_bad_words_are_never_produced():
+    _, tok = tiny()
+    ref = hf_greedy(PROMPTS[0], 30)
+    banned = ref[3]
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, PROMPTS[0], max_tokens=30, bad_words=((banned,),))
+    drain(engine)
+    assert banned not in col.ids(rid) and col.ids(rid)[:3] == ref[:3]
+
+
+def test_invalid_requests_are_refused_with_the_input_named():
+    engine = make_engine(max_context=64)
+    col = Collector()
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        col.request(engine, "hello", max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="text_input: the prompt has"):
+        col.request(engine, "word " * 200, max_tokens=1)
+    with pytest.raises(InvalidRequestError, match="ask for at most"):
+        col.request(engine, "hello", max_tokens=64)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        col.request(engine, "hello", max_tokens=4, top_p=1.5)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        col.request(engine, "hello", max_tokens=4, temperature=-1.0)
+    assert not engine._inbox  # nothing was queued
+
+
+def test_cancel_frees_the_cache_at_once_and_others_continue():
+    engine = make_engine()
+    col = Collector()
+    victim = col.request(engine, PROMPTS[0], max_tokens=100)
+    other = col.request(engine, PROMPTS[1], max_tokens=20)
+    for _ in range(5):
+        engine.step()
+    used = engine.cache.used_bytes
+    engine.cancel(victim)
+    engine.step()
+    assert col.final(victim).finish_reason == "cancelled"
+    assert engine.cache.used_bytes < used
+    drain(engine)
+    assert col.ids(other) == hf_greedy(PROMPTS[1], 20)
+    assert engine.cache.used_bytes == 0
+
+
+def test_full_queue_says_server_busy():
+    engine = make_engine(max_queue_size=2)
+    col = Collector()
+    col.request(engine, "a", max_tokens=2)
+    col.request(engine, "b", max_tokens=2)
+    with pytest.raises(ServerBusyError, match="server busy"):
+        col.request(engine, "c", max_tokens=2)
+
+
+def test_log_probs_are_those_of_the_model():
+    model, tok = tiny()
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, PROMPTS[0], max_tokens=5, return_log_probs=True)
+    drain(engine)
+    ids = col.ids(rid)
+    lps = [lp for e in col.events[rid] for lp in e.log_probs]
+    full = torch.tensor([tok(PROMPTS[0]).input_ids + ids])
+    with torch.no_grad():
+        logits = model(full).logits[0].log_softmax(-1)
+    n = len(tok(PROMPTS[0]).input_ids)
+    expected = [float(logits[n - 1 + i, t]) for i, t in enumerate(ids)]
+    assert lps == pytest.approx(expected, abs=1e-4)
