@@ -31,6 +31,7 @@ from tritonlm.engine.request import (
 from tritonlm.engine.sampler import RowState, sample
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence, SeqState
+from tritonlm.engine.speculative import AdaptiveK, Drafter, Proposal, verify_row
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,9 @@ class EngineObserver(Protocol):
 
     def on_step(self, batch_size: int, num_tokens: int, seconds: float) -> None: ...
     def on_first_token(self, ttft_s: float) -> None: ...
-    def on_output_tokens(self, count: int, seconds_per_token: float) -> None: ...
-    def on_finish(self, reason: str) -> None: ...
+    def on_token(self) -> None: ...
+    def on_finish(self, reason: str, time_per_output_token_s: float | None) -> None: ...
+    def on_speculation(self, proposed: int, accepted: int) -> None: ...
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Engine:
         use_kv_cache: bool = True,
         queue_timeout_s: float = 0.0,
         observer: EngineObserver | None = None,
+        drafter: Drafter | None = None,
+        num_draft_tokens: int = 4,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -73,6 +77,8 @@ class Engine:
         self.use_kv_cache = use_kv_cache
         self.queue_timeout_s = queue_timeout_s
         self.observer = observer
+        self.drafter = drafter  # speculative decoding when set
+        self.num_draft_tokens = num_draft_tokens  # maximum K
         self.eos_id = tokenizer.eos_token_id
         self.stats = EngineStats()
         self._inbox: list[Sequence] = []
@@ -167,16 +173,44 @@ class Engine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def step(self) -> None:
-        """One iteration: intake, admission, one forward pass, sampling, reports."""
+        """One iteration: intake, admission, forward pass(es), sampling, reports."""
         self._intake()
         self._check_cancelled_and_expired()
-        self.scheduler.admit()
+        for seq in self.scheduler.admit():
+            seq.spec_k = self._k_max(seq)
+            if self.drafter is not None and seq.spec_k > 0:
+                self.drafter.on_admit(seq)
         plan = self.scheduler.schedule()
         if not plan:
             return
+        if not self.use_kv_cache:  # benchmark baseline: forget the cache, recompute everything
+            for seq, _ in plan:
+                if not seq.in_prefill:
+                    self.cache.truncate(seq.id, 0)
+                    seq.num_computed = 0
+            plan = [(seq, len(seq.pending_tokens)) for seq, _ in plan]
         t0 = time.perf_counter()
+        speculating = self._speculation_plan(plan)
+        plain = [(seq, n) for seq, n in plan if seq.id not in speculating]
         try:
-            logits = self._forward(plan)
+            proposals = {}
+            if speculating:
+                seqs = [seq for seq, _ in plan if seq.id in speculating]
+                for seq, prop in zip(seqs, self.drafter.propose(seqs, [speculating[s.id] for s in seqs])):
+                    proposals[seq.id] = prop
+            # speculating rows are verified together with the plain decoders (all logits);
+            # prefill chunks go in a pass of their own so no prompt-long logits are made
+            verify_rows = [(seq, seq.pending_tokens + proposals[seq.id].tokens) for seq, _ in plan if seq.id in proposals]
+            decode_rows = [(seq, seq.pending_tokens[:n]) for seq, n in plain if not seq.in_prefill or not verify_rows]
+            other_rows = [(seq, seq.pending_tokens[:n]) for seq, n in plain if seq.in_prefill and verify_rows]
+            results: list[tuple[Sequence, list[int], torch.Tensor]] = []
+            if verify_rows:
+                len_before = {seq.id: seq.num_tokens for seq, _ in verify_rows}
+                results += self._run(verify_rows + decode_rows, all_logits=True)
+            else:
+                results += self._run(decode_rows, all_logits=False)
+            if other_rows:
+                results += self._run(other_rows, all_logits=False)
         except Exception as e:  # a failed pass fails its sequences, not the server
             log.exception("forward pass failed")
             for seq, _ in plan:
@@ -187,15 +221,80 @@ class Engine:
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(plan))
         self.stats.max_kv_used_bytes = max(self.stats.max_kv_used_bytes, self.cache.used_bytes)
         if self.observer:
-            self.observer.on_step(len(plan), sum(n for _, n in plan), elapsed)
-        ready = [(i, seq) for i, (seq, n) in enumerate(plan) if seq.num_computed == seq.num_tokens]
-        if not ready:
-            return
-        rows = [seq.sampler_row for _, seq in ready]
-        choices = sample(logits[[i for i, _ in ready]], rows)
+            self.observer.on_step(len(plan), sum(len(t) for _, t, _ in results), elapsed)
         now = time.monotonic()
-        for (_, seq), (token, logprob) in zip(ready, choices):
-            self._append_token(seq, token, logprob, now, elapsed)
+        ready = [(seq, fed, logits) for seq, fed, logits in results if seq.num_computed == seq.num_tokens]
+        plain_ready = [(seq, logits if logits.dim() == 1 else logits[len(fed) - 1]) for seq, fed, logits in ready if seq.id not in proposals]
+        if plain_ready:
+            choices = sample(torch.stack([lg for _, lg in plain_ready]), [seq.sampler_row for seq, _ in plain_ready])
+            for (seq, _), (token, logprob) in zip(plain_ready, choices):
+                self._append_token(seq, token, logprob, now, elapsed)
+        for seq, fed, logits in results:
+            if seq.id in proposals:
+                self._verify(seq, proposals[seq.id], logits, len_before[seq.id], now, elapsed)
+
+    def _k_max(self, seq: Sequence) -> int:
+        if self.drafter is None or not self.use_kv_cache:
+            return 0
+        asked = seq.request.num_draft_tokens
+        return self.num_draft_tokens if asked is None else min(asked, self.num_draft_tokens)
+
+    def _speculation_plan(self, plan: list[tuple[Sequence, int]]) -> dict[int, int]:
+        """seq id -> K for the decoding sequences that speculate this step."""
+        if self.drafter is None:
+            return {}
+        out = {}
+        for seq, _ in plan:
+            if seq.in_prefill or seq.spec_k <= 0 or len(seq.pending_tokens) != 1:
+                continue
+            room = min(
+                seq.request.params.max_tokens - len(seq.output_ids) - 1,  # no guesses past max_tokens
+                seq.reserve_tokens - seq.num_computed - 1,  # the verify pass writes K+1 slots
+            )
+            k = min(seq.spec_k, room)
+            if k > 0:
+                out[seq.id] = k
+        return out
+
+    def _run(self, rows: list[tuple[Sequence, list[int]]], all_logits: bool) -> list[tuple[Sequence, list[int], torch.Tensor]]:
+        """One forward pass; returns (seq, tokens fed, logits) per row: logits [V], or
+        [T, V] with all_logits. The cache advances past every fed token."""
+        if not rows:
+            return []
+        new_tokens, past_lens, slot_rows = [], [], []
+        for seq, toks in rows:
+            new_tokens.append(toks)
+            past_lens.append(seq.num_computed)
+            slot_rows.append(self.cache.slots(seq.id, seq.num_computed + len(toks)))
+        batch = StepBatch.build(new_tokens, past_lens, slot_rows, all_logits=all_logits)
+        logits = self.runner.forward(batch, self.cache.pool)
+        for (seq, _), toks in zip(rows, new_tokens):
+            self.cache.advance(seq.id, len(toks))
+            seq.num_computed += len(toks)
+        return [(seq, toks, logits[i]) for i, (seq, toks) in enumerate(zip([r[0] for r in rows], new_tokens))]
+
+    def _verify(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor, len_before: int, now: float, step_s: float) -> None:
+        """Accept the longest agreeing run of guesses plus one target token; roll both caches
+        back past what was rejected."""
+        k = len(proposal.tokens)
+        accepted = verify_row(
+            logits[: k + 1],
+            proposal,
+            seq.sampler_row,
+            lambda token, logprob: self._append_token(seq, token, logprob, now, step_s) and seq.state is SeqState.RUNNING,
+        )
+        seq.draft_tokens += k
+        seq.accepted_draft_tokens += accepted
+        if self.observer:
+            self.observer.on_speculation(k, accepted)
+        if seq.state is not SeqState.RUNNING:
+            return
+        # pending token + accepted guesses are valid cache; the rest is overwritten later
+        keep = len_before + accepted
+        self.cache.truncate(seq.id, keep)
+        seq.num_computed = keep
+        self.drafter.on_verified(seq, len_before, accepted)
+        seq.spec_k = AdaptiveK.update(seq.spec_k, k, accepted, self._k_max(seq))
 
     # ---- pieces of a step ----------------------------------------------------
     def _intake(self) -> None:
@@ -223,46 +322,32 @@ class Engine:
             ):
                 self._fail(seq, f"timed out after waiting {seq.waited(now):.1f} s for a free slot (queue_timeout_s={self.queue_timeout_s}); retry later")
 
-    def _forward(self, plan: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """One pass over all planned sequences; returns [B, V] logits of each row's last new token."""
-        new_tokens, past_lens, slot_rows = [], [], []
-        for seq, n in plan:
-            if not self.use_kv_cache and not seq.in_prefill:
-                # benchmark baseline: forget the cache and recompute the whole sequence
-                self.cache.truncate(seq.id, 0)
-                seq.num_computed = 0
-                n = seq.num_tokens
-            new_tokens.append(seq.pending_tokens[:n])
-            past_lens.append(seq.num_computed)
-            slot_rows.append(self.cache.slots(seq.id, seq.num_computed + n))
-        batch = StepBatch.build(new_tokens, past_lens, slot_rows)
-        logits = self.runner.forward(batch, self.cache.pool)
-        for (seq, _), toks in zip(plan, new_tokens):
-            self.cache.advance(seq.id, len(toks))
-            seq.num_computed += len(toks)
-        return logits
-
-    def _append_token(self, seq: Sequence, token: int, logprob: float, now: float, step_s: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: float, now: float, step_s: float) -> bool:
+        """Add one generated token; False when the sequence finished with it."""
         if seq.first_token_time is None:
             seq.first_token_time = now
             if self.observer:
                 self.observer.on_first_token(now - seq.request.arrival)
-        elif self.observer:
-            self.observer.on_output_tokens(1, step_s)
+        seq.last_token_time = now
         row = seq.sampler_row
         if row.eos_id is not None and token == row.eos_id:
             self._finish(seq, "stop")
-            return
+            return False
         seq.output_ids.append(token)
         row.token_ids.append(token)
         row.num_generated += 1
         self.stats.tokens_generated += 1
+        if self.observer:
+            self.observer.on_token()
         text = seq.detok.add([token])
         self._report(seq, text, [token], [logprob] if seq.request.params.return_log_probs else [])
         if seq.detok.stopped:
             self._finish(seq, "stop")
-        elif len(seq.output_ids) >= seq.request.params.max_tokens or seq.num_tokens >= self.max_context:
+            return False
+        if len(seq.output_ids) >= seq.request.params.max_tokens or seq.num_tokens >= self.max_context:
             self._finish(seq, "length")
+            return False
+        return True
 
     def _report(self, seq: Sequence, text: str, ids: list[int], logprobs: list[float]) -> None:
         """Accumulate; a streaming request gets an event as soon as there is text to show
@@ -283,11 +368,13 @@ class Engine:
         if seq.state is SeqState.FINISHED:
             return
         tail = "" if reason == "cancelled" else seq.detok.flush()
-        self.scheduler.finish(seq)
+        self._release(seq)
         self._by_id.pop(seq.id, None)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         if self.observer:
-            self.observer.on_finish(reason)
+            n = len(seq.output_ids)
+            tpot = (seq.last_token_time - seq.first_token_time) / (n - 1) if n > 1 and seq.first_token_time else None
+            self.observer.on_finish(reason, tpot)
         seq.pending_text.append(tail)
         self._emit(
             seq,
@@ -303,14 +390,20 @@ class Engine:
             ),
         )
 
+    def _release(self, seq: Sequence) -> None:
+        """Leave the batch and give back the cache (the draft's too)."""
+        self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.on_free(seq.id)
+
     def _fail(self, seq: Sequence, message: str) -> None:
         if seq.state is SeqState.FINISHED:
             return
-        self.scheduler.finish(seq)
+        self._release(seq)
         self._by_id.pop(seq.id, None)
         self.stats.finished["error"] = self.stats.finished.get("error", 0) + 1
         if self.observer:
-            self.observer.on_finish("error")
+            self.observer.on_finish("error", None)
         self._emit(
             seq,
             GenerationEvent(

@@ -53,6 +53,10 @@ def build_engine(settings: EngineSettings, observer: EngineObserver | None = Non
         torch.set_num_threads(settings.num_threads)
     if tokenizer is None:
         tokenizer = load_tokenizer(settings.hf_dir)
+    if runner is None and (settings.tensor_parallel_size > 1 or settings.pipeline_parallel_size > 1):
+        from tritonlm.engine.parallel import build_parallel_engine  # one model split over worker processes
+
+        return build_parallel_engine(settings, observer, tokenizer, build_engine)
     if runner is None:
         runner = load_runner(
             settings.runtime, settings.hf_dir, onnx_path=settings.onnx_model, device=settings.device
@@ -64,8 +68,11 @@ def build_engine(settings: EngineSettings, observer: EngineObserver | None = Non
             f"max_context: {max_context} is beyond the model's {spec.max_positions} positions; use at most {spec.max_positions}"
         )
     budget = resolve_kv_budget(settings, spec.bytes_per_token, max_context)
+    owns_pool = getattr(runner, "owns_kv_pool", False) is True  # parallel runners hold the KV tensors, sharded
+    if owns_pool:
+        budget = runner.resolve_kv_budget(settings, budget)
     try:
-        cache = KVCacheManager(spec, budget, settings.kv_block_size, device=settings.device)
+        cache = KVCacheManager(spec, budget, settings.kv_block_size, device=settings.device, allocate_pool=not owns_pool)
     except CacheBudgetError as e:
         raise SettingsError(f"kv_cache_bytes: {e}") from None
     if cache.max_tokens_per_sequence < max_context:
@@ -80,12 +87,17 @@ def build_engine(settings: EngineSettings, observer: EngineObserver | None = Non
         spec.bytes_per_token, cache.total_bytes, cache.usable_blocks, cache.block_size,
         cache.max_tokens_per_sequence // max_context, max_context,
     )
+    engine_cls = Engine
+    if owns_pool:
+        from tritonlm.engine.parallel import ParallelEngine as engine_cls  # also stops the workers on shutdown
+
+        runner.allocate_kv(cache.num_blocks * cache.block_size)
     sched = SchedulerConfig(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
         max_queue_size=settings.max_queue_size,
     )
-    return Engine(
+    return engine_cls(
         runner,
         tokenizer,
         cache,
@@ -94,4 +106,26 @@ def build_engine(settings: EngineSettings, observer: EngineObserver | None = Non
         use_kv_cache=settings.use_kv_cache,
         queue_timeout_s=settings.queue_timeout_s,
         observer=observer,
+        drafter=build_drafter(settings, runner, cache),
+        num_draft_tokens=settings.num_draft_tokens,
     )
+
+
+def build_drafter(settings: EngineSettings, target_runner, target_cache: KVCacheManager):
+    """The speculative drafter the settings ask for, or None."""
+    from tritonlm.engine.speculative import DraftModelDrafter, PromptLookupDrafter
+
+    if settings.speculative == "prompt_lookup":
+        return PromptLookupDrafter(settings.prompt_lookup_ngram)
+    if settings.speculative != "draft":
+        return None
+    from tritonlm.engine.runners import load_runner
+
+    draft = load_runner("torch", settings.draft_model, device=settings.device)
+    if draft.spec.vocab_size != target_runner.spec.vocab_size:
+        raise SettingsError(
+            f"draft_model: its vocabulary has {draft.spec.vocab_size} tokens, the target's {target_runner.spec.vocab_size}; "
+            "a draft must share the target's tokenizer"
+        )
+    log.info("speculative decoding: draft model %s, up to %d draft tokens", settings.draft_model, settings.num_draft_tokens)
+    return DraftModelDrafter(draft, target_cache)

@@ -29,6 +29,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     cancelled: bool = False
     first_token_time: float | None = None
+    last_token_time: float | None = None
     # non-streaming requests: what accumulates until the single final report
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)

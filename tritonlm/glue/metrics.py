@@ -42,7 +42,9 @@ class TritonMetrics:
         labels = {"model": model, "version": str(version)}
         self._families: list = []
         self.ttft = _Histogram("tritonlm_time_to_first_token_seconds", "Time from arrival to the first generated token", labels, TTFT_BUCKETS)
-        self.tpot = _Histogram("tritonlm_time_per_output_token_seconds", "Time per output token after the first", labels, TPOT_BUCKETS)
+        self.tpot = _Histogram(
+            "tritonlm_time_per_output_token_seconds", "Per request: (last token time - first token time) / (tokens - 1)", labels, TPOT_BUCKETS
+        )
         self.batch = _Histogram("tritonlm_batch_size", "Sequences in each forward pass", labels, BATCH_BUCKETS)
 
         # a MetricFamily must outlive its Metric objects: keep every family referenced
@@ -67,6 +69,13 @@ class TritonMetrics:
         _, self.tokens = counter("tritonlm_generated_tokens_total", "Tokens generated")
         fam = family("tritonlm_requests_finished_total", "Requests finished, by reason", pb_utils.MetricFamily.COUNTER)
         self.finished = {r: counter("", "", {"reason": r}, fam)[1] for r in FINISH_REASONS}
+        _, self.draft_total = counter("tritonlm_draft_tokens_total", "Speculative decoding: draft tokens proposed")
+        _, self.draft_accepted = counter("tritonlm_accepted_draft_tokens_total", "Speculative decoding: draft tokens accepted")
+        self.acceptance = gauge("tritonlm_draft_acceptance_rate", "Speculative decoding: accepted / proposed draft tokens so far")
+        self.tokens_per_pass = _Histogram(
+            "tritonlm_tokens_per_target_pass", "Speculative decoding: tokens produced per target verification pass", labels, [1, 2, 3, 4, 5, 6, 8, 10, 16]
+        )
+        self._proposed = self._accepted = 0
         self._engine = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -78,16 +87,24 @@ class TritonMetrics:
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+
+    def on_token(self) -> None:
         self.tokens.increment(1)
 
-    def on_output_tokens(self, count: int, seconds_per_token: float) -> None:
-        self.tpot.observe(seconds_per_token)
-        self.tokens.increment(count)
-
-    def on_finish(self, reason: str) -> None:
+    def on_finish(self, reason: str, time_per_output_token_s: float | None) -> None:
+        if time_per_output_token_s is not None:
+            self.tpot.observe(time_per_output_token_s)
         if reason in self.finished:
             self.finished[reason].increment(1)
         self._refresh()
+
+    def on_speculation(self, proposed: int, accepted: int) -> None:
+        self._proposed += proposed
+        self._accepted += accepted
+        self.draft_total.increment(proposed)
+        self.draft_accepted.increment(accepted)
+        self.acceptance.set(self._accepted / self._proposed if self._proposed else 0.0)
+        self.tokens_per_pass.observe(accepted + 1)
 
     def set_kv_capacity(self, total_bytes: int, bytes_per_token: int) -> None:
         self.kv_total.set(total_bytes)
