@@ -288,3 +288,27 @@ def test_log_probs_are_those_of_the_model():
     n = len(tok(PROMPTS[0]).input_ids)
     expected = [float(logits[n - 1 + i, t]) for i, t in enumerate(ids)]
     assert lps == pytest.approx(expected, abs=1e-4)
+
+
+def test_engine_thread_serves_submissions_and_shuts_down_cleanly():
+    import threading
+
+    engine = make_engine().start()
+    done = threading.Event()
+    col = Collector()
+    original = col._on_event
+
+    def on_event(ev):
+        original(ev)
+        if ev.finished:
+            done.set()
+
+    col._on_event = on_event
+    rid = col.request(engine, PROMPTS[0], max_tokens=10)
+    assert done.wait(60), "the engine thread did not answer"
+    assert col.ids(rid) == hf_greedy(PROMPTS[0], 10)
+    pending = col.request(engine, PROMPTS[1], max_tokens=200)
+    engine.shutdown()
+    assert not engine._thread.is_alive()
+    final = col.final(pending)  # never left without an answer
+    assert final.finish_reason in ("error", "length")

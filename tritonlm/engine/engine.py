@@ -143,7 +143,7 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------
     def start(self) -> "Engine":
-        self._thread = threading.Thread(target=self._run, name="tritonlm-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
         self._thread.start()
         return self
 
@@ -157,7 +157,7 @@ class Engine:
             self._fail(seq, reason)
         self._inbox.clear()
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and not self._inbox and not self._cancel and not self.has_work():
@@ -206,11 +206,11 @@ class Engine:
             results: list[tuple[Sequence, list[int], torch.Tensor]] = []
             if verify_rows:
                 len_before = {seq.id: seq.num_tokens for seq, _ in verify_rows}
-                results += self._run(verify_rows + decode_rows, all_logits=True)
+                results += self._forward_rows(verify_rows + decode_rows, all_logits=True)
             else:
-                results += self._run(decode_rows, all_logits=False)
+                results += self._forward_rows(decode_rows, all_logits=False)
             if other_rows:
-                results += self._run(other_rows, all_logits=False)
+                results += self._forward_rows(other_rows, all_logits=False)
         except Exception as e:  # a failed pass fails its sequences, not the server
             log.exception("forward pass failed")
             for seq, _ in plan:
@@ -256,7 +256,7 @@ class Engine:
                 out[seq.id] = k
         return out
 
-    def _run(self, rows: list[tuple[Sequence, list[int]]], all_logits: bool) -> list[tuple[Sequence, list[int], torch.Tensor]]:
+    def _forward_rows(self, rows: list[tuple[Sequence, list[int]]], all_logits: bool) -> list[tuple[Sequence, list[int], torch.Tensor]]:
         """One forward pass; returns (seq, tokens fed, logits) per row: logits [V], or
         [T, V] with all_logits. The cache advances past every fed token."""
         if not rows:
