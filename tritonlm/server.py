@@ -182,18 +182,27 @@ class TritonServer:
         return "\n".join(parts)
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGINT (Triton's graceful shutdown), then SIGKILL after timeout_s."""
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
+        """SIGINT (Triton's graceful shutdown), then SIGKILL after timeout_s. Whatever is
+        left of the server's process group afterwards (a Python backend stub the server
+        gave up on) is killed too: no orphan outlives the server."""
+        if self.process is None:
+            return None
+        pgid = self.process.pid  # start_new_session: the server leads its own group
+        if self.process.poll() is None:
+            try:
+                os.killpg(pgid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(pgid, signal.SIGKILL)
+                self.process.wait(timeout=10)
         try:
-            os.killpg(self.process.pid, signal.SIGINT)
+            os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait(timeout=10)
+        return self.process.returncode
 
     def __enter__(self) -> "TritonServer":
         return self.start() if self.process is None else self
