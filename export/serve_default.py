@@ -1,0 +1,19 @@
+#!/usr/bin/env python3
+"""Export a model if it is not in the repository yet, then serve the repository:
+the same as `tritonlm serve-default ...` (what `make serve` runs).
+
+    python export/serve_default.py --model tiny-gpt2 --repo /tmp/repo --http-port 8000
+"""
+
+import os
+import sys
+
+try:
+    import tritonlm  # noqa: F401
+except ImportError:  # a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tritonlm.export.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["serve-default", *sys.argv[1:]]))

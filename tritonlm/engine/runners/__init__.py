@@ -1,0 +1,52 @@
+"""Runners: one forward pass for a batch of sequences with a paged KV cache.
+
+    load_runner("torch", model_or_hf_dir, device="cpu")                       -> TorchRunner
+    load_runner("onnx", model_or_config_or_hf_dir, onnx_path=PATH, device="cpu") -> OnnxRunner
+
+Both follow runners.base.Runner: `spec`, `device`, `forward(batch, pool) -> logits`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tritonlm.engine.runners.base import SCRATCH_SLOT, Runner, StepPlan, plan_step
+
+RUNNER_KINDS = ("torch", "onnx")
+
+__all__ = ["RUNNER_KINDS", "SCRATCH_SLOT", "Runner", "StepPlan", "load_runner", "plan_step"]
+
+
+def load_runner(
+    kind: str,
+    hf_dir_or_model,
+    *,
+    onnx_path: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Runner:
+    """Build a runner.
+
+    kind             "torch" | "onnx"
+    hf_dir_or_model  a loaded HF causal LM, or a Hugging Face folder; for "onnx" also a bare
+                     config object (only the shape facts are read: the weights are in the artifact)
+    onnx_path        the exported decoder (.onnx); required for kind "onnx"
+    device           "cpu" or "cuda[:i]"
+    dtype            torch: compute dtype (default: the model's); onnx: KV dtype (default: the
+                     artifact's declared past dtype)
+    """
+    if kind == "torch":
+        from tritonlm.engine.runners.torch_runner import TorchRunner
+
+        if isinstance(hf_dir_or_model, (str, Path)):
+            return TorchRunner.from_pretrained(hf_dir_or_model, device=device, dtype=dtype)
+        return TorchRunner(hf_dir_or_model, device=device, dtype=dtype)
+    if kind == "onnx":
+        from tritonlm.engine.runners.onnx_runner import OnnxRunner
+
+        if onnx_path is None:
+            raise ValueError("runner kind 'onnx' needs onnx_path (the exported decoder .onnx file)")
+        return OnnxRunner(hf_dir_or_model, onnx_path, device=device, dtype=dtype)
+    raise ValueError(f"unknown runner kind {kind!r} for field 'runner': expected one of {list(RUNNER_KINDS)}")
