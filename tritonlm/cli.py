@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = [
     "tritonlm.commands.serve",
     "tritonlm.commands.doctor",
     "tritonlm.commands.perf_analyzer",
+    "tritonlm.commands.instances",
     "tritonlm.export.cli",
     "tritonlm.client.cli",
     "tritonlm.perf.cli",

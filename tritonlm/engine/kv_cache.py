@@ -57,7 +57,18 @@ class SequenceCache:
 
 
 class KVCacheManager:
-    def __init__(self, spec: ModelSpec, budget_bytes: int, block_size: int = 16, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        budget_bytes: int,
+        block_size: int = 16,
+        device: str | torch.device = "cpu",
+        allocate_pool: bool = True,
+    ):
+        # allocate_pool=False: block accounting only, `self.pool` is None. For runners that
+        # hold the KV tensors themselves, e.g. sharded over parallel worker processes
+        # (tritonlm/engine/parallel): the budget still counts the whole model's K/V
+        # (spec.bytes_per_token), and those runners place the slots this manager hands out.
         if block_size <= 0:
             raise CacheBudgetError(f"kv_block_size must be positive, got {block_size}")
         self.spec = spec
@@ -71,7 +82,7 @@ class KVCacheManager:
                 f"({self.block_bytes} bytes each at {spec.bytes_per_token} bytes/token); raise it"
             )
         self.num_blocks = num_blocks
-        self.pool = KVPool.allocate(spec, num_blocks * block_size, device)
+        self.pool = KVPool.allocate(spec, num_blocks * block_size, device) if allocate_pool else None
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # block 0 reserved
         self._seqs: dict[int, SequenceCache] = {}
 

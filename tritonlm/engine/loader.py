@@ -36,10 +36,22 @@ def resolve_kv_budget(settings: EngineSettings, bytes_per_token: int, max_contex
     return DEFAULT_FULL_SEQUENCES * (max_context + settings.kv_block_size) * bytes_per_token
 
 
-def load_tokenizer(hf_dir):
+def _reason(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def load_tokenizer(hf_dir, field: str = "hf_dir"):
+    """The tokenizer saved in hf_dir; a folder without one refuses to load, naming `field`."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    except Exception as e:  # transformers raises OSError/ValueError/... for a missing or broken tokenizer
+        raise SettingsError(
+            f"{field}: no usable tokenizer in {hf_dir} ({_reason(e)}); save the model's tokenizer there "
+            "(tokenizer.json, or vocab.json + merges.txt) or re-export the model"
+        ) from None
     if tok.eos_token_id is None:
         log.warning("tokenizer of %s has no EOS token: generation stops only on max_tokens/stop words", hf_dir)
     return tok
@@ -47,8 +59,6 @@ def load_tokenizer(hf_dir):
 
 def build_engine(settings: EngineSettings, observer: EngineObserver | None = None, runner=None, tokenizer=None) -> Engine:
     """runner/tokenizer may be passed in (tests); otherwise loaded from settings."""
-    from tritonlm.engine.runners import load_runner
-
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     if tokenizer is None:
@@ -58,8 +68,9 @@ def build_engine(settings: EngineSettings, observer: EngineObserver | None = Non
 
         return build_parallel_engine(settings, observer, tokenizer, build_engine)
     if runner is None:
-        runner = load_runner(
-            settings.runtime, settings.hf_dir, onnx_path=settings.onnx_model, device=settings.device
+        runner = _load_runner_or_explain(
+            "hf_dir" if settings.runtime == "torch" else "onnx_model",
+            settings.runtime, settings.hf_dir, onnx_path=settings.onnx_model, device=settings.device,
         )
     spec = runner.spec
     max_context = settings.max_context or spec.max_positions
@@ -106,12 +117,45 @@ def build_engine(settings: EngineSettings, observer: EngineObserver | None = Non
         use_kv_cache=settings.use_kv_cache,
         queue_timeout_s=settings.queue_timeout_s,
         observer=observer,
-        drafter=build_drafter(settings, runner, cache),
+        drafter=build_drafter(settings, runner, cache, tokenizer),
         num_draft_tokens=settings.num_draft_tokens,
     )
 
 
-def build_drafter(settings: EngineSettings, target_runner, target_cache: KVCacheManager):
+def _load_runner_or_explain(field: str, kind: str, path, **kwargs):
+    """load_runner, with a failure (missing or broken weights/artifact) turned into a
+    SettingsError that names the config field to fix."""
+    from tritonlm.engine.runners import load_runner
+
+    try:
+        return load_runner(kind, path, **kwargs)
+    except SettingsError:
+        raise
+    except Exception as e:
+        where = kwargs.get("onnx_path") if field == "onnx_model" else path
+        raise SettingsError(
+            f"{field}: cannot load the {kind} model from {where} ({_reason(e)}); "
+            "re-export the model or point the parameter at a complete export"
+        ) from None
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_dir) -> None:
+    """A draft proposes token ids the target verifies: both must mean the same text by
+    every id. Compares the whole vocabularies (token -> id), special tokens included."""
+    target, draft = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target == draft:
+        return
+    differ = sorted(t for t in set(target) | set(draft) if target.get(t) != draft.get(t))
+    example = differ[0]
+    raise SettingsError(
+        f"draft_model: the draft's tokenizer ({draft_dir}) differs from the target's: {len(differ)} of "
+        f"{len(set(target) | set(draft))} tokens map to other ids (e.g. {example!r} is "
+        f"{target.get(example)} in the target, {draft.get(example)} in the draft); a draft model must use "
+        "the target's tokenizer: pick a draft of the same model family or save the target's tokenizer with it"
+    )
+
+
+def build_drafter(settings: EngineSettings, target_runner, target_cache: KVCacheManager, target_tokenizer=None):
     """The speculative drafter the settings ask for, or None."""
     from tritonlm.engine.speculative import DraftModelDrafter, PromptLookupDrafter
 
@@ -119,9 +163,9 @@ def build_drafter(settings: EngineSettings, target_runner, target_cache: KVCache
         return PromptLookupDrafter(settings.prompt_lookup_ngram)
     if settings.speculative != "draft":
         return None
-    from tritonlm.engine.runners import load_runner
-
-    draft = load_runner("torch", settings.draft_model, device=settings.device)
+    if target_tokenizer is not None:
+        check_same_tokenizer(target_tokenizer, load_tokenizer(settings.draft_model, "draft_model"), settings.draft_model)
+    draft = _load_runner_or_explain("draft_model", "torch", settings.draft_model, device=settings.device)
     if draft.spec.vocab_size != target_runner.spec.vocab_size:
         raise SettingsError(
             f"draft_model: its vocabulary has {draft.spec.vocab_size} tokens, the target's {target_runner.spec.vocab_size}; "

@@ -47,6 +47,11 @@ class EngineSettings:
     speculative: str = "off"  # "off" | "draft" | "prompt_lookup"
     num_draft_tokens: int = 4  # maximum K
     prompt_lookup_ngram: int = 3
+    # model parallelism (tritonlm/engine/parallel): one model split over worker processes
+    tensor_parallel_size: int = 1  # split heads / MLP columns over N ranks (Megatron style)
+    pipeline_parallel_size: int = 1  # consecutive layer ranges on N stages
+    pipeline_micro_batches: int = 0  # micro-batches per step with pipeline parallel; 0: one per stage
+    parallel_timeout_s: float = 60.0  # a collective op (or a worker start) waiting longer fails
 
     @staticmethod
     def from_params(params: dict[str, str], model_dir: Path) -> "EngineSettings":
@@ -132,7 +137,20 @@ class EngineSettings:
             speculative=speculative,
             num_draft_tokens=get_int("num_draft_tokens", 4, 1),
             prompt_lookup_ngram=get_int("prompt_lookup_ngram", 3, 1),
+            tensor_parallel_size=get_int("tensor_parallel_size", 1, 1),
+            pipeline_parallel_size=get_int("pipeline_parallel_size", 1, 1),
+            pipeline_micro_batches=get_int("pipeline_micro_batches", 0, 0),
+            parallel_timeout_s=get_float("parallel_timeout_s", 60.0),
         )
+        if s.parallel_timeout_s <= 0:
+            raise SettingsError(f"parallel_timeout_s: must be > 0, got {s.parallel_timeout_s}")
+        if s.tensor_parallel_size > 1 and s.pipeline_parallel_size > 1:
+            raise SettingsError(
+                "tensor_parallel_size / pipeline_parallel_size: combining both is not supported; set one of them to 1"
+            )
+        if (s.tensor_parallel_size > 1 or s.pipeline_parallel_size > 1) and s.runtime != "torch":
+            field = "tensor_parallel_size" if s.tensor_parallel_size > 1 else "pipeline_parallel_size"
+            raise SettingsError(f"{field}: model parallelism needs runtime 'torch', not {s.runtime!r}")
         if s.runtime == "onnx" and s.onnx_model is None:
             raise SettingsError("onnx_model: required with runtime 'onnx' (path to the exported model.onnx)")
         if s.speculative == "draft" and s.draft_model is None:
