@@ -33,6 +33,11 @@ def triton_repo(tmp_path_factory):
     add_generation_model(repo, "tiny", max_num_batched_tokens=64)
     # a budget that fits only two full-context (256-token) sequences
     add_generation_model(repo, "tiny_small_kv", kv_cache_bytes=2 * (256 + 16) * BYTES_PER_TOKEN + 16 * BYTES_PER_TOKEN)
+    # the same engine over the exported ONNX decoder (ONNX Runtime runner)
+    from tritonlm.export.onnx_export import export_decoder_onnx
+
+    folder = add_generation_model(repo, "tiny_onnx", runtime="onnx", onnx_model="1/model.onnx")
+    export_decoder_onnx(tiny()[0], folder / "1" / "model.onnx")
     return repo
 
 
@@ -54,6 +59,14 @@ def test_greedy_over_grpc_equals_hf_generate(triton_server):
             assert result.finish_reason == "length"
             assert result.num_output_tokens == 20
             assert result.num_input_tokens == len(tiny()[1](prompt).input_ids)
+
+
+def test_onnx_runtime_gives_the_same_greedy_tokens(triton_server):
+    prompts = PROMPTS[:4]
+    with cf.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: gen(triton_server, p, model="tiny_onnx", max_tokens=20, stream=True), prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.text == text_of(hf_greedy(prompt, 20)), prompt
 
 
 def test_non_streaming_answer_is_one_response_and_echoes_the_prompt_by_default(triton_server):
