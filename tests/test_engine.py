@@ -266,12 +266,18 @@ def test_cancel_frees_the_cache_at_once_and_others_continue():
 
 
 def test_full_queue_says_server_busy():
-    engine = make_engine(max_queue_size=2)
+    engine = make_engine(max_queue_size=2, max_num_seqs=1)
     col = Collector()
-    col.request(engine, "a", max_tokens=2)
+    col.request(engine, "a", max_tokens=2)  # will run at once: it does not count as waiting
     col.request(engine, "b", max_tokens=2)
+    col.request(engine, "c", max_tokens=2)
     with pytest.raises(ServerBusyError, match="server busy"):
-        col.request(engine, "c", max_tokens=2)
+        col.request(engine, "d", max_tokens=2)
+    engine.step()  # "a" runs; "b" and "c" wait: the queue is full
+    with pytest.raises(ServerBusyError, match="max_queue_size=2"):
+        col.request(engine, "e", max_tokens=2)
+    drain(engine)
+    assert all(col.final(r).finish_reason == "length" for r in col.events)
 
 
 def test_log_probs_are_those_of_the_model():

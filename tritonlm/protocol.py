@@ -62,13 +62,16 @@ def _word_list(inputs: dict[str, np.ndarray], name: str) -> tuple[str, ...]:
     words = []
     for v in arr.reshape(-1):
         word = _text(v, name)
-        # also accept TensorRT-LLM's comma-separated form: ["foo,bar"]
-        words.extend(w for w in (word.split(",") if "," in word and len(word) > 1 else [word]) if w)
+        # also accept TensorRT-LLM's comma-separated form ["foo,bar"]; a word whose split
+        # leaves an empty piece (",", ", ", "a,,b") is one literal word that holds a comma
+        pieces = word.split(",")
+        words.extend(pieces if len(pieces) > 1 and all(pieces) else [word] if word else [])
     return tuple(words)
 
 
-def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int) -> ParsedRequest:
-    """Triton input tensors (name -> array) -> plain, validated request fields."""
+def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int, vocab_size: int | None = None) -> ParsedRequest:
+    """Triton input tensors (name -> array) -> plain, validated request fields.
+    vocab_size, when known, bounds end_id."""
     unknown = sorted(set(inputs) - set(KNOWN_INPUTS))
     if unknown:
         raise InvalidRequestError(f"unknown input(s) {unknown}; known inputs: {sorted(KNOWN_INPUTS)}")
@@ -115,6 +118,10 @@ def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int) -> Par
         seed = int(seed)
         if seed < 0:
             raise InvalidRequestError(f"seed: must be >= 0, got {seed}")
+    end_id = get_int("end_id", None)
+    if end_id is not None and (end_id < -1 or (vocab_size is not None and end_id >= vocab_size)):
+        allowed = f"a token id in [0, {vocab_size})" if vocab_size is not None else "a token id >= 0"
+        raise InvalidRequestError(f"end_id: must be -1 (never stop on a token) or {allowed}, got {end_id}")
     num_draft = get_int("num_draft_tokens", None)
     if num_draft is not None and num_draft < 0:
         raise InvalidRequestError(f"num_draft_tokens: must be >= 0 (0 turns speculation off), got {num_draft}")
@@ -126,7 +133,7 @@ def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int) -> Par
         top_p=get_float("top_p", 1.0),
         seed=seed,
         repetition_penalty=get_float("repetition_penalty", 1.0),
-        end_id=get_int("end_id", None),
+        end_id=end_id,
         stop_words=_word_list(inputs, "stop_words"),
         return_log_probs=get_bool("return_log_probs", False),
     )

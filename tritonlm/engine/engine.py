@@ -128,7 +128,7 @@ class Engine:
             if self._stop:
                 raise ServerBusyError("the model is shutting down; retry on another instance")
             pending = self.scheduler.num_waiting + len(self._inbox)
-            if pending >= self.scheduler.config.max_queue_size:
+            if not self.scheduler.queue_room(pending):
                 raise ServerBusyError(
                     f"server busy: {pending} requests already waiting "
                     f"(max_queue_size={self.scheduler.config.max_queue_size}); retry later"

@@ -33,8 +33,14 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
 
+    def queue_room(self, pending: int) -> bool:
+        """May one more request wait? max_queue_size counts requests that must really wait:
+        those the next admission round can start right away (free running slots) are extra."""
+        free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        return pending < self.config.max_queue_size + free_slots
+
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.config.max_queue_size:
+        if not self.queue_room(len(self.waiting)):
             raise ServerBusyError(
                 f"server busy: {len(self.waiting)} requests already waiting (max_queue_size={self.config.max_queue_size}); retry later"
             )

@@ -128,7 +128,8 @@ class EngineSettings:
             kv_block_size=get_int("kv_block_size", 16, 1),
             max_num_seqs=get_int("max_num_seqs", 64, 1),
             max_num_batched_tokens=get_int("max_num_batched_tokens", 512, 1),
-            max_queue_size=get_int("max_queue_size", 1024, 0),
+            # every request passes through the queue on its way into the batch: 0 would refuse all
+            max_queue_size=get_int("max_queue_size", 1024, 1),
             queue_timeout_s=get_float("queue_timeout_s", 0.0) or 0.0,
             default_max_tokens=get_int("default_max_tokens", 16, 1),
             use_kv_cache=get_bool("use_kv_cache", True),
@@ -151,6 +152,8 @@ class EngineSettings:
         if (s.tensor_parallel_size > 1 or s.pipeline_parallel_size > 1) and s.runtime != "torch":
             field = "tensor_parallel_size" if s.tensor_parallel_size > 1 else "pipeline_parallel_size"
             raise SettingsError(f"{field}: model parallelism needs runtime 'torch', not {s.runtime!r}")
+        if s.queue_timeout_s < 0:
+            raise SettingsError(f"queue_timeout_s: must be >= 0 seconds (0: wait as long as it takes), got {s.queue_timeout_s}")
         if s.runtime == "onnx" and s.onnx_model is None:
             raise SettingsError("onnx_model: required with runtime 'onnx' (path to the exported model.onnx)")
         if s.speculative == "draft" and s.draft_model is None:

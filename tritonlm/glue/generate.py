@@ -7,6 +7,7 @@ the request's response sender (the last one flagged final).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -22,6 +23,13 @@ log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
+def instance_device(settings: EngineSettings, args) -> EngineSettings:
+    """A KIND_GPU instance runs on the GPU Triton placed it on (instance_group gpus: [...])."""
+    if args.get("model_instance_kind") == "GPU" and settings.device.startswith("cuda"):
+        return dataclasses.replace(settings, device=f"cuda:{int(args.get('model_instance_device_id', 0))}")
+    return settings
+
+
 class Handler:
     def __init__(self, config, params, args):
         self.name = config["name"]
@@ -31,9 +39,10 @@ class Handler:
                 "(add model_transaction_policy { decoupled: true } to config.pbtxt)"
             )
         model_dir = Path(args["model_repository"])
-        self.settings = EngineSettings.from_params(params, model_dir)
+        self.settings = instance_device(EngineSettings.from_params(params, model_dir), args)
         self.metrics = TritonMetrics(self.name, args.get("model_version", "1"))
         self.engine = build_engine(self.settings, observer=self.metrics)
+        self.vocab_size = self.engine.runner.spec.vocab_size
         self.metrics.set_kv_capacity(self.engine.cache.total_bytes, self.engine.runner.spec.bytes_per_token)
         self.engine.start()
         self.metrics.watch(self.engine)
@@ -52,7 +61,7 @@ class Handler:
 
     def _submit(self, request, sender) -> None:
         inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-        parsed = parse_request(inputs, self.settings.default_max_tokens)
+        parsed = parse_request(inputs, self.settings.default_max_tokens, self.vocab_size)
         params = parsed.params
         if parsed.bad_words_text:
             params = type(params)(**{**params.__dict__, "bad_words": bad_word_token_ids(self.engine.tokenizer, parsed.bad_words_text)})
