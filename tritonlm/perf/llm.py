@@ -118,6 +118,19 @@ def _piece(output: dict, name: str) -> str:
     return "" if value is None else str(value)
 
 
+def _server_token_count(outputs: list) -> int | None:
+    for o in reversed(outputs):
+        value = (o or {}).get("num_output_tokens")
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
 def request_timing(request: dict, count_tokens: Callable[[str], int] | None = None, output_name: str = TEXT_OUTPUT) -> RequestTiming | None:
     """Timing of one profile-export request; None when no response carried text."""
     sent = request["timestamp"]
@@ -128,7 +141,10 @@ def request_timing(request: dict, count_tokens: Callable[[str], int] | None = No
     if not with_text:
         return None
     text = "".join(s for _, s in with_text)
-    tokens = count_tokens(text) if count_tokens else len(with_text)
+    served = _server_token_count(outputs)
+    # the server's own count (tritonlm's final response carries num_output_tokens) beats
+    # re-tokenizing text, which need not round-trip to the same tokens
+    tokens = served if served is not None else (count_tokens(text) if count_tokens else len(with_text))
     first, last = with_text[0][0], with_text[-1][0]
     itl = (last - first) / 1e6 / (tokens - 1) if tokens > 1 else None
     return RequestTiming(
