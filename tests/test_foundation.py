@@ -121,3 +121,36 @@ def test_serve_cli_errors_are_one_line(tmp_path):
     )
     assert out.returncode == 1
     assert out.stderr.startswith("error: model repository") and "does not exist" in out.stderr
+
+
+def test_serve_cli_answers_and_ctrl_c_stops_it_cleanly(tmp_path):
+    import signal
+    import time
+
+    shutil.copytree(REPO_ROOT / "model_repository" / "echo", tmp_path / "echo")
+    http, grpc, metrics = free_ports(3)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tritonlm.cli", "serve", "--repo", str(tmp_path),
+         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C stops it" in line or not line:
+                break
+        assert any(f"localhost:{grpc}" in l for l in lines), "".join(lines)
+        assert _echo_http(f"127.0.0.1:{http}", [b"served"]).as_numpy("text_output")[0, 0] == b"served"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "tritonserver stopped" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    import urllib.request
+
+    with pytest.raises(OSError):  # nothing listens any more
+        urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/live", timeout=2)

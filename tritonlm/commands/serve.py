@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import time
 import sys
 from pathlib import Path
 
@@ -54,16 +56,25 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
     )
     stopping = False
 
+    # The handler only signals: waiting inside it would deadlock with the main thread's
+    # own wait on the same process. A second Ctrl-C kills the server outright.
     def on_signal(signum, frame):
         nonlocal stopping
+        sig = signal.SIGKILL if stopping else signal.SIGINT
         if not stopping:
-            stopping = True
             print("\nstopping tritonserver ...", flush=True)
-            server.stop()
+        stopping = True
+        try:
+            os.killpg(server.process.pid, sig)
+        except ProcessLookupError:
+            pass
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    code = server.process.wait()
+    while server.process.poll() is None:
+        time.sleep(0.2)
+    code = server.process.returncode
+    server.stop()  # reap, and kill whatever of its process group is left
     if not stopping:
         print(f"tritonserver exited unexpectedly with code {code}; last log lines:", file=sys.stderr)
         print("\n".join(server.log_text().splitlines()[-20:]), file=sys.stderr)
