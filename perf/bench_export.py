@@ -189,6 +189,8 @@ def main() -> int:
     cfg = GPT2Config()  # GPT-2 small shape
     model = GPT2LMHeadModel(cfg).eval()
     params = sum(p.numel() for p in model.parameters())  # tied LM head counted once
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
