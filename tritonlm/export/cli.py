@@ -154,26 +154,10 @@ def run_serve_default(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tritonlm.export.cli export|serve-default ...`: these two commands alone
-    (what the export/ scripts call), with the same error handling as `tritonlm`."""
-    import logging
-    import sys
+    """`tritonlm` with these subcommands (the export/ scripts call it)."""
+    from tritonlm.cli import main as cli_main
 
-    from tritonlm.cli import CliError
-
-    parser = argparse.ArgumentParser(prog="tritonlm")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    add_parser(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        return 130
-    except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,17 @@ class Runner(Protocol):
         ...
 
 
+def check_pool(spec: ModelSpec, device: torch.device, pool: KVPool) -> None:
+    """The pool must have the model's layers, kv heads and head size, on the runner's device."""
+    if len(pool.k) != spec.num_layers or len(pool.v) != spec.num_layers:
+        raise ValueError(f"KVPool has {len(pool.k)} layers, the model {spec.num_layers}")
+    want = (spec.num_kv_heads, spec.head_dim)
+    if tuple(pool.k[0].shape[1:]) != want:
+        raise ValueError(f"KVPool slots are {tuple(pool.k[0].shape[1:])}, the model needs {want}")
+    if pool.k[0].device.type != device.type:
+        raise ValueError(f"KVPool is on {pool.k[0].device}, the runner on {device}")
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """Index tensors for one step, on the runner's device."""

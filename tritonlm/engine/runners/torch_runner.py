@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVPool
-from tritonlm.engine.runners.base import StepPlan, Workspace, gather_kv, kv_rows, plan_step
+from tritonlm.engine.runners.base import StepPlan, Workspace, check_pool, gather_kv, kv_rows, plan_step
 from tritonlm.engine.spec import ModelSpec
 
 # ---------------------------------------------------------------------------- weights
@@ -312,18 +312,8 @@ class TorchRunner:
         return layer.down(self.act(layer.gate(x)) * layer.up(x))
 
     # ---- forward ----------------------------------------------------------------
-    def _check_pool(self, pool: KVPool) -> None:
-        s = self.spec
-        if len(pool.k) != s.num_layers or len(pool.v) != s.num_layers:
-            raise ValueError(f"KVPool has {len(pool.k)} layers, the model {s.num_layers}")
-        want = (s.num_kv_heads, s.head_dim)
-        if tuple(pool.k[0].shape[1:]) != want:
-            raise ValueError(f"KVPool slots are {tuple(pool.k[0].shape[1:])}, the model needs {want}")
-        if pool.k[0].device.type != self.device.type:
-            raise ValueError(f"KVPool is on {pool.k[0].device}, the runner on {self.device}")
-
     def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
-        self._check_pool(pool)
+        check_pool(self.spec, self.device, pool)
         plan = plan_step(batch, self.device, self.max_positions)
         s = self.spec
         with torch.inference_mode():
