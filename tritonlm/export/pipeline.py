@@ -342,7 +342,7 @@ def export(opts: ExportOptions, out=print) -> ExportResult:
             kv_cache_fraction=opts.kv_cache_fraction,
             draft_model=draft_rel,
             device=opts.device,
-            instances=1,
+            instances=opts.instances,  # each instance owns an engine and its own KV budget
         )
         models.append(name)
         with progress.step(f"moving {len(models)} model folder(s) into {repo}"):
