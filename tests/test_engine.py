@@ -318,3 +318,26 @@ def test_engine_thread_serves_submissions_and_shuts_down_cleanly():
     assert not engine._thread.is_alive()
     final = col.final(pending)  # never left without an answer
     assert final.finish_reason in ("error", "length")
+
+
+def test_bfloat16_engine_halves_the_kv_bytes_and_mostly_agrees_with_fp32(tmp_path):
+    from tests.genrepo import add_generation_model
+    from tritonlm.engine.loader import build_engine
+    from tritonlm.engine.settings import EngineSettings, SettingsError
+
+    folder = add_generation_model(tmp_path, "tiny", dtype="bfloat16")
+    params = {"task": "generate", "max_context": "256", "dtype": "bfloat16"}
+    engine = build_engine(EngineSettings.from_params(params, folder))
+    fp32 = make_engine()
+    assert engine.runner.spec.bytes_per_token * 2 == fp32.runner.spec.bytes_per_token
+    assert engine.cache.pool.k[0].dtype == torch.bfloat16
+    col = Collector()
+    rids = [col.request(engine, p, max_tokens=8) for p in PROMPTS]
+    drain(engine)
+    first_same = sum(col.ids(r)[0] == hf_greedy(p, 1)[0] for p, r in zip(PROMPTS, rids))
+    assert all(col.final(r).num_output_tokens == 8 for r in rids)
+    assert first_same >= len(PROMPTS) - 1  # bf16 rounding may flip a near tie, not most choices
+    with pytest.raises(SettingsError, match="dtype"):
+        EngineSettings.from_params({"dtype": "bfloat16", "runtime": "onnx", "onnx_model": "1/hf/config.json"}, folder)
+    with pytest.raises(SettingsError, match="dtype: 'int3'"):
+        EngineSettings.from_params({"dtype": "int3"}, folder)

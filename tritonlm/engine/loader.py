@@ -10,7 +10,7 @@ import torch
 from tritonlm.engine.engine import Engine, EngineObserver
 from tritonlm.engine.kv_cache import CacheBudgetError, KVCacheManager
 from tritonlm.engine.scheduler import SchedulerConfig
-from tritonlm.engine.settings import EngineSettings, SettingsError
+from tritonlm.engine.settings import DTYPES, EngineSettings, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ def build_engine(settings: EngineSettings, observer: EngineObserver | None = Non
         runner = _load_runner_or_explain(
             "hf_dir" if settings.runtime == "torch" else "onnx_model",
             settings.runtime, settings.hf_dir, onnx_path=settings.onnx_model, device=settings.device,
+            **({"dtype": DTYPES[settings.dtype]} if settings.runtime == "torch" else {}),
         )
     spec = runner.spec
     max_context = settings.max_context or spec.max_positions
@@ -165,7 +166,9 @@ def build_drafter(settings: EngineSettings, target_runner, target_cache: KVCache
         return None
     if target_tokenizer is not None:
         check_same_tokenizer(target_tokenizer, load_tokenizer(settings.draft_model, "draft_model"), settings.draft_model)
-    draft = _load_runner_or_explain("draft_model", "torch", settings.draft_model, device=settings.device)
+    draft = _load_runner_or_explain(
+        "draft_model", "torch", settings.draft_model, device=settings.device, dtype=DTYPES[settings.dtype]
+    )
     if draft.spec.vocab_size != target_runner.spec.vocab_size:
         raise SettingsError(
             f"draft_model: its vocabulary has {draft.spec.vocab_size} tokens, the target's {target_runner.spec.vocab_size}; "

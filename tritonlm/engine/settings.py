@@ -9,6 +9,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class SettingsError(ValueError):
     """A config.pbtxt parameter is wrong; the message names it and says what is allowed."""
@@ -31,6 +36,7 @@ class EngineSettings:
     runtime: str = "torch"  # "torch" | "onnx"
     onnx_model: Path | None = None
     device: str = "cpu"
+    dtype: str = "float32"  # torch runtime compute and KV dtype: float32 | bfloat16 | float16
     max_context: int | None = None  # None: the model's own maximum
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float | None = None  # of free device memory, when kv_cache_bytes is not set
@@ -108,6 +114,9 @@ class EngineSettings:
         device = params.get("device", "cpu") or "cpu"
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise SettingsError(f"device: {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+        dtype = params.get("dtype", "float32") or "float32"
+        if dtype not in DTYPES:
+            raise SettingsError(f"dtype: {dtype!r}; use one of {sorted(DTYPES)}")
         speculative = params.get("speculative", "") or ("draft" if params.get("draft_model") else "off")
         if speculative not in ("off", "draft", "prompt_lookup"):
             raise SettingsError(f"speculative: {speculative!r}; use 'off', 'draft' or 'prompt_lookup'")
@@ -122,6 +131,7 @@ class EngineSettings:
             runtime=runtime,
             onnx_model=get_path("onnx_model", None),
             device=device,
+            dtype=dtype,
             max_context=max_context,
             kv_cache_bytes=kv_bytes,
             kv_cache_fraction=fraction,
@@ -152,6 +162,11 @@ class EngineSettings:
         if (s.tensor_parallel_size > 1 or s.pipeline_parallel_size > 1) and s.runtime != "torch":
             field = "tensor_parallel_size" if s.tensor_parallel_size > 1 else "pipeline_parallel_size"
             raise SettingsError(f"{field}: model parallelism needs runtime 'torch', not {s.runtime!r}")
+        if s.dtype != "float32" and (s.runtime != "torch" or s.tensor_parallel_size > 1 or s.pipeline_parallel_size > 1):
+            raise SettingsError(
+                f"dtype: {s.dtype} needs runtime 'torch' without model parallelism "
+                "(an ONNX artifact has its own precision: export onnx-fp16 for half precision)"
+            )
         if s.queue_timeout_s < 0:
             raise SettingsError(f"queue_timeout_s: must be >= 0 seconds (0: wait as long as it takes), got {s.queue_timeout_s}")
         if s.runtime == "onnx" and s.onnx_model is None:
