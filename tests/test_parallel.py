@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.genrepo import add_generation_model, hf_greedy, tiny
+from tests.waiting import wait_until
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.parallel import (
@@ -123,15 +124,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def wait_until(cond, timeout_s: float, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
 
 
 class Twin:

@@ -25,6 +25,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.genrepo import add_generation_model, hf_greedy, tiny
+from tests.waiting import wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.commands.instances import set_instances
 
@@ -117,15 +118,6 @@ def workers_of(server, model: str) -> list[int]:
 
 def stubs_of(server, model: str) -> list[int]:
     return [pid for pid, cmd in descendants(server.process.pid).items() if "triton_python_backend_stub" in cmd and f" {model}_" in cmd]
-
-
-def wait_until(cond, timeout_s: float, step: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
 
 
 # ---------------------------------------------------------------------------- answers
