@@ -42,7 +42,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tritonlm.engine.batch import StepBatch  # noqa: E402
-from tritonlm.engine.kv_cache import KVPool  # noqa: E402
 from tritonlm.engine.runners import load_runner  # noqa: E402
 from tritonlm.engine.runners.base import gather_kv, kv_rows  # noqa: E402
 
@@ -87,7 +86,7 @@ def bench_one(runner, kind: str, batch: int, ctx: int, warmup: int, reps: int) -
     spec = runner.spec
     past = ctx - 1  # ctx = tokens attended this step: past + the 1 new token (GPT-2's limit is 1024)
     table, num_slots = scattered_slots(batch, ctx, seed=batch * 10007 + ctx)
-    pool = KVPool.allocate(spec, num_slots)
+    pool = runner.allocate_kv(num_slots)
     g = torch.Generator().manual_seed(1)
     for t in pool.k + pool.v:
         t.copy_(torch.randn(t.shape, generator=g) * 0.5)

@@ -37,7 +37,7 @@ PASSAGE = (
 
 def run(model, tok, mode: str, prompt: str, max_tokens: int, k: int) -> dict:
     runner = TorchRunner(model)
-    cache = KVCacheManager(runner.spec, 4 * 1040 * runner.spec.bytes_per_token, 16)
+    cache = KVCacheManager(runner.spec, 4 * 1040 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv)
     drafter = None
     if mode == "prompt_lookup":
         drafter = PromptLookupDrafter(3)

@@ -39,7 +39,7 @@ def main() -> int:
     from tritonlm.engine.batch import StepBatch
     from tritonlm.engine.engine import Engine
     from tritonlm.engine.kv_cache import KVCacheManager
-    from tritonlm.engine.loader import free_memory_bytes
+    from tritonlm.engine.memory import free_memory_bytes
     from tritonlm.engine.request import GenerationRequest, SamplingParams
     from tritonlm.engine.runners.torch_runner import TorchRunner
     from tritonlm.engine.scheduler import SchedulerConfig
@@ -64,17 +64,17 @@ def main() -> int:
     # 1. correctness on the device
     cpu = TorchRunner(model)
     ids = torch.randint(0, 50257, (4, 24))
-    def run(runner, device):
-        cache = KVCacheManager(runner.spec, 8 * 64 * runner.spec.bytes_per_token, 16, device=device)
+    def run(runner):
+        cache = KVCacheManager(runner.spec, 8 * 64 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv)
         for b in range(4):
             cache.allocate(b, 32)
         batch = StepBatch.build([r.tolist() for r in ids], [0] * 4, [cache.slots(b, 24) for b in range(4)], all_logits=True)
         return runner.forward(batch, cache.pool).float().cpu()
-    ref = run(cpu, "cpu")
+    ref = run(cpu)
     dtypes = (torch.float32, torch.float16) if on_gpu else (torch.float32, torch.bfloat16)
     for dtype in dtypes:
         gpu = TorchRunner(model, device=dev, dtype=dtype)
-        got = run(gpu, dev)
+        got = run(gpu)
         diff = (got - ref).abs().max().item()
         top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
         rows.append({"check": f"logits {args.device} {dtype}", "value": diff, "extra": f"top-1 {top1:.3f}"})
@@ -83,7 +83,7 @@ def main() -> int:
     for dtype in dtypes:
         runner = TorchRunner(model, device=dev, dtype=dtype)
         for bsz in (1, 8, 32):
-            cache = KVCacheManager(runner.spec, (bsz + 1) * 272 * runner.spec.bytes_per_token, 16, device=dev)
+            cache = KVCacheManager(runner.spec, (bsz + 1) * 272 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv)
             for b in range(bsz):
                 cache.allocate(b, 256)
             past = 128
@@ -103,15 +103,15 @@ def main() -> int:
     runner = TorchRunner(model, device=dev, dtype=dtypes[1])
     before = allocated()
     budget = int(free_memory_bytes(args.device) * (0.25 if on_gpu else 0.01))
-    cache = KVCacheManager(runner.spec, budget, 16, device=dev)
+    cache = KVCacheManager(runner.spec, budget, 16, allocate_kv=runner.allocate_kv)
     taken = (allocated() - before) if on_gpu else cache.pool.nbytes
     rows.append({"check": "kv pool bytes / budget", "value": taken / budget,
                  "extra": f"{taken / 2**30:.2f} GiB for {cache.usable_blocks * 16} tokens at {runner.spec.bytes_per_token} B/token"})
     del cache
 
     # 4. engine: 32 concurrent requests, tokens equal to the CPU engine's
-    def engine_run(runner, device):
-        cache = KVCacheManager(runner.spec, 40 * 272 * runner.spec.bytes_per_token, 16, device=device)
+    def engine_run(runner):
+        cache = KVCacheManager(runner.spec, 40 * 272 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv)
         engine = Engine(runner, tok, cache, SchedulerConfig(), max_context=1024)
         out = {}
         for i in range(32):
@@ -123,8 +123,8 @@ def main() -> int:
             engine.step()
         sync()
         return out, engine.stats.tokens_generated / (time.perf_counter() - t0), engine.stats.max_kv_used_bytes <= cache.total_bytes
-    gpu_out, gpu_tps, within = engine_run(TorchRunner(model, device=dev), dev)
-    cpu_out, cpu_tps, _ = engine_run(TorchRunner(model), "cpu")
+    gpu_out, gpu_tps, within = engine_run(TorchRunner(model, device=dev))
+    cpu_out, cpu_tps, _ = engine_run(TorchRunner(model))
     same = sum(gpu_out[i] == cpu_out[i] for i in range(32))
     rows.append({"check": f"engine 32 requests {args.device} fp32 tok/s", "value": gpu_tps,
                  "extra": f"cpu {cpu_tps:.1f} tok/s; {same}/32 same greedy tokens as cpu; kv within budget {within}"})

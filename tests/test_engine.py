@@ -27,7 +27,7 @@ def make_engine(kv_sequences: float = 8, max_context: int = 256, use_kv_cache: b
     model, tok = tiny()
     runner = TorchRunner(model)
     budget = int(kv_sequences * (max_context + 16) * runner.spec.bytes_per_token) + 16 * runner.spec.bytes_per_token
-    cache = KVCacheManager(runner.spec, budget, block_size=16)
+    cache = KVCacheManager(runner.spec, budget, block_size=16, allocate_kv=runner.allocate_kv)
     return Engine(runner, tok, cache, SchedulerConfig(**sched), max_context=max_context, use_kv_cache=use_kv_cache)
 
 
@@ -263,6 +263,18 @@ def test_cancel_frees_the_cache_at_once_and_others_continue():
     drain(engine)
     assert col.ids(other) == hf_greedy(PROMPTS[1], 20)
     assert engine.cache.used_bytes == 0
+
+
+def test_a_row_whose_sampling_fails_does_not_fail_its_batch():
+    # temperature 1e-38 passes validation but overflows the logits: the draw raises
+    engine = make_engine()
+    col = Collector()
+    bad = col.request(engine, PROMPTS[0], max_tokens=8, temperature=1e-38, seed=1)
+    good = col.request(engine, PROMPTS[1], max_tokens=8)
+    drain(engine)
+    assert col.final(bad).finish_reason == "error" and "sampling" in col.final(bad).error
+    assert col.final(good).finish_reason == "length" and col.ids(good) == hf_greedy(PROMPTS[1], 8)
+    assert engine.cache.used_bytes == 0 and engine.cache.live_sequences() == 0
 
 
 def test_full_queue_says_server_busy():

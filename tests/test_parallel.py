@@ -26,16 +26,15 @@ from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.parallel import (
     ParallelConfig,
-    ParallelEngine,
     ParallelRunner,
     WorkerFailure,
     kv_bytes_per_token_per_rank,
     validate_parallel,
 )
-from tritonlm.engine.parallel.shard import split_range, tensor_bytes
 from tritonlm.engine.parallel.steps import micro_batch_bounds
 from tritonlm.engine.runners import Runner
 from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.engine.runners.transformer import split_range
 from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.engine.spec import ModelSpec
 
@@ -135,10 +134,9 @@ class Twin:
         self.ref = TorchRunner(model)
         self.runner = runner
         budget = self.ref.spec.bytes_per_token * block_size * blocks
-        self.ref_cache = KVCacheManager(self.ref.spec, budget, block_size=block_size)
-        self.cache = KVCacheManager(runner.spec, budget, block_size=block_size, allocate_pool=False)
+        self.ref_cache = KVCacheManager(self.ref.spec, budget, block_size=block_size, allocate_kv=self.ref.allocate_kv)
+        self.cache = KVCacheManager(runner.spec, budget, block_size=block_size, allocate_kv=runner.allocate_kv)
         assert self.cache.pool is None
-        runner.allocate_kv(self.cache.num_blocks * self.cache.block_size)
         self.seqs: dict[int, list[int]] = {}
 
     def add(self, sid: int, capacity: int = 40) -> None:
@@ -224,7 +222,7 @@ def test_each_tensor_parallel_rank_holds_half_the_weights_and_half_the_kv(hf_dir
     runner = start(hf_dir, "tensor")
     try:
         ref = TorchRunner(model)
-        full_weights = tensor_bytes(ref.layers, ref.wte, ref.wpe, ref.ln_f, ref.lm_head)
+        full_weights = ref.transformer.weight_bytes()
         assert full_weights == sum(p.numel() * p.element_size() for p in model.parameters())
         slots = 64 * 16
         runner.allocate_kv(slots)
@@ -310,7 +308,7 @@ def test_engine_built_from_settings_generates_hf_tokens_and_stops_its_workers(tm
     settings = EngineSettings.from_params({"tensor_parallel_size": "2", "kv_cache_bytes": "300000"}, model_dir)
     engine = build_engine(settings)
     try:
-        assert isinstance(engine, ParallelEngine) and engine.cache.pool is None
+        assert isinstance(engine.runner, ParallelRunner) and engine.cache.pool is None
         pids = engine.runner.worker_pids
         assert len(pids) == 1 and alive(pids[0])
         # the budget counts the whole model; each rank holds half of it

@@ -20,7 +20,7 @@ from tritonlm.engine.speculative import DraftModelDrafter, PromptLookupDrafter, 
 def spec_engine(drafter_kind: str, k: int = 4) -> Engine:
     model, tok = tiny()
     runner = TorchRunner(model)
-    cache = KVCacheManager(runner.spec, 8 * 272 * runner.spec.bytes_per_token, block_size=16)
+    cache = KVCacheManager(runner.spec, 8 * 272 * runner.spec.bytes_per_token, block_size=16, allocate_kv=runner.allocate_kv)
     if drafter_kind == "self":
         drafter = DraftModelDrafter(TorchRunner(model), cache)
     elif drafter_kind == "random":
@@ -83,7 +83,7 @@ def test_cache_after_rejections_equals_the_cache_without_speculation():
     rid = col.request(engine, PROMPTS[1], max_tokens=40)
     for _ in range(12):
         engine.step()
-    seq = engine._by_id[rid]
+    seq = engine.scheduler.get(rid)
     assert seq.draft_tokens > seq.accepted_draft_tokens  # there were rejections
     # the next target step from the engine's cache vs a full forward without any cache
     from tritonlm.engine.batch import StepBatch
@@ -92,7 +92,7 @@ def test_cache_after_rejections_equals_the_cache_without_speculation():
     batch = StepBatch.build([pending], [seq.num_computed], [engine.cache.slots(seq.id, seq.num_tokens)])
     logits = engine.runner.forward(batch, engine.cache.pool)[0]
     with torch.no_grad():
-        ref = model(torch.tensor([seq.all_ids])).logits[0, -1]
+        ref = model(torch.tensor([seq.token_ids])).logits[0, -1]
     assert torch.allclose(logits, ref, atol=1e-4)
 
 
@@ -124,10 +124,9 @@ def test_speculative_sampling_has_the_targets_distribution():
     first_draft = torch.zeros(vocab)
     row_gen = torch.Generator().manual_seed(1)
     for _ in range(draws):
-        row = RowState(params, [0], 0, None, row_gen)
+        row = RowState(params, [0], 1, None, row_gen)
         guesses = [int(torch.multinomial(draft_probs[i], 1, generator=row_gen)) for i in range(k)]
-        emitted = []
-        verify_row(target_logits, Proposal(guesses, [draft_probs[0], draft_probs[1]]), row, lambda t, lp: emitted.append(t) or True)
+        emitted = [t for t, _ in verify_row(target_logits, Proposal(guesses, [draft_probs[0], draft_probs[1]]), row)[0]]
         first_spec[emitted[0]] += 1
         first_draft[guesses[0]] += 1
     # the same target logits at every position: the first emitted token must follow p_0
@@ -145,10 +144,9 @@ def test_speculative_sampling_second_token_follows_the_target_too():
     counts = torch.zeros(vocab, vocab)
     row_gen = torch.Generator().manual_seed(4)
     for _ in range(draws):
-        row = RowState(params, [0], 0, None, row_gen)
+        row = RowState(params, [0], 1, None, row_gen)
         guesses = [int(torch.multinomial(q, 1, generator=row_gen)) for _ in range(2)]
-        emitted = []
-        verify_row(target_logits, Proposal(guesses, [q, q]), row, lambda t, lp: emitted.append(t) or True)
+        emitted = [t for t, _ in verify_row(target_logits, Proposal(guesses, [q, q]), row)[0]]
         if len(emitted) >= 2:
             counts[emitted[0], emitted[1]] += 1
     # condition on the first token being the first guess-accepted path is not needed:

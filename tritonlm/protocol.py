@@ -1,24 +1,125 @@
 """The generation model's tensor contract, as plain NumPy in and out.
 
-Names follow what Triton LLM users and tools already send (TensorRT-LLM's
-ensemble, vLLM's backend, genai-perf): see CONVENTIONS.md. The Triton glue only
-moves tensors between Triton and these functions, so every rule here is tested
-without a server.
+INPUTS and OUTPUTS below are the one description of the generation model's tensors:
+the exported config.pbtxt (tritonlm/export/repository.py), the request parser here,
+the client (tritonlm/client/generate.py) and the tables in README.md ("Query it") are
+all derived from them, and tests/test_protocol_contract.py fails when they drift.
+Names follow what Triton LLM users and tools already send (TensorRT-LLM's ensemble,
+vLLM's backend, genai-perf). The Triton glue only moves tensors between Triton and
+these functions, so every rule here is tested without a server.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 
 from tritonlm.engine.request import GenerationEvent, InvalidRequestError, SamplingParams
 
-INT_INPUTS = ("max_tokens", "min_tokens", "min_length", "end_id", "pad_id", "top_k", "num_draft_tokens")
-FLOAT_INPUTS = ("temperature", "top_p", "repetition_penalty")
-BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_log_probs")
-LIST_INPUTS = ("stop_words", "bad_words")
-KNOWN_INPUTS = ("text_input", "seed", *INT_INPUTS, *FLOAT_INPUTS, *BOOL_INPUTS, *LIST_INPUTS)
+Default = Union[bool, int, float, None]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One row of the contract.
+
+    dtype     Triton's datatype name, as clients send it (INT32, UINT64, FP32, BOOL, BYTES)
+    dims      shape without a batch dimension (the model has max_batch_size 0); -1: any length
+    optional  inputs: a request may leave it out (config.pbtxt `optional: true`);
+              outputs: some responses leave it out (not written to config.pbtxt: Triton
+              outputs have no such flag)
+    default   inputs: the value a request without it gets; None: no value (see meaning)
+    meaning   one line for the README table
+    """
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    optional: bool
+    default: Default
+    meaning: str
+
+    @property
+    def config_type(self) -> str:
+        """The data_type config.pbtxt writes (Triton calls BYTES TYPE_STRING there)."""
+        return "TYPE_STRING" if self.dtype == "BYTES" else "TYPE_" + self.dtype
+
+    @property
+    def numpy_type(self):
+        return NUMPY_TYPES[self.dtype]
+
+
+NUMPY_TYPES = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_, "BYTES": np.object_}
+
+
+def _in(name: str, dtype: str, meaning: str, default: Default = None, dims: tuple[int, ...] = (1,), optional: bool = True) -> Tensor:
+    return Tensor(name, dtype, dims, optional, default, meaning)
+
+
+def _out(name: str, dtype: str, meaning: str, dims: tuple[int, ...] = (1,), optional: bool = True) -> Tensor:
+    return Tensor(name, dtype, dims, optional, None, meaning)
+
+
+INPUTS: tuple[Tensor, ...] = (
+    _in("text_input", "BYTES", "the prompt", optional=False),
+    _in("max_tokens", "INT32", "most new tokens to generate; absent: the model's `default_max_tokens` parameter (16)"),
+    _in("stream", "BOOL", "true: one response per piece of text as it is generated", False),
+    _in("exclude_input_in_output", "BOOL", "true: a non-streamed answer leaves the prompt out (streamed pieces never repeat it)", False),
+    _in("min_tokens", "INT32", "the end token (EOS or `end_id`) is not generated before this many tokens", 0),
+    _in("min_length", "INT32", "genai-perf's name for `min_tokens` (read when `min_tokens` is absent)", 0),
+    _in("end_id", "INT32", "token id that ends generation; absent: the tokenizer's EOS; -1: none"),
+    _in("top_k", "INT32", "sample among the k most likely tokens; 0: off, 1: greedy", 0),
+    _in("num_draft_tokens", "INT32", "speculative decoding: most draft tokens per step; absent: the model's setting; 0: off"),
+    _in("temperature", "FP32", "sampling temperature; absent or 0: greedy"),
+    _in("top_p", "FP32", "sample among the most likely tokens whose probabilities add up to top_p; 1: off", 1.0),
+    _in("repetition_penalty", "FP32", "penalty on tokens already in the prompt or the answer; 1: off", 1.0),
+    _in("seed", "UINT64", "seed of this request's sampling (same seed, same text); absent: random"),
+    _in("stop_words", "BYTES", "strings that end the answer (TensorRT-LLM's comma-separated form works too)", dims=(-1,)),
+    _in("bad_words", "BYTES", "words never generated (as written and after a space)", dims=(-1,)),
+    _in("return_log_probs", "BOOL", "true: responses also carry `output_log_probs`", False),
+)
+
+OUTPUTS: tuple[Tensor, ...] = (
+    _out("text_output", "BYTES", "new text: streamed, this piece; otherwise the whole answer (prompt first unless `exclude_input_in_output`)",
+         dims=(-1,), optional=False),
+    _out("finish_reason", "BYTES", "final response: `stop` / `length` / `cancelled` / `error`"),
+    _out("num_input_tokens", "INT32", "final response: tokens in the prompt"),
+    _out("num_output_tokens", "INT32", "final response: tokens generated"),
+    _out("output_log_probs", "FP32", "with `return_log_probs`: log-probability of each token of this response", dims=(-1,)),
+    _out("acceptance_rate", "FP32", "final response: accepted / proposed draft tokens (0 without speculation)"),
+    _out("total_accepted_draft_tokens", "INT32", "final response: draft tokens the target accepted"),
+    _out("total_draft_tokens", "INT32", "final response: draft tokens proposed"),
+)
+
+INPUT = {t.name: t for t in INPUTS}
+OUTPUT = {t.name: t for t in OUTPUTS}
+KNOWN_INPUTS = tuple(INPUT)
+
+
+def _cell(value: Default) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    return f"`{value}`"
+
+
+def markdown_table(direction: str = "inputs") -> str:
+    """The README table of the generation model's inputs (or outputs), from the contract."""
+    if direction == "inputs":
+        lines = ["| input | type | shape | required | default | meaning |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"| `{t.name}` | {t.dtype} | {list(t.dims)} | {'no' if t.optional else 'yes'} | {_cell(t.default)} | {t.meaning} |"
+            for t in INPUTS
+        ]
+    elif direction == "outputs":
+        lines = ["| output | type | shape | meaning |", "|---|---|---|---|"]
+        lines += [f"| `{t.name}` | {t.dtype} | {list(t.dims)} | {t.meaning} |" for t in OUTPUTS]
+    else:
+        raise ValueError(f"direction {direction!r}: use 'inputs' or 'outputs'")
+    return "\n".join(lines) + "\n"
 
 
 @dataclass(frozen=True)
@@ -69,80 +170,85 @@ def _word_list(inputs: dict[str, np.ndarray], name: str) -> tuple[str, ...]:
     return tuple(words)
 
 
-def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int, vocab_size: int | None = None) -> ParsedRequest:
-    """Triton input tensors (name -> array) -> plain, validated request fields.
-    vocab_size, when known, bounds end_id."""
-    unknown = sorted(set(inputs) - set(KNOWN_INPUTS))
-    if unknown:
-        raise InvalidRequestError(f"unknown input(s) {unknown}; known inputs: {sorted(KNOWN_INPUTS)}")
-    if "text_input" not in inputs:
-        raise InvalidRequestError("text_input: missing; send the prompt as a BYTES tensor of shape [1]")
-    text = _text(_scalar(inputs, "text_input"), "text_input")
-    if not text:
-        raise InvalidRequestError("text_input: empty prompt; send some text")
+# Triton datatype -> (what the message calls it, numpy kind the value must have)
+_NUMERIC = {"INT32": ("an integer", np.integer), "UINT64": ("an integer", np.integer), "FP32": ("a number", np.number)}
 
-    def get_int(name: str, default):
-        v = _scalar(inputs, name)
-        if v is None:
-            return default
-        if isinstance(v, (bytes, str, bool, np.bool_)) or not np.issubdtype(np.asarray(v).dtype, np.integer):
-            raise InvalidRequestError(f"{name}: expected an integer (INT32), got {np.asarray(v).dtype}")
-        return int(v)
 
-    def get_float(name: str, default):
-        v = _scalar(inputs, name)
-        if v is None:
-            return default
-        if isinstance(v, (bytes, str, bool, np.bool_)) or not np.issubdtype(np.asarray(v).dtype, np.number):
-            raise InvalidRequestError(f"{name}: expected a number (FP32), got {np.asarray(v).dtype}")
-        value = float(v)
-        if not np.isfinite(value):
-            raise InvalidRequestError(f"{name}: must be a finite number, got {value}")
-        return value
-
-    def get_bool(name: str, default: bool) -> bool:
-        v = _scalar(inputs, name)
-        if v is None:
-            return default
+def _value(inputs: dict[str, np.ndarray], name: str):
+    """The value of one scalar input, checked against the contract's datatype for it;
+    None when the request leaves it out. BYTES lists go through _word_list."""
+    row = INPUT[name]
+    v = _scalar(inputs, name)
+    if v is None:
+        return None
+    if row.dtype == "BYTES":
+        return _text(v, name)
+    if row.dtype == "BOOL":
         if not isinstance(v, (bool, np.bool_)):
             raise InvalidRequestError(f"{name}: expected a boolean (BOOL), got {np.asarray(v).dtype}")
         return bool(v)
+    what, kind = _NUMERIC[row.dtype]
+    if isinstance(v, (bytes, str, bool, np.bool_)) or not np.issubdtype(np.asarray(v).dtype, kind):
+        raise InvalidRequestError(f"{name}: expected {what} ({row.dtype}), got {np.asarray(v).dtype}")
+    if kind is np.integer:
+        return int(v)
+    value = float(v)
+    if not np.isfinite(value):
+        raise InvalidRequestError(f"{name}: must be a finite number, got {value}")
+    return value
 
-    min_tokens = get_int("min_tokens", None)
+
+def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int, vocab_size: int | None = None) -> ParsedRequest:
+    """Triton input tensors (name -> array) -> plain, validated request fields, checked
+    against INPUTS. vocab_size, when known, bounds end_id."""
+    unknown = sorted(set(inputs) - set(KNOWN_INPUTS))
+    if unknown:
+        raise InvalidRequestError(f"unknown input(s) {unknown}; known inputs: {sorted(KNOWN_INPUTS)}")
+    for row in INPUTS:
+        if not row.optional and row.name not in inputs:
+            raise InvalidRequestError(f"{row.name}: missing; send {row.meaning} as a {row.dtype} tensor of shape {list(row.dims)}")
+    text = _value(inputs, "text_input")
+    if not text:
+        raise InvalidRequestError("text_input: empty prompt; send some text")
+
+    def get(name: str, default=None):
+        """The input's value; absent: `default` when given, else the contract's default."""
+        v = _value(inputs, name)
+        if v is not None:
+            return v
+        return INPUT[name].default if default is None else default
+
+    min_tokens = _value(inputs, "min_tokens")
     if min_tokens is None:
-        min_tokens = get_int("min_length", 0)  # genai-perf's name for it
-    seed = _scalar(inputs, "seed")
-    if seed is not None:
-        if isinstance(seed, (bytes, str, bool, np.bool_)) or not np.issubdtype(np.asarray(seed).dtype, np.integer):
-            raise InvalidRequestError(f"seed: expected an integer (UINT64), got {np.asarray(seed).dtype}")
-        seed = int(seed)
-        if seed < 0:
-            raise InvalidRequestError(f"seed: must be >= 0, got {seed}")
-    end_id = get_int("end_id", None)
+        min_tokens = get("min_length")  # genai-perf's name for it
+    seed = get("seed")
+    if seed is not None and seed < 0:
+        raise InvalidRequestError(f"seed: must be >= 0, got {seed}")
+    end_id = get("end_id")
     if end_id is not None and (end_id < -1 or (vocab_size is not None and end_id >= vocab_size)):
         allowed = f"a token id in [0, {vocab_size})" if vocab_size is not None else "a token id >= 0"
         raise InvalidRequestError(f"end_id: must be -1 (never stop on a token) or {allowed}, got {end_id}")
-    num_draft = get_int("num_draft_tokens", None)
+    num_draft = get("num_draft_tokens")
     if num_draft is not None and num_draft < 0:
         raise InvalidRequestError(f"num_draft_tokens: must be >= 0 (0 turns speculation off), got {num_draft}")
     params = SamplingParams(
-        max_tokens=get_int("max_tokens", default_max_tokens),
+        max_tokens=get("max_tokens", default_max_tokens),
         min_tokens=min_tokens,
-        temperature=get_float("temperature", None),
-        top_k=get_int("top_k", 0),
-        top_p=get_float("top_p", 1.0),
+        temperature=get("temperature"),
+        top_k=get("top_k"),
+        top_p=get("top_p"),
         seed=seed,
-        repetition_penalty=get_float("repetition_penalty", 1.0),
+        repetition_penalty=get("repetition_penalty"),
         end_id=end_id,
         stop_words=_word_list(inputs, "stop_words"),
-        return_log_probs=get_bool("return_log_probs", False),
+        return_log_probs=get("return_log_probs"),
     )
     params.validate()
     return ParsedRequest(
         text=text,
         params=params,
-        stream=get_bool("stream", False),
-        exclude_input_in_output=get_bool("exclude_input_in_output", False),
+        stream=get("stream"),
+        exclude_input_in_output=get("exclude_input_in_output"),
         num_draft_tokens=num_draft,
         bad_words_text=_word_list(inputs, "bad_words"),
     )
@@ -160,18 +266,23 @@ def bad_word_token_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ..
     return tuple(sorted(out))
 
 
+def _tensor(name: str, values) -> np.ndarray:
+    """An output array with the contract's datatype for `name`."""
+    return np.array(values, dtype=OUTPUT[name].numpy_type)
+
+
 def event_outputs(event: GenerationEvent, prefix: str = "", with_log_probs: bool = False) -> dict[str, np.ndarray]:
     """Output tensors for one response. Intermediate stream responses carry text only;
     the final one also says why it finished and the token counts."""
-    out: dict[str, np.ndarray] = {"text_output": np.array([(prefix + event.text).encode("utf-8")], dtype=object)}
+    out: dict[str, np.ndarray] = {"text_output": _tensor("text_output", [(prefix + event.text).encode("utf-8")])}
     if with_log_probs:
-        out["output_log_probs"] = np.asarray(event.log_probs, dtype=np.float32)
+        out["output_log_probs"] = _tensor("output_log_probs", event.log_probs)
     if event.finished:
-        out["finish_reason"] = np.array([(event.finish_reason or "").encode()], dtype=object)
-        out["num_input_tokens"] = np.array([event.num_input_tokens], dtype=np.int32)
-        out["num_output_tokens"] = np.array([event.num_output_tokens], dtype=np.int32)
-        out["total_draft_tokens"] = np.array([event.draft_tokens], dtype=np.int32)
-        out["total_accepted_draft_tokens"] = np.array([event.accepted_draft_tokens], dtype=np.int32)
         rate = event.accepted_draft_tokens / event.draft_tokens if event.draft_tokens else 0.0
-        out["acceptance_rate"] = np.array([rate], dtype=np.float32)
+        out["finish_reason"] = _tensor("finish_reason", [(event.finish_reason or "").encode()])
+        out["num_input_tokens"] = _tensor("num_input_tokens", [event.num_input_tokens])
+        out["num_output_tokens"] = _tensor("num_output_tokens", [event.num_output_tokens])
+        out["total_draft_tokens"] = _tensor("total_draft_tokens", [event.draft_tokens])
+        out["total_accepted_draft_tokens"] = _tensor("total_accepted_draft_tokens", [event.accepted_draft_tokens])
+        out["acceptance_rate"] = _tensor("acceptance_rate", [rate])
     return out

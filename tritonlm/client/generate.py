@@ -17,14 +17,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-# name -> Triton datatype of the optional inputs a client may send
-INPUT_TYPES = {
-    "max_tokens": "INT32", "min_tokens": "INT32", "min_length": "INT32", "end_id": "INT32", "pad_id": "INT32",
-    "top_k": "INT32", "num_draft_tokens": "INT32", "temperature": "FP32", "top_p": "FP32",
-    "repetition_penalty": "FP32", "seed": "UINT64", "stream": "BOOL", "exclude_input_in_output": "BOOL",
-    "return_log_probs": "BOOL", "stop_words": "BYTES", "bad_words": "BYTES",
-}
-_NP = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": bool, "BYTES": object}
+from tritonlm.protocol import INPUTS, NUMPY_TYPES
+
+# name -> Triton datatype of the optional inputs a client may send (the contract in tritonlm/protocol.py)
+INPUT_TYPES = {t.name: t.dtype for t in INPUTS if t.optional}
 
 
 class GenerateError(RuntimeError):
@@ -66,7 +62,7 @@ def _grpc_inputs(prompt: str, params: dict):
             values = [value] if isinstance(value, str) else list(value)
             add(name, np.array([v.encode("utf-8") for v in values], dtype=object), dtype)
         else:
-            add(name, np.array([value], dtype=_NP[dtype]), dtype)
+            add(name, np.array([value], dtype=NUMPY_TYPES[dtype]), dtype)
     return inputs
 
 

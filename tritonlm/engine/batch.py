@@ -39,10 +39,6 @@ class StepBatch:
         t = torch.minimum(t, (self.num_new - 1).unsqueeze(1))
         return self.past_len.unsqueeze(1) + t
 
-    def new_slots(self) -> torch.Tensor:
-        """[B, T] slot of each new token (padding entries repeat the last valid slot)."""
-        return torch.gather(self.slot_table, 1, self.position_ids())
-
     @staticmethod
     def build(
         new_tokens: list[list[int]], past_lens: list[int], slot_rows: list[list[int]], all_logits: bool = False
@@ -62,5 +58,21 @@ class StepBatch:
             num_new=torch.tensor([len(t) for t in new_tokens], dtype=torch.int64),
             past_len=torch.tensor(past_lens, dtype=torch.int64),
             slot_table=slots,
+            all_logits=all_logits,
+        )
+
+    @staticmethod
+    def from_slot_table(
+        new_tokens: list[list[int]], past_lens: list[int], slot_table: torch.Tensor, all_logits: bool = False
+    ) -> "StepBatch":
+        """From new_tokens[b] (non-empty), past_lens[b] and a ready [B, L] slot table
+        (KVCacheManager.slot_table), L >= past_lens[b] + len(new_tokens[b])."""
+        width = max(len(t) for t in new_tokens)
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], dtype=torch.int64)
+        return StepBatch(
+            input_ids=ids,
+            num_new=torch.tensor([len(t) for t in new_tokens], dtype=torch.int64),
+            past_len=torch.tensor(past_lens, dtype=torch.int64),
+            slot_table=slot_table,
             all_logits=all_logits,
         )

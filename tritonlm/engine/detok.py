@@ -15,9 +15,11 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop_words: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, token_ids: list[int], stop_words: tuple[str, ...] = ()):
+        """token_ids: the sequence's history (the prompt so far), by reference: the engine
+        appends generated tokens to it and `update()` reads what is new."""
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_ids)
+        self.ids = token_ids
         # decode windows start a few tokens back so the first new token sees its left context
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
@@ -29,11 +31,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def add(self, token_ids: list[int]) -> str:
-        """Feed new tokens; returns the text now safe to send (maybe empty)."""
+    def update(self) -> str:
+        """After tokens were appended to the history: the text now safe to send (maybe empty)."""
         if self.stopped:
             return ""
-        self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT):

@@ -17,21 +17,35 @@ from tritonlm.engine.request import SamplingParams
 
 @dataclass
 class RowState:
-    """What the sampler needs to know about one sequence."""
+    """What the sampler needs to know about one sequence.
+
+    `token_ids` is the sequence's own token history (prompt + generated), shared, not
+    copied: the engine appends each new token there once and the sampler, detokenizer
+    and drafters all read the same list."""
 
     params: SamplingParams
     token_ids: list[int]  # prompt + generated so far (for penalties and bad words)
-    num_generated: int
+    num_prompt: int
     eos_id: int | None
     generator: torch.Generator | None = None
 
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
     @staticmethod
     def make(params: SamplingParams, token_ids: list[int], eos_id: int | None) -> "RowState":
+        """token_ids: the prompt, by reference (the history grows in place)."""
         gen = None
         if not params.greedy:
             gen = torch.Generator()
             gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        return RowState(params, token_ids, 0, eos_id, gen)
+        return RowState(params, token_ids, len(token_ids), eos_id, gen)
+
+    def fork(self) -> "RowState":
+        """A copy whose history can grow with guesses (drafting, verifying) without touching
+        the sequence's; the generator is shared, so draws stay one seeded stream."""
+        return RowState(self.params, list(self.token_ids), self.num_prompt, self.eos_id, self.generator)
 
 
 def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:

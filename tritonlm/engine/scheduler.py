@@ -1,4 +1,4 @@
-"""Who runs in the next forward pass.
+"""Who runs in the next forward pass, and the one owner of the KV cache accounting.
 
 Continuous (iteration-level) batching: the waiting queue is FIFO and bounded;
 a waiting request is admitted when the KV cache can reserve everything it may
@@ -7,6 +7,10 @@ Each step every running sequence brings its pending tokens: decoding ones one
 token each (they go first, so streams never stall), prefilling ones a chunk of
 their prompt from what is left of the step's token budget (chunked prefill
 keeps a long prompt from freezing everyone else's stream).
+
+The scheduler is the only component that allocates, frees, advances or rolls back
+a sequence's cache: the engine, the executor and the drafter ask it for batches
+(slot tables built from its block tables) and report what a pass wrote.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.request import ServerBusyError
 from tritonlm.engine.sequence import Sequence, SeqState
@@ -26,47 +31,58 @@ class SchedulerConfig:
     max_queue_size: int = 1024  # waiting requests; past it: "server busy"
 
 
+Plan = list[tuple[Sequence, int]]  # (sequence, how many of its pending tokens run this step)
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, cache: KVCacheManager, recompute: bool = False):
+        """recompute=True (benchmark baseline, use_kv_cache=false): every step forgets the
+        cache and runs each sequence's whole history again."""
         self.config = config
         self.cache = cache
+        self.recompute = recompute
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self._live: dict[int, Sequence] = {}  # waiting + running, by request id
 
-    def queue_room(self, pending: int) -> bool:
-        """May one more request wait? max_queue_size counts requests that must really wait:
-        those the next admission round can start right away (free running slots) are extra."""
+    # ---- the queue -------------------------------------------------------------------
+    def check_room(self, pending: int) -> None:
+        """ServerBusyError unless one more request may wait behind `pending` others.
+
+        max_queue_size counts requests that must really wait: those the next admission
+        round can start right away (free running slots) are extra."""
         free_slots = max(0, self.config.max_num_seqs - len(self.running))
-        return pending < self.config.max_queue_size + free_slots
+        if pending >= self.config.max_queue_size + free_slots:
+            raise ServerBusyError(
+                f"server busy: {pending} requests already waiting "
+                f"(max_queue_size={self.config.max_queue_size}); retry later"
+            )
 
     def add(self, seq: Sequence) -> None:
-        if not self.queue_room(len(self.waiting)):
-            raise ServerBusyError(
-                f"server busy: {len(self.waiting)} requests already waiting (max_queue_size={self.config.max_queue_size}); retry later"
-            )
+        """Queue a request the caller let in with check_room."""
         self.waiting.append(seq)
+        self._live[seq.id] = seq
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting sequences to running, oldest first, while their cache reservation fits."""
-        admitted = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.cache.can_allocate(seq.reserve_tokens):
-                break  # head-of-line waits: later, smaller requests must not starve it
-            self.waiting.popleft()
-            self.cache.allocate(seq.id, seq.reserve_tokens)
-            seq.state = SeqState.RUNNING
-            self.running.append(seq)
-            admitted.append(seq)
-        return admitted
+    def get(self, request_id: int) -> Sequence | None:
+        return self._live.get(request_id)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, number of its pending tokens to run) for this step."""
+    def sequences(self) -> list[Sequence]:
+        """Every live sequence, waiting or running."""
+        return list(self._live.values())
+
+    # ---- each step ---------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        """Admit what fits, then (sequence, number of its pending tokens to run) for this step."""
+        self._admit()
+        if self.recompute:
+            for seq in self.running:
+                if not seq.in_prefill:
+                    seq.num_computed = 0
         budget = self.config.max_num_batched_tokens
-        plan: list[tuple[Sequence, int]] = []
+        plan: Plan = []
         prefilling = []
         for seq in self.running:
-            if seq.in_prefill:
+            if seq.in_prefill and not self.recompute:
                 prefilling.append(seq)
             else:
                 n = len(seq.pending_tokens)
@@ -83,8 +99,38 @@ class Scheduler:
             plan.append((seq, min(len(seq.pending_tokens), self.config.max_num_batched_tokens)))
         return plan
 
+    def _admit(self) -> None:
+        """Move waiting sequences to running, oldest first, while their cache reservation fits."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.cache.can_allocate(seq.reserve_tokens):
+                break  # head-of-line waits: later, smaller requests must not starve it
+            self.waiting.popleft()
+            self.cache.allocate(seq.id, seq.reserve_tokens)
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
+
+    def batch(self, rows: list[tuple[Sequence, list[int]]], past: list[int], all_logits: bool = False) -> StepBatch:
+        """A forward pass's batch: rows[b] = (sequence, new tokens) on top of past[b] cached
+        tokens (the target's num_computed, or a drafter's own count)."""
+        lengths = [p + len(toks) for (_, toks), p in zip(rows, past)]
+        table = self.cache.slot_table([seq.id for seq, _ in rows], lengths)  # [B, L]
+        return StepBatch.from_slot_table([toks for _, toks in rows], past, table, all_logits)
+
+    def advance(self, seq: Sequence, num_tokens: int) -> None:
+        """A pass wrote num_tokens more positions of the sequence's cache."""
+        seq.num_computed += num_tokens
+        if seq.num_computed > self.cache.capacity(seq.id):
+            raise AssertionError(f"sequence {seq.id} wrote past its reservation")
+
+    def rollback(self, seq: Sequence, keep: int) -> None:
+        """Keep the first `keep` cached tokens (speculative rejection); later writes overwrite."""
+        if not 0 <= keep <= seq.num_computed:
+            raise ValueError(f"cannot roll sequence {seq.id} back from {seq.num_computed} to {keep} tokens")
+        seq.num_computed = keep
+
     def finish(self, seq: Sequence) -> None:
-        """Leave the batch now and give the cache back."""
+        """Leave the batch or the queue now and give the cache back."""
         if seq.state is SeqState.RUNNING:
             self.running.remove(seq)
             self.cache.free(seq.id)
@@ -93,6 +139,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        self._live.pop(seq.id, None)
         seq.state = SeqState.FINISHED
 
     @property

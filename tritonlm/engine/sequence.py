@@ -20,45 +20,62 @@ class SeqState(enum.Enum):
 @dataclass
 class Sequence:
     request: GenerationRequest
-    detok: IncrementalDetokenizer
-    sampler_row: RowState
+    token_ids: list[int]  # prompt + generated: THE token history (sampling and detok share this list)
+    sampling: RowState  # sampler settings and seeded generator, over token_ids
+    detok: IncrementalDetokenizer  # reads token_ids
     reserve_tokens: int  # KV cache tokens reserved at admission (prompt + max_tokens)
+    spec_k_max: int = 0  # speculative decoding: this request's longest draft (0: off)
+    spec_k: int = 0  # current adaptive draft length
     state: SeqState = SeqState.WAITING
-    output_ids: list[int] = field(default_factory=list)
-    output_log_probs: list[float] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    cancelled: bool = False
+    num_computed: int = 0  # tokens whose K/V are in the cache (moved only by the Scheduler)
+    draft_computed: int = 0  # tokens whose K/V are in the draft model's cache (moved by its drafter)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # non-streaming requests: what accumulates until the single final report
+    # what is generated but not yet sent: streaming requests send it as soon as it holds
+    # text; the others keep it until the single final response
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
     pending_log_probs: list[float] = field(default_factory=list)
-    # speculative decoding bookkeeping
-    draft_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: guesses proposed / accepted so far
     accepted_draft_tokens: int = 0
-    spec_k: int = 0  # current adaptive draft length
+
+    @staticmethod
+    def create(request: GenerationRequest, tokenizer, eos_id: int | None, spec_k_max: int = 0) -> "Sequence":
+        history = list(request.prompt_ids)
+        return Sequence(
+            request=request,
+            token_ids=history,
+            sampling=RowState.make(request.params, history, eos_id),
+            detok=IncrementalDetokenizer(tokenizer, history, request.params.stop_words),
+            reserve_tokens=len(history) + request.params.max_tokens,
+            spec_k_max=spec_k_max,
+            spec_k=spec_k_max,
+        )
 
     @property
     def id(self) -> int:
         return self.request.request_id
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.request.prompt_ids + self.output_ids
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.request.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def pending_tokens(self) -> list[int]:
         """Tokens not yet in the KV cache: the prompt (prefill) or the last sampled token."""
-        return self.all_ids[self.num_computed :]
+        return self.token_ids[self.num_computed :]
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.request.prompt_ids)
+        return self.num_computed < self.num_prompt_tokens
 
     def waited(self, now: float | None = None) -> float:
         return (now or time.monotonic()) - self.request.arrival

@@ -59,6 +59,11 @@ class EngineSettings:
     pipeline_micro_batches: int = 0  # micro-batches per step with pipeline parallel; 0: one per stage
     parallel_timeout_s: float = 60.0  # a collective op (or a worker start) waiting longer fails
 
+    @property
+    def is_parallel(self) -> bool:
+        """One model split over worker processes (tritonlm/engine/parallel)."""
+        return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
+
     @staticmethod
     def from_params(params: dict[str, str], model_dir: Path) -> "EngineSettings":
         model_dir = Path(model_dir)

@@ -18,11 +18,19 @@ class ModelSpec:
     max_positions: int  # context length the model supports
     dtype: torch.dtype = torch.float32
 
+    def kv_bytes_per_token(self, num_layers: int | None = None, num_kv_heads: int | None = None) -> int:
+        """KV cache bytes one token costs: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes.
+
+        The one place this formula lives. Defaults: the whole model; a tensor-parallel rank
+        passes its kv heads, a pipeline stage its layer count."""
+        layers = self.num_layers if num_layers is None else num_layers
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * layers * heads * self.head_dim * self.dtype.itemsize
+
     @property
     def bytes_per_token(self) -> int:
-        """KV cache bytes one token costs: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """KV cache bytes one token of the whole model costs."""
+        return self.kv_bytes_per_token()
 
     @staticmethod
     def from_hf_config(config, dtype: torch.dtype = torch.float32) -> "ModelSpec":

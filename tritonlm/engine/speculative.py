@@ -17,7 +17,7 @@ equals the target's argmax", so the text is identical to the target's alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -34,33 +34,31 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    def on_admit(self, seq: Sequence) -> None: ...
-    def on_free(self, seq_id: int) -> None: ...
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]: ...
-    def on_verified(self, seq: Sequence, len_before: int, accepted: int) -> None: ...
+    def on_verified(self, seq: Sequence, keep: int) -> None:
+        """The target kept the first `keep` tokens of the sequence's cache."""
 
 
 # ---- verification ------------------------------------------------------------------
 
-def verify_row(
-    logits: torch.Tensor,
-    proposal: Proposal,
-    row: RowState,
-    emit: Callable[[int, float], bool],
-) -> int:
+def verify_row(logits: torch.Tensor, proposal: Proposal, row: RowState) -> tuple[list[tuple[int, float]], int]:
     """logits [K+1, V]: the target's logits after the pending token and after each guess.
-    emit(token, logprob) appends a token to the sequence (updating `row`) and returns
-    False when the sequence finished. Returns the number of guesses accepted."""
-    accepted = 0
+
+    Returns ((token, logprob) to append, in order; guesses accepted). The distributions
+    see the accepted guesses in the history (penalties, bad words, min_tokens), on a
+    fork of `row`: the caller appends the tokens to the sequence itself."""
+    row = row.fork()
+    out: list[tuple[int, float]] = []
     for i, guess in enumerate(proposal.tokens):
         p = next_token_distribution(logits[i], row)
         q = proposal.dists[i] if i < len(proposal.dists) else None
         q_guess = 1.0 if q is None else float(q[guess])
         p_guess = float(p[guess])
         if p_guess >= q_guess or (p_guess > 0 and _uniform(row) < p_guess / q_guess):
-            accepted += 1
-            if not emit(guess, _logprob(logits[i], row, guess)):
-                return accepted
+            out.append((guess, _logprob(logits[i], row, guess)))
+            if guess == row.eos_id:  # the sequence ends here: nothing after it counts
+                return out, len(out)
+            row.token_ids.append(guess)
             continue
         residual = p.clone()
         if q is None:
@@ -68,12 +66,12 @@ def verify_row(
         else:
             residual = torch.clamp(p - q, min=0.0)
         token = _draw(residual, row)
-        emit(token, _logprob(logits[i], row, token))
-        return accepted
-    p = next_token_distribution(logits[len(proposal.tokens)], row)
-    token = _draw(p, row)
-    emit(token, _logprob(logits[len(proposal.tokens)], row, token))
-    return accepted
+        out.append((token, _logprob(logits[i], row, token)))
+        return out, i
+    k = len(proposal.tokens)
+    token = _draw(next_token_distribution(logits[k], row), row)
+    out.append((token, _logprob(logits[k], row, token)))
+    return out, k
 
 
 def _uniform(row: RowState) -> float:
@@ -82,8 +80,10 @@ def _uniform(row: RowState) -> float:
 
 def _draw(weights: torch.Tensor, row: RowState) -> int:
     total = float(weights.sum())
-    if total <= 0:  # p == q exactly: nothing left to correct with; any p-token is fine
-        raise AssertionError("empty residual distribution")
+    if total <= 0:
+        # cannot happen for a rejected guess (p(guess) < q(guess) leaves mass elsewhere in
+        # p - q); an all-zero distribution means the logits were not finite
+        raise ValueError("empty distribution to draw from (non-finite logits?)")
     if row.params.greedy or row.generator is None:
         return int(torch.argmax(weights))
     return int(torch.multinomial(weights / total, 1, generator=row.generator))
@@ -104,17 +104,11 @@ class PromptLookupDrafter:
     def __init__(self, ngram: int = 3):
         self.ngram = ngram
 
-    def on_admit(self, seq: Sequence) -> None:
-        pass
-
-    def on_free(self, seq_id: int) -> None:
-        pass
-
-    def on_verified(self, seq: Sequence, len_before: int, accepted: int) -> None:
+    def on_verified(self, seq: Sequence, keep: int) -> None:
         pass
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        return [Proposal(lookup(seq.all_ids, k, self.ngram)) for seq, k in zip(seqs, ks)]
+        return [Proposal(lookup(seq.token_ids, k, self.ngram)) for seq, k in zip(seqs, ks)]
 
 
 def lookup(ids: list[int], k: int, max_ngram: int) -> list[int]:
@@ -130,61 +124,48 @@ def lookup(ids: list[int], k: int, max_ngram: int) -> list[int]:
 
 
 class DraftModelDrafter:
-    """A small model with the target's vocabulary, with its own paged KV cache kept in
-    step with the target's (same sequence ids, same block count)."""
+    """A small model with the target's vocabulary. Its KV pool has as many slots as the
+    target's and is indexed by the SAME block tables (the scheduler's), so admission and
+    release cover both models; the drafter only counts how far its own cache has got
+    (`Sequence.draft_computed`)."""
 
     def __init__(self, runner, target_cache: KVCacheManager):
         self.runner = runner
-        bytes_budget = (target_cache.num_blocks) * target_cache.block_size * runner.spec.bytes_per_token
-        self.cache = KVCacheManager(runner.spec, bytes_budget, target_cache.block_size, device=runner.device)
-        self.computed: dict[int, int] = {}  # seq id -> tokens in the draft cache
-
-    def on_admit(self, seq: Sequence) -> None:
-        self.cache.allocate(seq.id, seq.reserve_tokens)
-        self.computed[seq.id] = 0
-
-    def on_free(self, seq_id: int) -> None:
-        self.cache.free(seq_id)
-        self.computed.pop(seq_id, None)
+        self.cache = target_cache  # read only: slot tables
+        self.pool = runner.allocate_kv(target_cache.num_slots)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         proposals = [Proposal([]) for _ in seqs]
-        rows = [RowState(s.sampler_row.params, list(s.sampler_row.token_ids), s.sampler_row.num_generated,
-                         s.sampler_row.eos_id, s.sampler_row.generator) for s in seqs]
+        rows = [seq.sampling.fork() for seq in seqs]
         # round 0 catches the draft up on everything it has not seen (the prompt at first)
-        feeds = [seq.all_ids[self.computed[seq.id]:] for seq in seqs]
+        feeds = [seq.token_ids[seq.draft_computed :] for seq in seqs]
         active = list(range(len(seqs)))
         for step in range(max(ks)):
             active = [i for i in active if ks[i] > step]
             if not active:
                 break
-            logits = self._run([seqs[i] for i in active], [feeds[i] for i in active])
+            logits = self._run([seqs[i] for i in active], [feeds[i] for i in active])  # [b, V]
             for row_index, i in enumerate(active):
                 q = next_token_distribution(logits[row_index], rows[i])
                 guess = _draw(q, rows[i])
                 proposals[i].tokens.append(guess)
                 proposals[i].dists.append(None if rows[i].params.greedy else q)
                 rows[i].token_ids.append(guess)
-                rows[i].num_generated += 1
                 feeds[i] = [guess]
         return proposals
 
     def _run(self, seqs: list[Sequence], feeds: list[list[int]]) -> torch.Tensor:
-        past = [self.computed[s.id] for s in seqs]
-        slots = [self.cache.slots(s.id, p + len(f)) for s, p, f in zip(seqs, past, feeds)]
-        logits = self.runner.forward(StepBatch.build(feeds, past, slots), self.cache.pool)
+        past = [s.draft_computed for s in seqs]
+        lengths = [p + len(f) for p, f in zip(past, feeds)]
+        table = self.cache.slot_table([s.id for s in seqs], lengths)
+        logits = self.runner.forward(StepBatch.from_slot_table(feeds, past, table), self.pool)
         for s, f in zip(seqs, feeds):
-            self.cache.advance(s.id, len(f))
-            self.computed[s.id] += len(f)
+            s.draft_computed += len(f)
         return logits
 
-    def on_verified(self, seq: Sequence, len_before: int, accepted: int) -> None:
-        """The draft saw positions < len_before + K - 1; keep what the target accepted."""
-        if seq.id not in self.computed:
-            return
-        keep = min(self.computed[seq.id], len_before + accepted)
-        self.cache.truncate(seq.id, keep)
-        self.computed[seq.id] = keep
+    def on_verified(self, seq: Sequence, keep: int) -> None:
+        """The draft saw positions < len_before + K - 1; keep what the target kept."""
+        seq.draft_computed = min(seq.draft_computed, keep)
 
 
 class AdaptiveK:

@@ -380,13 +380,21 @@ def _check_options(opts: ExportOptions) -> None:
 
 
 def _check_same_tokenizer(tok, dtok, model: str, draft: str) -> None:
-    a, b = tok.get_vocab(), dtok.get_vocab()
-    if a != b:
-        diff = len(set(a.items()) ^ set(b.items()))
+    """The engine's check (it would refuse this draft at load), worded for the export's options."""
+    from tritonlm.engine.tokenizer import TokenizerMismatch, check_same_tokenizer
+
+    try:
+        check_same_tokenizer(tok, dtok, draft)
+    except TokenizerMismatch as e:
+        def where(token_id) -> str:
+            return "absent" if token_id is None else f"id {token_id}"
+
         raise ExportError(
-            f"--draft {draft} does not share the tokenizer of {model} (vocabularies of {len(a)} and {len(b)} "
-            f"tokens, {diff} entries differ): pick a draft model of the same family/tokenizer"
-        )
+            f"--draft {draft} does not share the tokenizer of {model} (vocabularies of {e.target_size} and "
+            f"{e.draft_size} tokens; {e.differ} of {e.total} tokens differ, e.g. {e.example!r}: "
+            f"{where(e.target_id)} in {model}, {where(e.draft_id)} in the draft): "
+            "pick a draft model of the same family/tokenizer"
+        ) from None
 
 
 def _write_forward_models(staging, repo, name, formats, model, info, spec, runtime, batching, opts, progress, out):

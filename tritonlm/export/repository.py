@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tritonlm.engine.memory import DEFAULT_FULL_SEQUENCES, default_kv_budget
 from tritonlm.engine.spec import ModelSpec
 from tritonlm.export.wrapper import input_names, output_names
+from tritonlm.protocol import INPUTS, OUTPUTS
 
 
 class ConfigError(ValueError):
@@ -164,38 +166,6 @@ def forward_config(name: str, fmt: str, spec: ModelSpec, runtime: str, batching:
 
 # ---- the generation entry ---------------------------------------------------------------
 
-GENERATE_INPUTS: list[tuple[str, str, list[int], bool]] = [
-    # name, type, dims, optional
-    ("text_input", "TYPE_STRING", [1], False),
-    ("max_tokens", "TYPE_INT32", [1], True),
-    ("stream", "TYPE_BOOL", [1], True),
-    ("exclude_input_in_output", "TYPE_BOOL", [1], True),
-    ("min_tokens", "TYPE_INT32", [1], True),
-    ("min_length", "TYPE_INT32", [1], True),
-    ("end_id", "TYPE_INT32", [1], True),
-    ("pad_id", "TYPE_INT32", [1], True),
-    ("top_k", "TYPE_INT32", [1], True),
-    ("num_draft_tokens", "TYPE_INT32", [1], True),
-    ("temperature", "TYPE_FP32", [1], True),
-    ("top_p", "TYPE_FP32", [1], True),
-    ("repetition_penalty", "TYPE_FP32", [1], True),
-    ("seed", "TYPE_UINT64", [1], True),
-    ("stop_words", "TYPE_STRING", [-1], True),
-    ("bad_words", "TYPE_STRING", [-1], True),
-    ("return_log_probs", "TYPE_BOOL", [1], True),
-]
-
-GENERATE_OUTPUTS: list[tuple[str, str, list[int]]] = [
-    ("text_output", "TYPE_STRING", [-1]),
-    ("finish_reason", "TYPE_STRING", [1]),
-    ("num_input_tokens", "TYPE_INT32", [1]),
-    ("num_output_tokens", "TYPE_INT32", [1]),
-    ("output_log_probs", "TYPE_FP32", [-1]),
-    ("acceptance_rate", "TYPE_FP32", [1]),
-    ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
-    ("total_draft_tokens", "TYPE_INT32", [1]),
-]
-
 
 def generate_config_text(
     name: str,
@@ -241,16 +211,18 @@ def generate_config_text(
         "max_batch_size: 0\n"
         "model_transaction_policy { decoupled: true }\n"
     )
-    text += "input [\n" + ",\n".join(_tensor(n, t, d, o) for n, t, d, o in GENERATE_INPUTS) + "\n]\n"
-    text += "output [\n" + ",\n".join(_tensor(n, t, d) for n, t, d in GENERATE_OUTPUTS) + "\n]\n"
+    # inputs and outputs: the contract in tritonlm/protocol.py (outputs have no `optional`)
+    text += "input [\n" + ",\n".join(_tensor(t.name, t.config_type, list(t.dims), t.optional) for t in INPUTS) + "\n]\n"
+    text += "output [\n" + ",\n".join(_tensor(t.name, t.config_type, list(t.dims)) for t in OUTPUTS) + "\n]\n"
     text += _instance(device, instances)
     text += _params(params)
     return text
 
 
-def default_kv_cache_bytes(spec: ModelSpec, max_context: int, sequences: int = 8, block: int = 16) -> int:
-    """Room for `sequences` full-context sequences (rounded up to a KV block each)."""
-    return sequences * (max_context + block) * spec.bytes_per_token
+def default_kv_cache_bytes(spec: ModelSpec, max_context: int, sequences: int = DEFAULT_FULL_SEQUENCES, block: int = 16) -> int:
+    """Room for `sequences` full-context sequences (the engine's default budget, see
+    tritonlm/engine/memory.py)."""
+    return default_kv_budget(spec.bytes_per_token, max_context, block, sequences)
 
 
 def write_generate_config(model_dir: Path, name: str | None = None, **kwargs) -> Path:

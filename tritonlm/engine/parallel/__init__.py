@@ -21,8 +21,7 @@ KV budget: kv_cache_bytes is the whole model's budget; rank r holds its share
 each stage its layers' share). See README.md in this folder for instances and budgets.
 
     runner = load_parallel_runner(settings)        # or ParallelRunner(ParallelConfig(...))
-    cache = KVCacheManager(runner.spec, budget, block, allocate_pool=False)
-    runner.allocate_kv(cache.num_blocks * cache.block_size)
+    cache = KVCacheManager(runner.spec, budget, block, allocate_kv=runner.allocate_kv)  # pool: None
     logits = runner.forward(batch, None)
     runner.close()
 """
@@ -32,7 +31,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from tritonlm.engine.engine import Engine
 from tritonlm.engine.parallel.runner import (
     ParallelConfig,
     ParallelError,
@@ -47,21 +45,14 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "ParallelConfig",
-    "ParallelEngine",
     "ParallelError",
     "ParallelRunner",
     "WorkerFailure",
-    "build_parallel_engine",
-    "is_parallel",
     "kv_bytes_per_token_per_rank",
     "load_parallel_runner",
     "rank_devices",
     "validate_parallel",
 ]
-
-
-def is_parallel(settings) -> bool:
-    return getattr(settings, "tensor_parallel_size", 1) > 1 or getattr(settings, "pipeline_parallel_size", 1) > 1
 
 
 def load_parallel_runner(settings) -> ParallelRunner:
@@ -101,26 +92,3 @@ def unload_from_triton(model_name: str):
         threading.Thread(target=unload, name=f"tritonlm-unload-{model_name}", daemon=True).start()
 
     return hook
-
-
-class ParallelEngine(Engine):
-    """An Engine that also stops its runner's worker processes when it shuts down."""
-
-    def shutdown(self, *args, **kwargs):
-        try:
-            return super().shutdown(*args, **kwargs)
-        finally:
-            close = getattr(self.runner, "close", None)
-            if close is not None:
-                close()
-
-
-def build_parallel_engine(settings, observer, tokenizer, build_engine):
-    """loader.build_engine's branch for tensor/pipeline parallel settings: start the ranks,
-    then build the engine around them; if anything after the start fails, the workers stop."""
-    runner = load_parallel_runner(settings)
-    try:
-        return build_engine(settings, observer, runner=runner, tokenizer=tokenizer)
-    except BaseException:
-        runner.close()
-        raise

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tritonlm.engine.batch import StepBatch
-from tritonlm.engine.parallel.shard import Comm
+from tritonlm.engine.runners.transformer import Comm
 
 LOOPBACK = "127.0.0.1"
 
@@ -88,7 +88,7 @@ def make_store(rank: int, world: int, port: int, timeout_s: float) -> dist.TCPSt
 
 
 class ProcessComm(Comm):
-    """Collectives over this runner's own process group."""
+    """Collectives over this runner's own process group (and the pipeline's send/recv)."""
 
     def __init__(self, store, rank: int, world: int, device: str | torch.device, timeout_s: float):
         self.rank, self.world = rank, world

@@ -1,11 +1,11 @@
 """ParallelRunner: the engine-side face of a model split over processes.
 
-The engine process is rank 0: it holds shard 0 (1/N of the weights and of the KV cache)
-and computes like any other rank; ranks 1..N-1 are worker processes it starts (children
-of the engine process, see worker.py). It implements the Runner protocol
-(`spec`, `device`, `forward(batch, pool) -> logits`) so the Engine is unchanged: the
-KVCacheManager keeps doing block accounting for the whole model (made with
-allocate_pool=False) and this runner's ranks hold the pool tensors, sharded.
+The engine process is rank 0: it holds share 0 (1/N of the weights and of the KV cache,
+a runners.transformer.Transformer slice) and computes like any other rank; ranks 1..N-1
+are worker processes it starts (children of the engine process, see worker.py). It
+implements the Runner protocol so the Engine is unchanged: `allocate_kv(num_slots)` has
+every rank allocate its share and returns None (the KVCacheManager keeps doing block
+accounting for the whole model, with no pool of its own), and `forward` ignores `pool`.
 
 Per step (forward): rank 0 validates the batch (plan_step), sends its index tensors to
 every worker over the control socket, and all ranks run their shard:
@@ -40,14 +40,10 @@ import torch
 
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.parallel.comm import ProcessComm, batch_fields, make_store, pack, unpack
-from tritonlm.engine.parallel.steps import (
-    load_shard,
-    memory_line,
-    micro_batch_bounds,
-    run_pp_step,
-    run_tp_step,
-)
+from tritonlm.engine.kv_cache import KVPool
+from tritonlm.engine.parallel.steps import load_shard, memory_line, micro_batch_bounds, run_pp_step, run_tp_step
 from tritonlm.engine.runners.base import plan_step
+from tritonlm.engine.runners.transformer import split_range
 from tritonlm.engine.settings import SettingsError
 from tritonlm.engine.spec import ModelSpec
 
@@ -83,9 +79,8 @@ class ParallelConfig:
 
     @staticmethod
     def from_settings(settings) -> "ParallelConfig":
+        """EngineSettings.from_params already refused setting both sizes."""
         tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
-        if tp > 1 and pp > 1:
-            raise SettingsError("tensor_parallel_size / pipeline_parallel_size: combining both is not supported")
         mode, size = ("tensor", tp) if tp > 1 else ("pipeline", pp)
         return ParallelConfig(
             hf_dir=str(settings.hf_dir),
@@ -135,17 +130,12 @@ def validate_parallel(spec: ModelSpec, tensor_parallel_size: int = 1, pipeline_p
 
 def kv_bytes_per_token_per_rank(spec: ModelSpec, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> list[int]:
     """KV bytes one token costs on each rank (for a capacity planner): TP splits the kv
-    heads (total / N each), PP the layers (each stage its own layers' share)."""
-    from tritonlm.engine.parallel.shard import split_range
-
+    heads, PP the layers (each rank the share its Transformer slice holds)."""
     if tensor_parallel_size > 1:
-        return [spec.bytes_per_token // tensor_parallel_size] * tensor_parallel_size
-    per_layer = spec.bytes_per_token // spec.num_layers
-    out = []
-    for s in range(pipeline_parallel_size):
-        lo, hi = split_range(spec.num_layers, pipeline_parallel_size, s)
-        out.append(per_layer * (hi - lo))
-    return out
+        heads = [split_range(spec.num_kv_heads, tensor_parallel_size, r) for r in range(tensor_parallel_size)]
+        return [spec.kv_bytes_per_token(num_kv_heads=hi - lo) for lo, hi in heads]
+    layers = [split_range(spec.num_layers, pipeline_parallel_size, r) for r in range(pipeline_parallel_size)]
+    return [spec.kv_bytes_per_token(num_layers=hi - lo) for lo, hi in layers]
 
 
 def python_executable() -> str:
@@ -200,8 +190,6 @@ def _kill_all(workers: list[_Worker]) -> None:
 class ParallelRunner:
     """Runner protocol over N ranks; see the module docstring."""
 
-    owns_kv_pool = True  # the engine's KVCacheManager must not allocate a pool (see loader)
-
     def __init__(self, config: ParallelConfig):
         from transformers import AutoConfig
 
@@ -251,10 +239,11 @@ class ParallelRunner:
                 "init", mode=self.mode, hf_dir=cfg.hf_dir, device=self.devices[rank], dtype=dtype,
                 threads=threads, timeout_s=cfg.timeout_s,
             ))
-        # rank 0's own shard loads while the workers load theirs
-        self.shard, self.logits_width = load_shard(self.mode, cfg.hf_dir, 0, self.world, self.devices[0], cfg.dtype)
-        self.spec: ModelSpec = self.shard.spec
-        self.max_positions = self.shard.max_positions
+        # rank 0's own share loads while the workers load theirs
+        self.model, self.logits_width = load_shard(self.mode, cfg.hf_dir, 0, self.world, self.devices[0], cfg.dtype)
+        self.pool: KVPool | None = None  # rank 0's share of the KV cache (allocate_kv)
+        self.spec: ModelSpec = self.model.spec
+        self.max_positions = self.model.max_positions
         deadline = time.monotonic() + cfg.start_timeout_s
         for w in self._workers:
             w.info = self._expect(w, "loaded", deadline)
@@ -380,7 +369,7 @@ class ParallelRunner:
     def forward(self, batch: StepBatch, pool=None) -> torch.Tensor:
         """`pool` is ignored: the KV pool lives sharded in the ranks (allocate_kv)."""
         self._check()
-        if self.shard.pool is None:
+        if self.pool is None:
             raise RuntimeError("ParallelRunner.allocate_kv(num_slots) must run before forward")
         plan_step(batch, torch.device("cpu"), self.max_positions)  # a bad batch fails here, before any rank moves
         bounds = None
@@ -393,8 +382,8 @@ class ParallelRunner:
                 for w in self._workers:
                     w.conn.send_bytes(msg)
                 if self.mode == "tensor":
-                    return run_tp_step(self.shard, self.comm, batch)
-                return run_pp_step(self.shard, self.comm, batch, bounds, self.logits_width)
+                    return run_tp_step(self.model, self.pool, self.comm, batch)
+                return run_pp_step(self.model, self.pool, self.comm, batch, bounds, self.logits_width)
             except Exception as e:
                 time.sleep(0.3)  # let the monitor name a dead worker first: a clearer reason than a socket error
                 self._fail(f"a {self.mode}-parallel step failed: {type(e).__name__}: {e}")
@@ -403,12 +392,15 @@ class ParallelRunner:
     __call__ = forward
 
     # ---- KV cache -------------------------------------------------------------------------
-    def allocate_kv(self, num_slots: int) -> int:
-        """Every rank allocates its share of num_slots slots; returns the bytes of all ranks."""
+    def allocate_kv(self, num_slots: int) -> None:
+        """Every rank allocates its share of num_slots slots. None: the ranks hold the
+        tensors (memory_report() has each rank's bytes)."""
         self._check()
         with self._lock:
-            total = self.shard.allocate_kv(num_slots)
-            print(f"tritonlm-parallel {memory_line(self.config.name, self.mode, 0, self.world, self.shard)}",
+            self.pool = None  # the old pool goes first: never two at once
+            self.pool = self.model.allocate_kv(num_slots)
+            total = self.pool.nbytes
+            print(f"tritonlm-parallel {memory_line(self.config.name, self.mode, 0, self.world, self.model, self.pool)}",
                   file=sys.stderr, flush=True)
             for w in self._workers:
                 w.conn.send_bytes(pack("alloc_kv", num_slots=num_slots))
@@ -418,7 +410,6 @@ class ParallelRunner:
             "model %s: KV cache of %d slots split over %d ranks: %s bytes/token per rank, %d bytes in all",
             self.config.name, num_slots, self.world, self.kv_bytes_per_token_per_rank, total,
         )
-        return total
 
     @property
     def kv_bytes_per_token_per_rank(self) -> list[int]:
@@ -444,8 +435,8 @@ class ParallelRunner:
     def memory_report(self) -> list[dict]:
         """Per rank: pid, device, weight_bytes and kv_bytes of the tensors it holds."""
         self._check()
-        rows = [{"rank": 0, "pid": os.getpid(), "device": str(self.shard.device),
-                 "weight_bytes": self.shard.weight_bytes(), "kv_bytes": self.shard.kv_bytes()}]
+        rows = [{"rank": 0, "pid": os.getpid(), "device": str(self.model.device),
+                 "weight_bytes": self.model.weight_bytes(), "kv_bytes": 0 if self.pool is None else self.pool.nbytes}]
         with self._lock:
             for w in self._workers:
                 w.conn.send_bytes(pack("report"))

@@ -1,7 +1,8 @@
 """A parallel worker process: `python -m tritonlm.engine.parallel.worker --fd N --parent PID ...`.
 
-Started by ParallelRunner (never by hand). It loads its shard, joins the runner's process
-group, then serves control messages until `stop`, or until its parent goes away:
+Started by ParallelRunner (never by hand). It loads its share of the model, joins the
+runner's process group, then serves control messages until `stop`, or until its parent
+goes away:
     - PR_SET_PDEATHSIG(SIGKILL) when the spawning thread is the parent's main thread
       (the signal follows the creating THREAD, so it is only asked for when that thread
       lives as long as the process);
@@ -61,7 +62,8 @@ def serve(conn, args) -> int:
     import torch
 
     from tritonlm.engine.parallel.comm import ProcessComm, batch_from_fields, make_store, pack, unpack
-    from tritonlm.engine.parallel.steps import free_memory, load_shard, memory_line, run_pp_step, run_tp_step
+    from tritonlm.engine.memory import free_memory_bytes
+    from tritonlm.engine.parallel.steps import load_shard, memory_line, run_pp_step, run_tp_step
 
     kind, cfg = unpack(conn.recv_bytes())
     assert kind == "init", kind
@@ -72,12 +74,12 @@ def serve(conn, args) -> int:
         torch.cuda.set_device(torch.device(device))
     try:
         dtype = getattr(torch, cfg["dtype"]) if cfg["dtype"] else None
-        shard, width = load_shard(cfg["mode"], cfg["hf_dir"], args.rank, args.world, device, dtype)
+        model, width = load_shard(cfg["mode"], cfg["hf_dir"], args.rank, args.world, device, dtype)
     except Exception:
         conn.send_bytes(pack("error", message=traceback.format_exc()))
         return 1
-    conn.send_bytes(pack("loaded", pid=os.getpid(), weight_bytes=shard.weight_bytes(),
-                         free_memory=free_memory(device), logits_width=width))
+    conn.send_bytes(pack("loaded", pid=os.getpid(), weight_bytes=model.weight_bytes(),
+                         free_memory=free_memory_bytes(device), logits_width=width))
     kind, f = unpack(conn.recv_bytes())
     if kind == "stop":
         return 0
@@ -86,21 +88,23 @@ def serve(conn, args) -> int:
     comm = ProcessComm(store, args.rank, args.world, device, cfg["timeout_s"])
     conn.send_bytes(pack("ready"))
     mode = cfg["mode"]
+    pool = None  # this rank's KV pool (alloc_kv)
     while True:
         kind, f = unpack(conn.recv_bytes())
         if kind == "step":
             batch = batch_from_fields(f)
             if mode == "tensor":
-                run_tp_step(shard, comm, batch)
+                run_tp_step(model, pool, comm, batch)
             else:
-                run_pp_step(shard, comm, batch, f["bounds"])
+                run_pp_step(model, pool, comm, batch, f["bounds"])
         elif kind == "alloc_kv":
-            n = shard.allocate_kv(f["num_slots"])
-            _say(memory_line(args.name, mode, args.rank, args.world, shard))
-            conn.send_bytes(pack("kv", kv_bytes=n))
+            pool = None  # the old pool goes first: never two at once
+            pool = model.allocate_kv(f["num_slots"])
+            _say(memory_line(args.name, mode, args.rank, args.world, model, pool))
+            conn.send_bytes(pack("kv", kv_bytes=pool.nbytes))
         elif kind == "report":
-            conn.send_bytes(pack("report", rank=args.rank, pid=os.getpid(), device=str(shard.device),
-                                 weight_bytes=shard.weight_bytes(), kv_bytes=shard.kv_bytes()))
+            conn.send_bytes(pack("report", rank=args.rank, pid=os.getpid(), device=str(model.device),
+                                 weight_bytes=model.weight_bytes(), kv_bytes=0 if pool is None else pool.nbytes))
         elif kind == "stop":
             comm.shutdown()
             return 0

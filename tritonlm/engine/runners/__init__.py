@@ -3,7 +3,8 @@
     load_runner("torch", model_or_hf_dir, device="cpu")                       -> TorchRunner
     load_runner("onnx", model_or_config_or_hf_dir, onnx_path=PATH, device="cpu") -> OnnxRunner
 
-Both follow runners.base.Runner: `spec`, `device`, `forward(batch, pool) -> logits`.
+Both follow runners.base.Runner: `spec`, `device`, `allocate_kv(num_slots) -> KVPool`,
+`forward(batch, pool) -> logits`, `close()`.
 """
 
 from __future__ import annotations

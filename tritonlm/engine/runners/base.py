@@ -3,6 +3,9 @@
 A runner turns a `StepBatch` (K new tokens per sequence on top of a cached past) into
 logits, and writes the new tokens' keys/values into the `KVPool` in place:
 
+    allocate_kv(num_slots) -> KVPool | None
+        the pool this runner reads and writes (its device, its KV dtype); None when the
+        runner's ranks hold the tensors themselves (ParallelRunner)
     forward(batch, pool) -> logits
         writes  pool.k[l][slot_table[b, past_len[b] + t]] (and .v) for every layer l and
                 every VALID new token t < num_new[b]; padding entries (t >= num_new[b])
@@ -10,8 +13,10 @@ logits, and writes the new tokens' keys/values into the `KVPool` in place:
         returns float32 [B, V]     logits of each row's last valid new token (all_logits False)
                 float32 [B, T, V]  logits of every new token (all_logits True; rows past
                                    num_new[b] are don't-care)
+    close()
+        frees what the runner holds outside this process (worker processes); no-op otherwise
 
-`StepPlan` is the per-step bookkeeping both runners share (computed once, on the host,
+`StepPlan` is the per-step bookkeeping every runner shares (computed once, on the host,
 from the batch's CPU tensors, then moved to the runner's device).
 """
 
@@ -23,18 +28,22 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tritonlm.engine.batch import StepBatch
-from tritonlm.engine.kv_cache import KVPool
+from tritonlm.engine.kv_cache import SCRATCH_SLOT, KVPool
 from tritonlm.engine.spec import ModelSpec
-
-SCRATCH_SLOT = 0  # KVCacheManager keeps slot 0 out of circulation: padding writes land here
 
 
 @runtime_checkable
 class Runner(Protocol):
-    spec: ModelSpec
+    spec: ModelSpec  # spec.dtype: the KV pool's dtype
     device: torch.device
 
-    def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:  # pragma: no cover - protocol
+    def allocate_kv(self, num_slots: int) -> KVPool | None:  # pragma: no cover - protocol
+        ...
+
+    def forward(self, batch: StepBatch, pool: KVPool | None) -> torch.Tensor:  # pragma: no cover - protocol
+        ...
+
+    def close(self) -> None:  # pragma: no cover - protocol
         ...
 
 
@@ -115,8 +124,8 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
     valid = torch.arange(width).unsqueeze(0) < num_new.unsqueeze(1)  # [B, T]
     slot_table = batch.slot_table[:, :max_total].to(torch.int64)  # [B, L]
     new_slots = torch.gather(slot_table, 1, positions)  # [B, T]
-    # NOT batch.new_slots() as-is: its padding entries repeat the last valid slot, and a
-    # padding write there would race the real token's write. Padding goes to scratch.
+    # positions clamp padding to the last valid slot: a padding write there would race
+    # the real token's write, so padding goes to scratch.
     write_slots = torch.where(valid, new_slots, torch.full_like(new_slots, SCRATCH_SLOT))
 
     def dev(t: torch.Tensor) -> torch.Tensor:

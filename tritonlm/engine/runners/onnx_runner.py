@@ -128,6 +128,12 @@ class OnnxRunner:
         self.spec = ModelSpec.from_hf_config(config, dtype=self.dtype)
         self.max_positions = self.spec.max_positions if self.spec.architecture == "gpt2" else None
 
+    def allocate_kv(self, num_slots: int) -> KVPool:
+        return KVPool.for_spec(self.spec, num_slots, self.device)
+
+    def close(self) -> None:
+        pass
+
     # ---- step inputs ----------------------------------------------------------------
     def _inputs(self, plan: StepPlan, pool: KVPool) -> dict[str, torch.Tensor]:
         """Contiguous torch tensors on self.device, in the artifact's declared dtypes."""

@@ -1,0 +1,159 @@
+"""After a step: append each sequence's new tokens to its history, check the stop
+conditions, detokenize, report to the client, and retire finished sequences at once
+(their cache goes back to the pool before the next step).
+
+Events go out through the request's callback on the engine thread; a callback must
+not block, and one that raises is logged and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tritonlm.engine.executor import StepOutput
+from tritonlm.engine.request import GenerationEvent
+from tritonlm.engine.scheduler import Scheduler
+from tritonlm.engine.sequence import Sequence, SeqState
+
+log = logging.getLogger(__name__)
+
+
+class EngineObserver(Protocol):
+    """Hooks for metrics (bridged to Triton's metrics by the glue)."""
+
+    def on_step(self, batch_size: int, num_tokens: int, seconds: float) -> None: ...
+    def on_first_token(self, ttft_s: float) -> None: ...
+    def on_token(self) -> None: ...
+    def on_finish(self, reason: str, time_per_output_token_s: float | None) -> None: ...
+    def on_speculation(self, proposed: int, accepted: int) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_generated: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    max_kv_used_bytes: int = 0  # high-water mark of the cache accounting
+    max_batch_size: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, max_context: int, observer: EngineObserver | None = None):
+        self.scheduler = scheduler
+        self.max_context = max_context
+        self.observer = observer
+        self.stats = EngineStats()
+
+    def process(self, step: StepOutput) -> None:
+        self.stats.steps += 1
+        self.stats.max_batch_size = max(self.stats.max_batch_size, step.batch_size)
+        self.stats.max_kv_used_bytes = max(self.stats.max_kv_used_bytes, self.scheduler.cache.used_bytes)
+        if self.observer:
+            self.observer.on_step(step.batch_size, step.num_tokens, step.seconds)
+        now = time.monotonic()
+        for out in step.rows:
+            seq = out.seq
+            if out.error is not None:
+                self.fail(seq, out.error)
+                continue
+            used = self._append(seq, out.tokens, now)
+            if out.proposed:
+                accepted = min(out.accepted, used)  # guesses after the sequence ended do not count
+                seq.draft_tokens += out.proposed
+                seq.accepted_draft_tokens += accepted
+                if self.observer:
+                    self.observer.on_speculation(out.proposed, accepted)
+
+    def _append(self, seq: Sequence, tokens: list[tuple[int, float]], now: float) -> int:
+        """Add tokens in order until the sequence finishes; returns how many were used."""
+        for used, (token, logprob) in enumerate(tokens, start=1):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                if self.observer:
+                    self.observer.on_first_token(now - seq.request.arrival)
+            seq.last_token_time = now
+            eos = seq.sampling.eos_id
+            if eos is not None and token == eos:
+                self.finish(seq, "stop")
+                return used
+            seq.token_ids.append(token)
+            self.stats.tokens_generated += 1
+            if self.observer:
+                self.observer.on_token()
+            text = seq.detok.update()
+            self._report(seq, text, token, logprob)
+            if seq.detok.stopped:
+                self.finish(seq, "stop")
+                return used
+            if seq.num_output_tokens >= seq.request.params.max_tokens or seq.num_tokens >= self.max_context:
+                self.finish(seq, "length")
+                return used
+        return len(tokens)
+
+    def _report(self, seq: Sequence, text: str, token: int, logprob: float) -> None:
+        """Accumulate; a streaming request gets an event as soon as there is text to show
+        (tokens whose text is held back, an incomplete character, ride with the next one)."""
+        seq.pending_text.append(text)
+        seq.pending_ids.append(token)
+        if seq.request.params.return_log_probs:
+            seq.pending_log_probs.append(logprob)
+        if seq.request.stream and text:
+            self._emit(seq, GenerationEvent(seq.id, **self._take_pending(seq)))
+
+    @staticmethod
+    def _take_pending(seq: Sequence) -> dict:
+        out = {"text": "".join(seq.pending_text), "token_ids": seq.pending_ids, "log_probs": seq.pending_log_probs}
+        seq.pending_text, seq.pending_ids, seq.pending_log_probs = [], [], []
+        return out
+
+    # ---- endings ----------------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """stop | length | cancelled: the rest of the text and the final event."""
+        if seq.state is SeqState.FINISHED:
+            return
+        tail = "" if reason == "cancelled" else seq.detok.flush()
+        self._retire(seq, reason)
+        if self.observer:
+            n = seq.num_output_tokens
+            tpot = (seq.last_token_time - seq.first_token_time) / (n - 1) if n > 1 and seq.first_token_time else None
+            self.observer.on_finish(reason, tpot)
+        seq.pending_text.append(tail)
+        self._emit(seq, GenerationEvent(
+            seq.id,
+            **self._take_pending(seq),
+            finished=True,
+            finish_reason=reason,
+            num_input_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            draft_tokens=seq.draft_tokens,
+            accepted_draft_tokens=seq.accepted_draft_tokens,
+        ))
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        if seq.state is SeqState.FINISHED:
+            return
+        self._retire(seq, "error")
+        if self.observer:
+            self.observer.on_finish("error", None)
+        self._emit(seq, GenerationEvent(
+            seq.id,
+            finished=True,
+            finish_reason="error",
+            error=message,
+            num_input_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        ))
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)  # leaves the batch, cache back to the pool (the draft's too)
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    @staticmethod
+    def _emit(seq: Sequence, event: GenerationEvent) -> None:
+        try:
+            seq.request.on_event(event)
+        except Exception:  # a broken client callback must not take the loop down
+            log.exception("event callback failed for request %s", seq.id)

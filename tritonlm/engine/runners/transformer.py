@@ -1,0 +1,528 @@
+"""One transformer (GPT-2 or Llama): plain weight tensors and a handful of layer functions.
+
+gpt-fast style: the weights are pulled out of a loaded HF model into Proj / Norm / Layer
+tensors (GPT-2 Conv1D and Llama Linear layouts unified to `y = x @ w + b`, w [in, out]);
+the forward pass is the few functions below. The same code runs everywhere:
+
+    whole model     Transformer.from_hf(model, device, dtype)        (TorchRunner)
+    tensor parallel .tensor_slice(rank, world), Megatron style: column-parallel q/k/v
+                    (heads [h0, h1), kv heads [g0, g1)) and fc / gate / up; row-parallel
+                    o / down followed by an ALL-REDUCE, their biases added once after it;
+                    vocab-parallel embedding (ids outside the rank's rows give zeros) and an
+                    ALL-REDUCE; vocab-parallel LM head whose columns are GATHERED to rank 0
+    pipeline        .layer_slice(stage, stages): layers [l0, l1); stage 0 also holds the
+                    embeddings, the last stage ln_f and the LM head
+A slice holds copies of its share only, so the full model can be freed after slicing.
+`Comm` is the no-op world of one rank; parallel.comm.ProcessComm does the real collectives.
+
+Per layer, attention writes the new keys/values into the pool in place (`index_copy_`
+on the flat slot index), gathers each sequence's keys through its slot table into
+[B, Hkv, L, D] (one `index_select` into a reused Workspace buffer) and runs
+`scaled_dot_product_attention` with a boolean mask (key exists AND causal). The LM head
+runs only on the rows whose logits are wanted: each row's last valid token, or every
+new token with all_logits.
+
+Shapes: B batch, T new tokens per row (padded width), L keys per row (max past+new),
+C hidden, H query heads, Hkv key/value heads, D head_dim, V vocab, S pool slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tritonlm.engine.kv_cache import KVPool
+from tritonlm.engine.runners.base import StepPlan, Workspace, gather_kv, kv_rows
+from tritonlm.engine.spec import ModelSpec
+
+# ---------------------------------------------------------------------------- weights
+
+
+@dataclass
+class Proj:
+    """y = x @ w + b with w stored [in, out] (GPT-2 Conv1D layout; nn.Linear weights are a .t() view)."""
+
+    w: torch.Tensor  # [in, out]
+    b: torch.Tensor | None  # [out]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        y = x @ self.w
+        return y if self.b is None else y + self.b
+
+
+@dataclass
+class Norm:
+    w: torch.Tensor  # [C]
+    b: torch.Tensor | None  # [C] (LayerNorm) / None (RMSNorm)
+    eps: float
+    rms: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
+        if not self.rms:
+            return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
+        # RMSNorm as HF computes it: in float32, back to the input dtype, then the weight
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.w * x32.to(x.dtype)
+
+
+@dataclass
+class Layer:
+    ln_attn: Norm
+    ln_mlp: Norm
+    o: Proj  # [H*D, C] row-parallel under TP
+    # GPT-2: fused qkv [C, (H + 2 Hkv) D]; Llama: separate q [C, H*D], k/v [C, Hkv*D]
+    qkv: Proj | None = None
+    q: Proj | None = None
+    k: Proj | None = None
+    v: Proj | None = None
+    # GPT-2: fc [C, F] -> act -> down [F, C]; Llama: down(act(gate(x)) * up(x)); down row-parallel under TP
+    fc: Proj | None = None
+    gate: Proj | None = None
+    up: Proj | None = None
+    down: Proj | None = None
+    attn_scale: float = 1.0
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    table = {
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's tanh approximation
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu": F.gelu,
+        "silu": F.silu,
+        "swish": F.silu,
+        "relu": F.relu,
+    }
+    if name not in table:
+        raise ValueError(f"unsupported activation {name!r} (supported: {sorted(table)})")
+    return table[name]
+
+
+def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """[lo, hi) of part `index` when n items are cut into `parts` near-equal consecutive parts."""
+    base, extra = divmod(n, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (1 if index < extra else 0)
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A contiguous copy (never a view: the full model's storage must be freeable)."""
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
+
+
+def _take(t: torch.Tensor, dim: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """A contiguous copy of t's [lo, hi) spans along dim, concatenated."""
+    parts = [t.narrow(dim, lo, hi - lo) for lo, hi in spans]
+    return torch.cat(parts, dim) if len(parts) > 1 else _copy(parts[0])
+
+
+def _cols(p: Proj, spans: list[tuple[int, int]]) -> Proj:
+    """Column-parallel slice: output features in spans (bias sliced with them)."""
+    return Proj(_take(p.w, 1, spans), None if p.b is None else _take(p.b, 0, spans))
+
+
+def _rows(p: Proj, spans: list[tuple[int, int]]) -> Proj:
+    """Row-parallel slice: input features in spans; the whole bias, added once after the all-reduce."""
+    return Proj(_take(p.w, 0, spans), _copy(p.b))
+
+
+def _clone(o):
+    """Copy of a Proj / Norm / Layer (other fields as they are)."""
+    if isinstance(o, Proj):
+        return Proj(_copy(o.w), _copy(o.b))
+    if isinstance(o, Norm):
+        return Norm(_copy(o.w), _copy(o.b), o.eps, o.rms)
+    if isinstance(o, Layer):
+        return Layer(**{k: _clone(v) for k, v in vars(o).items()})
+    return o
+
+
+def tensor_bytes(*objs) -> int:
+    """Bytes of the distinct tensor storages reachable from objs (Proj/Norm/Layer/KVPool/lists/tensors)."""
+    seen: dict[int, int] = {}
+
+    def visit(o) -> None:
+        if isinstance(o, torch.Tensor):
+            seen.setdefault(o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                visit(x)
+        elif isinstance(o, (Proj, Norm, Layer, KVPool)):
+            for x in vars(o).values():
+                visit(x)
+
+    for o in objs:
+        visit(o)
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------- rotary
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] float32, attention_scaling) for the config's RoPE.
+
+    Static RoPE variants only: default, linear, llama3, yarn. Length-dependent ones
+    (dynamic, longrope) change the frequencies with the sequence length and are refused."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if not params and isinstance(legacy, dict):
+        params = dict(legacy)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"rope partial_rotary_factor={partial} is not supported (only 1.0)")
+    if rope_type == "default":
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
+        return inv, 1.0
+    if rope_type in ("linear", "llama3", "yarn"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        return inv.float(), float(scaling)
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported by TorchRunner (supported: default, linear, llama3, yarn)"
+    )
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """positions [B, T] -> cos, sin [B, T, 1, D] (broadcast over heads)."""
+    freqs = positions.unsqueeze(-1).float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+    cos = (emb.cos() * scaling).to(dtype).unsqueeze(2)
+    sin = (emb.sin() * scaling).to(dtype).unsqueeze(2)
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by half: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+@dataclass
+class StepContext:
+    """What every layer of one step shares."""
+
+    plan: StepPlan
+    mask: torch.Tensor  # [B, 1, T, L] bool
+    rows: torch.Tensor  # [B*Hkv*L] gather index (kv_rows)
+    k_buf: torch.Tensor  # [B, Hkv, L, D] workspace for the gathered keys, reused by every layer
+    v_buf: torch.Tensor  # [B, Hkv, L, D]
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [B, T, 1, D] (Llama)
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """cache [S, Hkv, D] <- new [B, T, Hkv, D] at slots [B, T] (padding slots are scratch 0)."""
+    cache.index_copy_(0, slots.reshape(-1), new.reshape(-1, *new.shape[2:]).to(cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [B, T, H, D]
+    k: torch.Tensor,  # [B, T, Hkv, D]
+    v: torch.Tensor,  # [B, T, Hkv, D]
+    k_cache: torch.Tensor,  # [S, Hkv, D]
+    v_cache: torch.Tensor,  # [S, Hkv, D]
+    ctx: StepContext,
+    scale: float,
+) -> torch.Tensor:  # [B, T, H*D]
+    bsz = q.shape[0]
+    write_kv(k_cache, ctx.plan.write_slots, k)
+    write_kv(v_cache, ctx.plan.write_slots, v)
+    keys = gather_kv(k_cache, ctx.rows, bsz, out=ctx.k_buf).to(q.dtype)  # [B, Hkv, L, D]
+    values = gather_kv(v_cache, ctx.rows, bsz, out=ctx.v_buf).to(q.dtype)  # [B, Hkv, L, D]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # [B, H, T, D]
+        keys,
+        values,
+        attn_mask=ctx.mask,  # [B, 1, T, L]
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )  # [B, H, T, D]
+    _, heads, width, dim = out.shape
+    return out.transpose(1, 2).reshape(bsz, width, heads * dim)
+
+
+# ---------------------------------------------------------------------------- collectives
+
+
+class Comm:
+    """The collectives a tensor-parallel shard needs; this base is the world of one rank
+    (no-op all-reduce, identity gather). parallel.comm.ProcessComm implements them."""
+
+    rank = 0
+    world = 1
+
+    def allreduce(self, t: torch.Tensor) -> None:  # in place, sum over ranks
+        pass
+
+    def gather_cols(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        return t  # [..., widths[r]] of every rank r -> [..., sum(widths)] on rank 0 (None elsewhere)
+
+
+ONE_RANK = Comm()
+
+
+def row_parallel(p: Proj, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """x @ w summed over ranks, then the bias once. World 1: exactly p(x)."""
+    y = x @ p.w  # [..., out], this rank's partial sum
+    comm.allreduce(y)
+    return y if p.b is None else y + p.b
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+@dataclass(eq=False)
+class Transformer:
+    """Weights and forward pass of a whole model, a tensor-parallel rank's or a stage's share.
+
+    forward() = embed -> run_layers -> head under torch.inference_mode(); a pipeline stage
+    calls the parts it holds itself, under inference_mode too (entered once per step: the
+    context costs a few microseconds, measurable on small models)."""
+
+    spec: ModelSpec  # the whole model's shape; spec.dtype is the compute and KV dtype
+    layers: list[Layer]  # the layers held (a stage: layers [l0, l1) of the model)
+    wte: torch.Tensor | None  # [V', C] embedding rows [vocab_lo, vocab_lo + V'); None past stage 0
+    wpe: torch.Tensor | None  # [P', C] GPT-2's learned positions, rows [pos_lo, pos_lo + P')
+    ln_f: Norm | None  # None before the last stage
+    lm_head: Proj | None  # [C, V'] (tied: a view of wte)
+    act: Callable[[torch.Tensor], torch.Tensor]
+    inv_freq: torch.Tensor | None  # [D/2] Llama's RoPE
+    rope_scaling: float
+    max_positions: int | None  # GPT-2's learned positions are a hard limit; RoPE has none
+    device: torch.device
+    heads: int  # query heads held (a TP rank: heads [h0, h1))
+    kv_heads: int  # key/value heads held, and in this shard's KV pool
+    vocab_lo: int = 0
+    pos_lo: int = 0
+    head_widths: list[int] = field(default_factory=list)  # TP: LM head columns of every rank, for the gather
+    workspace: Workspace = field(default_factory=Workspace, repr=False)  # gathered K/V, reused step to step
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    @property
+    def hidden(self) -> int:
+        return int(self.layers[0].ln_attn.w.shape[0])
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return len(self.head_widths) > 1
+
+    def _tied(self) -> bool:
+        """The LM head is a view of the embedding (tied weights share one tensor)."""
+        w = None if self.lm_head is None else self.lm_head.w
+        return (
+            w is not None and self.wte is not None and self.lm_head.b is None and w.shape[1] == self.wte.shape[0]
+            and w.untyped_storage().data_ptr() == self.wte.untyped_storage().data_ptr()
+        )
+
+    # ---- from a Hugging Face model ----------------------------------------------------
+    @staticmethod
+    def from_hf(model, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "Transformer":
+        """The weights of a loaded GPT2LMHeadModel / LlamaForCausalLM (shared, not copied,
+        when device and dtype already match). ValueError for other architectures."""
+        cfg = model.config
+        device = torch.device(device)
+        if dtype is None:
+            dtype = next(model.parameters()).dtype
+        spec = ModelSpec.from_hf_config(cfg, dtype=dtype)
+
+        def t(p: torch.Tensor | None) -> torch.Tensor | None:
+            return None if p is None else p.detach().to(device, dtype)
+
+        def lin(m) -> Proj:  # nn.Linear: weight [out, in] -> [in, out] view
+            return Proj(t(m.weight).t(), t(m.bias))
+
+        def conv(m) -> Proj:  # GPT-2 Conv1D: weight already [in, out]
+            return Proj(t(m.weight), t(m.bias))
+
+        layers = []
+        if spec.architecture == "gpt2":
+            if getattr(cfg, "add_cross_attention", False):
+                raise ValueError("GPT-2 with add_cross_attention=True is not supported")
+            tr, eps = model.transformer, cfg.layer_norm_epsilon
+            for i, blk in enumerate(tr.h):
+                scale = spec.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+                if cfg.scale_attn_by_inverse_layer_idx:
+                    scale /= float(i + 1)
+                layers.append(Layer(
+                    ln_attn=Norm(t(blk.ln_1.weight), t(blk.ln_1.bias), eps, rms=False),
+                    ln_mlp=Norm(t(blk.ln_2.weight), t(blk.ln_2.bias), eps, rms=False),
+                    qkv=conv(blk.attn.c_attn), o=conv(blk.attn.c_proj),
+                    fc=conv(blk.mlp.c_fc), down=conv(blk.mlp.c_proj),
+                    attn_scale=scale,
+                ))
+            wte, wpe = t(tr.wte.weight), t(tr.wpe.weight)  # [V, C], [P, C]
+            ln_f = Norm(t(tr.ln_f.weight), t(tr.ln_f.bias), eps, rms=False)
+            act, inv_freq, scaling, max_positions = activation(cfg.activation_function), None, 1.0, spec.max_positions
+        else:
+            base, eps = model.model, cfg.rms_norm_eps
+            for blk in base.layers:
+                at, mlp = blk.self_attn, blk.mlp
+                layers.append(Layer(
+                    ln_attn=Norm(t(blk.input_layernorm.weight), None, eps, rms=True),
+                    ln_mlp=Norm(t(blk.post_attention_layernorm.weight), None, eps, rms=True),
+                    q=lin(at.q_proj), k=lin(at.k_proj), v=lin(at.v_proj), o=lin(at.o_proj),
+                    gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
+                    attn_scale=spec.head_dim**-0.5,
+                ))
+            wte, wpe = t(base.embed_tokens.weight), None
+            ln_f = Norm(t(base.norm.weight), None, eps, rms=True)
+            inv_freq, scaling = rope_inv_freq(cfg, spec.head_dim)
+            act, inv_freq, max_positions = activation(cfg.hidden_act), inv_freq.to(device), None
+        return Transformer(
+            spec=spec, layers=layers, wte=wte, wpe=wpe, ln_f=ln_f,
+            lm_head=lin(model.lm_head),  # tied or not: whatever tensor lm_head holds (a view of wte when tied)
+            act=act, inv_freq=inv_freq, rope_scaling=scaling, max_positions=max_positions,
+            device=device, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+        )
+
+    # ---- shares of it -------------------------------------------------------------------
+    def tensor_slice(self, rank: int, world: int) -> "Transformer":
+        """Rank `rank` of `world`'s copy of its weights (see the module docstring)."""
+        s, d = self.spec, self.spec.head_dim
+        h0, h1 = split_range(s.num_heads, world, rank)
+        g0, g1 = split_range(s.num_kv_heads, world, rank)
+        q_span, kv_span = (h0 * d, h1 * d), (g0 * d, g1 * d)
+        layers = []
+        for L in self.layers:
+            new = Layer(ln_attn=_clone(L.ln_attn), ln_mlp=_clone(L.ln_mlp), o=_rows(L.o, [q_span]), attn_scale=L.attn_scale)
+            if L.qkv is not None:  # fused [q | k | v] columns
+                k0, v0 = s.num_heads * d, (s.num_heads + s.num_kv_heads) * d
+                new.qkv = _cols(L.qkv, [q_span, (k0 + kv_span[0], k0 + kv_span[1]), (v0 + kv_span[0], v0 + kv_span[1])])
+            else:
+                new.q, new.k, new.v = _cols(L.q, [q_span]), _cols(L.k, [kv_span]), _cols(L.v, [kv_span])
+            inner = (L.fc if L.fc is not None else L.up).w.shape[1]
+            f_span = [split_range(inner, world, rank)]
+            if L.fc is not None:
+                new.fc = _cols(L.fc, f_span)
+            else:
+                new.gate, new.up = _cols(L.gate, f_span), _cols(L.up, f_span)
+            new.down = _rows(L.down, f_span)
+            layers.append(new)
+        v0, v1 = split_range(self.wte.shape[0], world, rank)
+        wte = _copy(self.wte[v0:v1])
+        p0, wpe = 0, None
+        if self.wpe is not None:
+            p0, p1 = split_range(self.wpe.shape[0], world, rank)
+            wpe = _copy(self.wpe[p0:p1])
+        vocab = self.lm_head.w.shape[1]
+        # tied embeddings stay tied: the LM head slice is a view of this rank's wte rows
+        head = Proj(wte.t(), None) if self._tied() else _cols(self.lm_head, [split_range(vocab, world, rank)])
+        widths = [hi - lo for lo, hi in (split_range(vocab, world, i) for i in range(world))]
+        return Transformer(
+            spec=s, layers=layers, wte=wte, wpe=wpe, ln_f=_clone(self.ln_f), lm_head=head,
+            act=self.act, inv_freq=_copy(self.inv_freq), rope_scaling=self.rope_scaling,
+            max_positions=self.max_positions, device=self.device, heads=h1 - h0, kv_heads=g1 - g0,
+            vocab_lo=v0, pos_lo=p0, head_widths=widths,
+        )
+
+    def layer_slice(self, stage: int, stages: int) -> "Transformer":
+        """Pipeline stage `stage` of `stages`' copy of its layers (and embeddings / head)."""
+        l0, l1 = split_range(len(self.layers), stages, stage)
+        first, last = stage == 0, stage == stages - 1
+        wte = _copy(self.wte) if first else None
+        head = None
+        if last:
+            head = Proj(wte.t(), None) if first and self._tied() else _clone(self.lm_head)
+        return Transformer(
+            spec=self.spec, layers=[_clone(L) for L in self.layers[l0:l1]],
+            wte=wte, wpe=_copy(self.wpe) if first else None,
+            ln_f=_clone(self.ln_f) if last else None, lm_head=head,
+            act=self.act, inv_freq=_copy(self.inv_freq), rope_scaling=self.rope_scaling,
+            max_positions=self.max_positions, device=self.device, heads=self.heads, kv_heads=self.kv_heads,
+        )
+
+    # ---- memory -------------------------------------------------------------------------
+    def allocate_kv(self, num_slots: int) -> KVPool:
+        """A pool for the layers and kv heads this shard holds."""
+        return KVPool.allocate(num_slots, len(self.layers), self.kv_heads, self.spec.head_dim, self.dtype, self.device)
+
+    def weight_bytes(self) -> int:
+        return tensor_bytes(self.layers, self.wte, self.wpe, self.ln_f, self.lm_head, self.inv_freq)
+
+    # ---- forward ------------------------------------------------------------------------
+    def _lookup(self, table: torch.Tensor, idx: torch.Tensor, lo: int) -> torch.Tensor:  # idx [B, T] -> [B, T, C]
+        if not self.vocab_parallel:
+            return F.embedding(idx, table)
+        local = idx - lo  # rows outside [lo, lo + rows) belong to another rank: zeros here
+        inside = (local >= 0) & (local < table.shape[0])
+        out = F.embedding(local.clamp(0, table.shape[0] - 1), table)
+        return out * inside.unsqueeze(-1).to(out.dtype)
+
+    def embed(self, plan: StepPlan) -> torch.Tensor:  # [B, T, C] (TP: this rank's part of the sum)
+        x = self._lookup(self.wte, plan.input_ids, self.vocab_lo)
+        if self.wpe is not None:
+            x = x + self._lookup(self.wpe, plan.positions, self.pos_lo)
+        return x
+
+    def _context(self, plan: StepPlan, pool: KVPool) -> StepContext:
+        shape = (plan.batch_size, self.kv_heads, plan.max_total, self.spec.head_dim)  # [B, Hkv, L, D]
+        rope = None
+        if self.inv_freq is not None:
+            rope = rope_cos_sin(plan.positions, self.inv_freq, self.rope_scaling, self.dtype)
+        return StepContext(
+            plan=plan,
+            mask=plan.key_mask().unsqueeze(1),
+            rows=kv_rows(plan.slot_table, self.kv_heads),
+            k_buf=self.workspace.take("k", shape, pool.k[0].dtype, self.device),
+            v_buf=self.workspace.take("v", shape, pool.v[0].dtype, self.device),
+            rope=rope,
+        )
+
+    def self_attention(self, x: torch.Tensor, layer: Layer, li: int, ctx: StepContext, pool: KVPool) -> torch.Tensor:
+        """x [B, T, C] -> [B, T, heads*D], before the out-projection."""
+        bsz, width, _ = x.shape
+        d = self.spec.head_dim
+        if layer.qkv is not None:  # GPT-2 fused [q | k | v]
+            q, k, v = layer.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        else:
+            q, k, v = layer.q(x), layer.k(x), layer.v(x)
+        q = q.view(bsz, width, self.heads, d)  # [B, T, H, D]
+        k = k.view(bsz, width, self.kv_heads, d)  # [B, T, Hkv, D]
+        v = v.view(bsz, width, self.kv_heads, d)
+        if ctx.rope is not None:
+            cos, sin = ctx.rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)
+
+    def mlp_inner(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """x [B, T, C] -> [B, T, F], everything before the down projection."""
+        if layer.fc is not None:
+            return self.act(layer.fc(x))
+        return self.act(layer.gate(x)) * layer.up(x)
+
+    def run_layers(self, plan: StepPlan, x: torch.Tensor, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor:
+        """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP."""
+        ctx = self._context(plan, pool)
+        for li, layer in enumerate(self.layers):
+            x = x + row_parallel(layer.o, self.self_attention(layer.ln_attn(x), layer, li, ctx, pool), comm)
+            x = x + row_parallel(layer.down, self.mlp_inner(layer.ln_mlp(x), layer), comm)
+        return x
+
+    def head(self, plan: StepPlan, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        """x [B, T, C] -> float32 logits [B, V'] (last valid token of each row) or [B, T, V']."""
+        if not all_logits:
+            rows = torch.arange(plan.batch_size, device=x.device)
+            x = x[rows, plan.num_new - 1]  # [B, C]: only the rows whose logits are wanted
+        return self.lm_head(self.ln_f(x)).float()
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan, all_logits: bool, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor | None:
+        """Logits (float32, [B, V] or [B, T, V]) on rank 0; None on the other TP ranks."""
+        x = self.embed(plan)
+        comm.allreduce(x)
+        x = self.run_layers(plan, x, pool, comm)
+        return comm.gather_cols(self.head(plan, x, all_logits), self.head_widths)
