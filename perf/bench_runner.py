@@ -16,7 +16,7 @@ Columns:
 
 The gap between step_ms at ctx=64 and at ctx=1024 is the per-step cost of the cache
 (gather copy + attention; for ONNX also the graph's `present = past + new` copy): the
-"KV cache copy trap" of ARCHITECTURE.md, measured rather than guessed.
+KV-cache copy arithmetic of docs/architecture.md, measured rather than guessed.
 
     .venv/bin/python perf/bench_runner.py                  # torch and onnx, full grid
     .venv/bin/python perf/bench_runner.py --quick          # a smaller grid

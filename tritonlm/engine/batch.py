@@ -44,22 +44,11 @@ class StepBatch:
         new_tokens: list[list[int]], past_lens: list[int], slot_rows: list[list[int]], all_logits: bool = False
     ) -> "StepBatch":
         """From plain lists: new_tokens[b] (non-empty), past_lens[b], slot_rows[b] (>= past+new slots)."""
-        bsz = len(new_tokens)
-        width = max(len(t) for t in new_tokens)
         total = max(p + len(t) for p, t in zip(past_lens, new_tokens))
-        ids = torch.zeros(bsz, width, dtype=torch.int64)
-        slots = torch.zeros(bsz, total, dtype=torch.int64)
+        slots = torch.zeros(len(new_tokens), total, dtype=torch.int64)
         for b, (toks, past, row) in enumerate(zip(new_tokens, past_lens, slot_rows)):
-            ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
-            n = past + len(toks)
-            slots[b, :n] = torch.tensor(row[:n], dtype=torch.int64)
-        return StepBatch(
-            input_ids=ids,
-            num_new=torch.tensor([len(t) for t in new_tokens], dtype=torch.int64),
-            past_len=torch.tensor(past_lens, dtype=torch.int64),
-            slot_table=slots,
-            all_logits=all_logits,
-        )
+            slots[b, : past + len(toks)] = torch.tensor(row[: past + len(toks)], dtype=torch.int64)
+        return StepBatch.from_slot_table(new_tokens, past_lens, slots, all_logits)
 
     @staticmethod
     def from_slot_table(
@@ -68,9 +57,8 @@ class StepBatch:
         """From new_tokens[b] (non-empty), past_lens[b] and a ready [B, L] slot table
         (KVCacheManager.slot_table), L >= past_lens[b] + len(new_tokens[b])."""
         width = max(len(t) for t in new_tokens)
-        ids = torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], dtype=torch.int64)
         return StepBatch(
-            input_ids=ids,
+            input_ids=torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], dtype=torch.int64),
             num_new=torch.tensor([len(t) for t in new_tokens], dtype=torch.int64),
             past_len=torch.tensor(past_lens, dtype=torch.int64),
             slot_table=slot_table,

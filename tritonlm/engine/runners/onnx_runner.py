@@ -11,7 +11,7 @@ Each step:
   2. attention_mask = 1 for valid past, 0 for the gap up to Pmax, then 1 for valid new tokens
      (0 for padded ones); explicit position_ids (so the gap does not shift positions);
   3. run; the graph returns present = past + new (a second full copy, made by the graph:
-     the "KV cache copy trap" of ARCHITECTURE.md; perf/bench_runner.py measures it);
+     the copy arithmetic in docs/architecture.md; perf/bench_runner.py measures it);
   4. write present[:, :, Pmax + t] for valid t into the pool (padding -> scratch slot 0).
 
 Host/device paths:
