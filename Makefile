@@ -12,6 +12,11 @@ REPO ?= model_repository
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+# `make serve HOST=0.0.0.0` listens on every interface; only a command-line HOST counts
+# (some shells export HOST as the machine's name).
+ifneq ($(origin HOST),command line)
+HOST := 127.0.0.1
+endif
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test bench doctor clean
@@ -30,7 +35,7 @@ $(STAMP): pyproject.toml scripts/setup_system.sh
 
 serve: setup
 	$(VENV)/bin/tritonlm serve-default --model $(MODEL) $(if $(DRAFT),--draft $(DRAFT)) $(if $(NAME),--name $(NAME)) \
-		--repo $(REPO) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+		--repo $(REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

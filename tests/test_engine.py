@@ -265,16 +265,40 @@ def test_cancel_frees_the_cache_at_once_and_others_continue():
     assert engine.cache.used_bytes == 0
 
 
-def test_a_row_whose_sampling_fails_does_not_fail_its_batch():
-    # temperature 1e-38 passes validation but overflows the logits: the draw raises
+def test_a_row_whose_sampling_fails_does_not_fail_its_batch(monkeypatch):
+    # a fault injected into one row's sampling (seed 666); the seven greedy rows sharing
+    # its batch must come out exactly as alone, and nothing may stay in the cache
+    import tritonlm.engine.executor as executor
+
+    real = executor.sample_row
+
+    def faulty(logits, row):
+        if row.params.seed == 666:
+            raise FloatingPointError("injected")
+        return real(logits, row)
+
+    monkeypatch.setattr(executor, "sample_row", faulty)
     engine = make_engine()
     col = Collector()
-    bad = col.request(engine, PROMPTS[0], max_tokens=8, temperature=1e-38, seed=1)
-    good = col.request(engine, PROMPTS[1], max_tokens=8)
+    bad = col.request(engine, PROMPTS[0], max_tokens=8, temperature=0.7, seed=666)
+    good = [col.request(engine, p, max_tokens=8) for p in PROMPTS[:7]]
     drain(engine)
     assert col.final(bad).finish_reason == "error" and "sampling" in col.final(bad).error
-    assert col.final(good).finish_reason == "length" and col.ids(good) == hf_greedy(PROMPTS[1], 8)
+    for p, rid in zip(PROMPTS[:7], good):
+        assert col.final(rid).finish_reason == "length" and col.ids(rid) == hf_greedy(p, 8), p
     assert engine.cache.used_bytes == 0 and engine.cache.live_sequences() == 0
+
+
+def test_overflowing_settings_are_greedy_or_refused():
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, PROMPTS[1], max_tokens=8, temperature=1e-38, seed=1)  # greedy in effect
+    drain(engine)
+    assert col.ids(rid) == hf_greedy(PROMPTS[1], 8)
+    for bad, field in ((dict(repetition_penalty=1e-40, temperature=1.0), "repetition_penalty"),
+                       (dict(min_tokens=9, max_tokens=8), "min_tokens")):
+        with pytest.raises(InvalidRequestError, match=field):
+            col.request(engine, PROMPTS[1], **bad)
 
 
 def test_full_queue_says_server_busy():

@@ -142,7 +142,7 @@ def test_serve_cli_answers_and_ctrl_c_stops_it_cleanly(tmp_path):
             lines.append(line)
             if "Ctrl-C stops it" in line or not line:
                 break
-        assert any(f"localhost:{grpc}" in l for l in lines), "".join(lines)
+        assert any(f"127.0.0.1:{grpc}" in l for l in lines), "".join(lines)
         assert _echo_http(f"127.0.0.1:{http}", [b"served"]).as_numpy("text_output")[0, 0] == b"served"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)

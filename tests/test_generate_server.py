@@ -108,7 +108,7 @@ def test_sixteen_concurrent_mixed_requests_get_their_solo_answers(triton_server)
 def peak_metric(server, name, model):
     """For a histogram: the largest bucket bound below which not all observations fall."""
     text = urllib.request.urlopen(server.metrics_url).read().decode()
-    rows = re.findall(rf'{name}{{model="{model}",version="1",le="([^"]+)"}} (\S+)', text)
+    rows = re.findall(rf'{name}{{instance="[^"]+",model="{model}",version="1",le="([^"]+)"}} (\S+)', text)
     total = float(rows[-1][1])
     below = [float(le) for le, count in rows if le != "+Inf" and float(count) < total]
     return max(below) if below else 0.0

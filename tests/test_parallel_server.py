@@ -152,7 +152,7 @@ def test_concurrent_mixed_requests_get_their_solo_answers(triton_server, model):
 def peak_batch(server, model) -> float:
     """The largest batch-size bucket bound that some step exceeded (0 when none did)."""
     text = urllib.request.urlopen(server.metrics_url).read().decode()
-    rows = re.findall(rf'tritonlm_batch_size_bucket{{model="{model}",version="1",le="([^"]+)"}} (\S+)', text)
+    rows = re.findall(rf'tritonlm_batch_size_bucket{{instance="[^"]+",model="{model}",version="1",le="([^"]+)"}} (\S+)', text)
     total = float(rows[-1][1])
     below = [float(le) for le, count in rows if le != "+Inf" and float(count) < total]
     return max(below) if below else 0.0

@@ -458,7 +458,7 @@ def test_metrics_count_exactly_what_was_served(triton_server):
     assert sum(n for _, n in jobs) <= delta["steps"] == delta["batch_sum"]
     text = metrics_text(triton_server)
     for family in ("tritonlm_time_to_first_token_seconds", "tritonlm_time_per_output_token_seconds", "tritonlm_batch_size"):
-        assert re.search(rf'^{family}_bucket{{model="tiny",version="1",le="\+Inf"}} ', text, re.M), family
+        assert re.search(rf'^{family}_bucket{{instance="tiny_[0-9_]+",model="tiny",version="1",le="\+Inf"}} ', text, re.M), family
     for reason in ("stop", "length", "cancelled", "error"):
         metric(triton_server, "tritonlm_requests_finished_total", "tiny", reason=reason)
     spec_bytes_per_token = 2 * 2 * 64 * 4
@@ -500,6 +500,13 @@ BAD_INPUTS = {
     "top_k_negative": ([TEXT, T("top_k", [-2], "INT32")], r"top_k: must be >= 0 \(0 = off\), got -2"),
     "min_tokens_negative": ([TEXT, T("min_tokens", [-1], "INT32")], r"min_tokens: must be >= 0, got -1"),
     "end_id_outside_vocabulary": ([TEXT, T("end_id", [99_999], "INT32")], r"end_id: must be -1 \(never stop on a token\) or a token id in \[0, 512\), got 99999"),
+    # bounds (RequestLimits from the model's settings: max_context 256 -> 8192 prompt bytes)
+    "prompt_over_max_prompt_bytes": ([T("text_input", ["x" * 9000], "BYTES")], r"text_input: 9000 bytes; the limit is 8192 \(max_prompt_bytes\)"),
+    "too_many_stop_words": ([TEXT, T("stop_words", [f"w{i}" for i in range(65)], "BYTES")], r"stop_words: 65 entries; the limit is 64 \(max_words\)"),
+    "stop_words_packed_with_commas": ([TEXT, T("stop_words", [",".join(f"w{i}" for i in range(65))], "BYTES")], r"stop_words: 65 words; the limit is 64 \(max_words\)"),
+    "bad_word_too_long": ([TEXT, T("bad_words", ["b" * 300], "BYTES")], r"bad_words: an entry of 300 bytes; the limit is 256 \(max_word_bytes\)"),
+    "min_tokens_over_max_tokens": ([TEXT, T("max_tokens", [4], "INT32"), T("min_tokens", [5], "INT32")], r"min_tokens: 5 is more than max_tokens=4"),
+    "repetition_penalty_that_overflows": ([TEXT, T("repetition_penalty", [1e-30], "FP32"), T("temperature", [1.0], "FP32")], r"repetition_penalty: must be in \[0\.01, 100\] \(1 = off\)"),
     # datatypes and shapes that contradict config.pbtxt: Triton refuses them before the model
     # runs, and its message names the input and the datatype/shape the model expects
     "max_tokens_as_fp32": ([TEXT, T("max_tokens", [4.0], "FP32")], r"input 'max_tokens' data-type is 'FP32', but model 'tiny' expects 'INT32'"),

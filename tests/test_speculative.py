@@ -153,3 +153,22 @@ def test_speculative_sampling_second_token_follows_the_target_too():
     # the second emitted token after any first token follows p_1 (positions are fixed here)
     p1 = torch.softmax(target_logits[1], dim=-1)
     assert chi_square_p_value(counts.sum(0), p1) > 0.001
+
+
+def test_a_draft_with_a_shorter_context_than_max_context_refuses_to_load(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.genrepo import add_generation_model
+    from tritonlm.engine.loader import build_engine
+    from tritonlm.engine.settings import EngineSettings, SettingsError
+
+    folder = add_generation_model(tmp_path, "m")
+    _, tok = tiny()
+    short = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=128, n_layer=1, n_embd=32, n_head=2))
+    short.save_pretrained(folder / "1" / "draft_hf")
+    tok.save_pretrained(folder / "1" / "draft_hf")
+    settings = EngineSettings.from_params({"draft_model": "1/draft_hf", "max_context": "256"}, folder)
+    with pytest.raises(SettingsError, match=r"draft_model: it reads 128 positions, less than max_context=256"):
+        build_engine(settings)
+    settings = EngineSettings.from_params({"draft_model": "1/draft_hf", "max_context": "128"}, folder)
+    build_engine(settings).shutdown()  # within the draft's reach: loads

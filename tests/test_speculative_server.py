@@ -4,6 +4,7 @@ token for token, for single and concurrent mixed requests, streaming and not."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import urllib.request
 
 import pytest
@@ -73,6 +74,6 @@ def test_concurrent_mixed_requests_with_speculation(triton_server):
 def test_speculation_metrics(triton_server):
     run(triton_server, "spec_self", PROMPTS[0], max_tokens=16)
     text = urllib.request.urlopen(triton_server.metrics_url).read().decode()
-    rate = [l for l in text.splitlines() if l.startswith('tritonlm_draft_acceptance_rate{model="spec_self"')]
+    rate = [l for l in text.splitlines() if re.match(r'tritonlm_draft_acceptance_rate\{instance="[^"]+",model="spec_self"', l)]
     assert rate and float(rate[0].rsplit(" ", 1)[1]) == 1.0
-    assert 'tritonlm_tokens_per_target_pass_count{model="spec_self"' in text
+    assert re.search(r'tritonlm_tokens_per_target_pass_count\{instance="[^"]+",model="spec_self"', text)

@@ -123,6 +123,65 @@ def markdown_table(direction: str = "inputs") -> str:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Bounds checked before any expensive work (decoding, tokenizing); each breach is an
+    error naming the input and the limit. From the model's settings (see README)."""
+
+    max_prompt_bytes: int = 262_144  # text_input, UTF-8 bytes
+    max_words: int = 64  # entries in stop_words, and in bad_words
+    max_word_bytes: int = 256  # one stop or bad word
+    max_request_bytes: int = 0  # all inputs together; 0: the sum of the limits above + 64 KiB
+
+    @staticmethod
+    def for_model(settings, max_context: int) -> "RequestLimits":
+        """From a model's EngineSettings and the context it serves."""
+        return RequestLimits(
+            max_prompt_bytes=settings.max_prompt_bytes or 32 * max_context,  # a token is rarely 32 bytes of text
+            max_words=settings.max_words,
+            max_word_bytes=settings.max_word_bytes,
+            max_request_bytes=settings.max_request_bytes,
+        )
+
+    @property
+    def request_bytes(self) -> int:
+        return self.max_request_bytes or self.max_prompt_bytes + 2 * self.max_words * self.max_word_bytes + 65_536
+
+
+def _input_bytes(arr: np.ndarray) -> int:
+    if arr.dtype == object:
+        return sum(len(v) if isinstance(v, (bytes, bytearray, str)) else 8 for v in arr.reshape(-1))
+    return int(arr.nbytes)
+
+
+def check_sizes(inputs: dict[str, np.ndarray], limits: RequestLimits) -> None:
+    """The size bounds of RequestLimits, on the raw tensors (nothing decoded yet)."""
+    elements = sum(np.asarray(a).size for a in inputs.values())
+    if elements > 2 * limits.max_words + len(INPUTS):
+        raise InvalidRequestError(
+            f"request: {elements} values in its inputs; at most {limits.max_words} stop_words and "
+            f"{limits.max_words} bad_words and one value for every other input"
+        )
+    total = sum(_input_bytes(np.asarray(a)) for a in inputs.values())
+    if total > limits.request_bytes:
+        raise InvalidRequestError(f"request: {total} bytes of inputs; the limit is {limits.request_bytes} (max_request_bytes)")
+    prompt = inputs.get("text_input")
+    if prompt is not None:
+        size = _input_bytes(np.asarray(prompt))
+        if size > limits.max_prompt_bytes:
+            raise InvalidRequestError(f"text_input: {size} bytes; the limit is {limits.max_prompt_bytes} (max_prompt_bytes)")
+    for name in ("stop_words", "bad_words"):
+        arr = inputs.get(name)
+        if arr is None:
+            continue
+        arr = np.asarray(arr).reshape(-1)
+        if arr.size > limits.max_words:
+            raise InvalidRequestError(f"{name}: {arr.size} entries; the limit is {limits.max_words} (max_words)")
+        longest = max((_input_bytes(np.asarray([v], dtype=object)) for v in arr), default=0)
+        if longest > limits.max_word_bytes:
+            raise InvalidRequestError(f"{name}: an entry of {longest} bytes; the limit is {limits.max_word_bytes} (max_word_bytes)")
+
+
+@dataclass(frozen=True)
 class ParsedRequest:
     text: str
     params: SamplingParams
@@ -153,7 +212,7 @@ def _text(value, name: str) -> str:
     raise InvalidRequestError(f"{name}: expected text (BYTES), got {type(value).__name__}")
 
 
-def _word_list(inputs: dict[str, np.ndarray], name: str) -> tuple[str, ...]:
+def _word_list(inputs: dict[str, np.ndarray], name: str, max_words: int | None = None) -> tuple[str, ...]:
     arr = inputs.get(name)
     if arr is None:
         return ()
@@ -167,6 +226,8 @@ def _word_list(inputs: dict[str, np.ndarray], name: str) -> tuple[str, ...]:
         # leaves an empty piece (",", ", ", "a,,b") is one literal word that holds a comma
         pieces = word.split(",")
         words.extend(pieces if len(pieces) > 1 and all(pieces) else [word] if word else [])
+    if max_words is not None and len(words) > max_words:  # "a,b,c,..." packs many words in one entry
+        raise InvalidRequestError(f"{name}: {len(words)} words; the limit is {max_words} (max_words)")
     return tuple(words)
 
 
@@ -198,12 +259,16 @@ def _value(inputs: dict[str, np.ndarray], name: str):
     return value
 
 
-def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int, vocab_size: int | None = None) -> ParsedRequest:
+def parse_request(
+    inputs: dict[str, np.ndarray], default_max_tokens: int, vocab_size: int | None = None, limits: RequestLimits | None = None
+) -> ParsedRequest:
     """Triton input tensors (name -> array) -> plain, validated request fields, checked
-    against INPUTS. vocab_size, when known, bounds end_id."""
+    against INPUTS and, first of all, the size limits. vocab_size, when known, bounds end_id."""
+    limits = limits or RequestLimits()
     unknown = sorted(set(inputs) - set(KNOWN_INPUTS))
     if unknown:
         raise InvalidRequestError(f"unknown input(s) {unknown}; known inputs: {sorted(KNOWN_INPUTS)}")
+    check_sizes(inputs, limits)
     for row in INPUTS:
         if not row.optional and row.name not in inputs:
             raise InvalidRequestError(f"{row.name}: missing; send {row.meaning} as a {row.dtype} tensor of shape {list(row.dims)}")
@@ -240,7 +305,7 @@ def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int, vocab_
         seed=seed,
         repetition_penalty=get("repetition_penalty"),
         end_id=end_id,
-        stop_words=_word_list(inputs, "stop_words"),
+        stop_words=_word_list(inputs, "stop_words", limits.max_words),
         return_log_probs=get("return_log_probs"),
     )
     params.validate()
@@ -250,7 +315,7 @@ def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int, vocab_
         stream=get("stream"),
         exclude_input_in_output=get("exclude_input_in_output"),
         num_draft_tokens=num_draft,
-        bad_words_text=_word_list(inputs, "bad_words"),
+        bad_words_text=_word_list(inputs, "bad_words", limits.max_words),
     )
 
 

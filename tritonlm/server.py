@@ -6,6 +6,7 @@ the environment and how to turn a failed start into a clear message.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -19,14 +20,71 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tritonlm.backend_setup import prepare_backend_dir
-from tritonlm.paths import StackError, server_env, triton_install
+from tritonlm.paths import server_env, triton_install
 
 
 class ServerStartError(RuntimeError):
     """tritonserver did not become ready; the message carries the server's own words."""
 
 
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+DEFAULT_HOST = "127.0.0.1"  # loopback: nothing outside this machine reaches the server unless asked to
+
+_HEADER_KEY = re.compile(r"[a-z0-9][a-z0-9_.-]*")
+_HEADER_VALUE = re.compile(r"[\x21-\x7e]+")  # visible ASCII, no spaces
+
+
+def check_host(host: str) -> str:
+    """The address every endpoint binds to: an IPv4 address ('localhost' means 127.0.0.1).
+    Not IPv6: tritonserver 2.51 joins the address to its gRPC port without brackets, and fails."""
+    if host == "localhost":
+        return DEFAULT_HOST
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        raise ServerStartError(
+            f"host {host!r} is not an IPv4 address: use 127.0.0.1 (this machine only, the default), "
+            "0.0.0.0 (every interface) or one interface's address"
+        ) from None
+
+
+def is_loopback(host: str) -> bool:
+    return ipaddress.IPv4Address(host).is_loopback
+
+
+def connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to host."""
+    return "127.0.0.1" if ipaddress.IPv4Address(host).is_unspecified else host
+
+
+def parse_restriction(text: str) -> tuple[str, str]:
+    """KEY=VALUE of --restrict-model-control: the header a model-control request must carry.
+    The key is lowercase (gRPC metadata keys are; HTTP headers match case-insensitively)."""
+    key, sep, value = text.partition("=")
+    if not sep or not _HEADER_KEY.fullmatch(key) or not _HEADER_VALUE.fullmatch(value) or "," in value:
+        raise ServerStartError(
+            "--restrict-model-control takes KEY=VALUE (not repeated here: it holds a secret): KEY a lowercase header name "
+            "(letters, digits, '-', '_', '.'), VALUE visible ASCII without spaces or commas "
+            "(example: tritonlm-admin=<a long random secret>)"
+        )
+    return key, value
+
+
+def check_exposure(host: str, model_control: str, restrict_model_control: str | None) -> None:
+    """Refuse what lets anyone who reaches the port load code: explicit model control (the
+    load API takes a config, and files, from the request) on an address other machines can
+    reach, unless the model-control API needs a secret header."""
+    host = check_host(host)
+    if restrict_model_control is not None:
+        parse_restriction(restrict_model_control)
+    if model_control == "explicit" and not is_loopback(host) and restrict_model_control is None:
+        raise ServerStartError(
+            f"--model-control explicit on {host} lets any client that reaches the port load a model "
+            "(and the code it names); restrict the model-control API with --restrict-model-control KEY=VALUE "
+            "(requests must send that header), or serve on 127.0.0.1, or use --model-control none"
+        )
+
+
+def port_is_free(port: int, host: str = DEFAULT_HOST) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -84,24 +142,49 @@ class TritonServer:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    host: str = DEFAULT_HOST  # every endpoint (HTTP, gRPC, metrics) binds here; 0.0.0.0: all interfaces
     model_control: str = "none"  # "none" loads everything; "explicit" for the model-control API
     load_models: list[str] = field(default_factory=list)  # with explicit: models loaded at start ("*" = all)
-    log_path: Path | None = None
+    # "KEY=VALUE": model-control requests (load/unload/index) must carry that header, HTTP and gRPC
+    restrict_model_control: str | None = None
+    log_path: Path | None = None  # None: a temporary file, removed after a clean stop (kept on failure)
     exit_timeout_s: int = 5  # how long shutdown waits for open client connections
     extra_args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
+    _own_log: bool = field(default=False, init=False, repr=False)
+    _started: bool = field(default=False, init=False, repr=False)
+    _stop_requested: bool = field(default=False, init=False, repr=False)
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        """host:port a client on this machine connects to (loopback when bound to all interfaces)."""
+        return f"{connect_host(self.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{connect_host(self.host)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{connect_host(self.host)}:{self.metrics_port}/metrics"
+
+    def listen_addresses(self) -> dict[str, str]:
+        """What each endpoint is bound to, as a URL (0.0.0.0: every interface)."""
+        h = self.host
+        return {
+            "HTTP": f"http://{h}:{self.http_port}",
+            "gRPC": f"{h}:{self.grpc_port}",
+            "metrics": f"http://{h}:{self.metrics_port}/metrics",
+        }
+
+    def restriction_args(self) -> list[str]:
+        if self.restrict_model_control is None:
+            return []
+        key, value = parse_restriction(self.restrict_model_control)
+        return [
+            f"--http-restricted-api=model-repository:{key}={value}",
+            f"--grpc-restricted-protocol=model-repository:{key}={value}",
+        ]
 
     def command(self) -> list[str]:
         install = triton_install()
@@ -110,41 +193,57 @@ class TritonServer:
             str(install.server_binary),
             f"--model-repository={Path(self.repo).resolve()}",
             f"--backend-directory={backend_dir}",
+            f"--http-address={self.host}",
             f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
             "--allow-cpu-metrics=true",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--model-control-mode={self.model_control}",
+            *self.restriction_args(),
         ]
         for name in self.load_models:
             cmd.append(f"--load-model={name}")
         return cmd + list(self.extra_args)
 
     def start(self, timeout_s: float = 180.0) -> "TritonServer":
+        """Start and wait until ready. Whatever interrupts the wait (a failed start, Ctrl-C,
+        a signal handler's exception) stops the server first: it runs in its own session, so
+        nothing else would. The log is kept then, and named in the error."""
+        self.host = check_host(self.host)
+        check_exposure(self.host, self.model_control, self.restrict_model_control)
         repo = Path(self.repo)
         if self.model_control == "none":
             check_repository(repo)
         elif not repo.is_dir():
             raise ServerStartError(f"model repository {repo} does not exist")
         for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port), ("--metrics-port", self.metrics_port)):
-            if not port_is_free(port):
+            if not port_is_free(port, self.host):
                 raise ServerStartError(f"port {port} ({flag}) is already in use: stop what holds it or choose another port")
-        if self.log_path is None:
+        command = self.command()  # a missing stack fails here, before any file or process exists
+        if self.log_path is None or self._own_log:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
-            self.log_path = Path(name)
-        log = open(self.log_path, "wb")
-        try:
+            self.log_path, self._own_log = Path(name), True
+        self._started = self._stop_requested = False
+        with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True
+                command, stdout=log, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True
             )
-        except StackError:
-            log.close()
+        try:
+            self.wait_ready(timeout_s)
+            self._started = True
+        except BaseException:
+            self.stop()  # not ready: the log stays for the user to read
             raise
-        log.close()
-        self.wait_ready(timeout_s)
         return self
+
+    @property
+    def started(self) -> bool:
+        """start() has succeeded and stop() has not run since."""
+        return self._started
 
     def log_text(self) -> str:
         if self.log_path is None or not Path(self.log_path).exists():
@@ -181,27 +280,45 @@ class TritonServer:
             parts.append(f"last lines of the server log ({self.log_path}):\n{tail}")
         return "\n".join(parts)
 
+    def interrupt(self, sig: int = signal.SIGINT) -> None:
+        """Send sig to the server's process group (SIGINT: graceful shutdown) and remember that
+        the exit was asked for. Safe in a signal handler."""
+        if self.process is None:
+            return
+        self._stop_requested = True
+        try:
+            os.killpg(self.process.pid, sig)  # start_new_session: the server leads its own group
+        except ProcessLookupError:
+            pass
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGINT (Triton's graceful shutdown), then SIGKILL after timeout_s. Whatever is
-        left of the server's process group afterwards (a Python backend stub the server
-        gave up on) is killed too: no orphan outlives the server."""
+        """SIGINT (Triton's graceful shutdown), then SIGKILL after timeout_s (or at once when
+        the wait is interrupted, e.g. a second Ctrl-C). Whatever is left of the server's
+        process group afterwards (a Python backend stub the server gave up on) is killed
+        too: no orphan outlives the server. A temporary log is removed when the server had
+        been ready and exited cleanly when asked to; otherwise (a failed start, a crash, an
+        exit on its own) it is kept at log_path for the user."""
         if self.process is None:
             return None
         pgid = self.process.pid  # start_new_session: the server leads its own group
-        if self.process.poll() is None:
+        try:
+            if self.process.poll() is None:
+                self.interrupt(signal.SIGINT)
+                try:
+                    self.process.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
             try:
-                os.killpg(pgid, signal.SIGINT)
+                os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(pgid, signal.SIGKILL)
+            if self.process.poll() is None:
                 self.process.wait(timeout=10)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        clean = self._started and self._stop_requested and self.process.returncode == 0
+        if clean and self._own_log and self.log_path is not None:
+            Path(self.log_path).unlink(missing_ok=True)
+        self._started = False
         return self.process.returncode
 
     def __enter__(self) -> "TritonServer":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+import ipaddress
 import signal
 import time
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tritonlm.errors import CliError
 from tritonlm.paths import StackError
-from tritonlm.server import ServerStartError, TritonServer
+from tritonlm.server import DEFAULT_HOST, ServerStartError, TritonServer, check_exposure, check_host, parse_restriction
 
 
 def add_parser(sub) -> None:
@@ -23,63 +23,113 @@ def add_parser(sub) -> None:
     )
 
 
+def _host(text: str) -> str:
+    try:
+        return check_host(text)
+    except ServerStartError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _restriction(text: str) -> str:
+    try:
+        parse_restriction(text)
+    except ServerStartError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repo", default="model_repository", help="model repository (default: model_repository)")
+    p.add_argument("--host", type=_host, default=DEFAULT_HOST,
+                   help=f"address HTTP, gRPC and metrics bind to (default: {DEFAULT_HOST}, this machine only; "
+                   "0.0.0.0: every interface)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none")
+    p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none",
+                   help="none (default): load the repository at start, no load/unload API; explicit: the "
+                   "load/unload API is on (refused on a non-loopback --host without --restrict-model-control)")
+    p.add_argument("--restrict-model-control", type=_restriction, metavar="KEY=VALUE", default=None,
+                   help="model-control (load/unload/index) requests over HTTP and gRPC must send header KEY: VALUE")
+    p.add_argument("--log-file", default=None,
+                   help="tritonserver's log (default: a temporary file, removed after a clean stop, kept on failure)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
 
 
+def check_server_args(args: argparse.Namespace) -> None:
+    """The host / model-control combination (each option's format is checked while parsing):
+    explicit model control off loopback needs --restrict-model-control."""
+    try:
+        check_exposure(args.host, args.model_control, args.restrict_model_control)
+    except ServerStartError as e:
+        raise CliError(str(e)) from None
+
+
 def serve(repo: Path, args: argparse.Namespace) -> int:
+    check_server_args(args)
     server = TritonServer(
         repo,
         args.http_port,
         args.grpc_port,
         args.metrics_port,
+        host=args.host,
         model_control=args.model_control,
         load_models=["*"] if args.model_control == "explicit" else [],
-    )
-    print(f"starting tritonserver on {repo} ...", flush=True)
-    try:
-        server.start(timeout_s=args.timeout)
-    except (ServerStartError, StackError) as e:
-        raise CliError(str(e)) from None
-    print(
-        f"tritonserver ready (log: {server.log_path})\n"
-        f"  HTTP     http://localhost:{args.http_port}\n"
-        f"  gRPC     localhost:{args.grpc_port}\n"
-        f"  metrics  http://localhost:{args.metrics_port}/metrics\n"
-        "Ctrl-C stops it.",
-        flush=True,
+        restrict_model_control=args.restrict_model_control,
+        log_path=Path(args.log_file) if args.log_file else None,
     )
     stopping = False
 
-    # The handler only signals: waiting inside it would deadlock with the main thread's
-    # own wait on the same process. A second Ctrl-C kills the server outright.
+    # Installed before the start: tritonserver runs in its own session, so a Ctrl-C or a
+    # SIGTERM reaches only us. While it starts, the handler raises KeyboardInterrupt, and
+    # TritonServer.start stops the server before passing it on. Once it is ready the handler
+    # only signals (waiting inside it would deadlock with the main thread's own wait on the
+    # same process); a second Ctrl-C kills the server outright.
     def on_signal(signum, frame):
         nonlocal stopping
+        if not server.started:
+            raise KeyboardInterrupt
         sig = signal.SIGKILL if stopping else signal.SIGINT
         if not stopping:
             print("\nstopping tritonserver ...", flush=True)
         stopping = True
-        try:
-            os.killpg(server.process.pid, sig)
-        except ProcessLookupError:
-            pass
+        server.interrupt(sig)
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    while server.process.poll() is None:
-        time.sleep(0.2)
-    code = server.process.returncode
-    server.stop()  # reap, and kill whatever of its process group is left
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print(f"starting tritonserver on {repo} ...", flush=True)
+        try:
+            server.start(timeout_s=args.timeout)
+        except (ServerStartError, StackError) as e:
+            raise CliError(str(e)) from None
+        except KeyboardInterrupt:
+            kept = f" (log: {server.log_path})" if server.log_path and Path(server.log_path).exists() else ""
+            print(f"\ninterrupted while starting; tritonserver stopped{kept}", file=sys.stderr, flush=True)
+            return 130
+        lines = [f"tritonserver ready (log: {server.log_path}{'' if args.log_file else ', removed after a clean stop'})"]
+        lines += [f"  {name:<8} {url}" for name, url in server.listen_addresses().items()]
+        if ipaddress.IPv4Address(server.host).is_unspecified:
+            lines.append(f"  (every interface: other machines reach it too; from this one: http://{server.http_url})")
+        if args.restrict_model_control:
+            key = args.restrict_model_control.partition("=")[0]
+            lines.append(f"  model control needs header {key} (gRPC metadata: triton-grpc-protocol-{key})")
+        lines.append("Ctrl-C stops it.")
+        print("\n".join(lines), flush=True)
+        while server.process.poll() is None:
+            time.sleep(0.2)
+        code = server.process.returncode
+        server.stop()  # reap, and kill whatever of its process group is left
+    finally:
+        for s, handler in old_handlers.items():
+            signal.signal(s, handler)
     if not stopping:
-        print(f"tritonserver exited unexpectedly with code {code}; last log lines:", file=sys.stderr)
+        print(f"tritonserver exited unexpectedly with code {code}; last log lines ({server.log_path}):", file=sys.stderr)
         print("\n".join(server.log_text().splitlines()[-20:]), file=sys.stderr)
         return 1
-    print("tritonserver stopped")
+    if code != 0:
+        print(f"tritonserver stopped with code {code} (log: {server.log_path})")
+    else:
+        print("tritonserver stopped")
     return 0
 
 

@@ -26,6 +26,8 @@ __all__ = ["Engine", "EngineObserver", "EngineStats"]
 
 log = logging.getLogger(__name__)
 
+WAITING_POLL_S = 0.05  # waiting requests are asked "cancelled?" this often, running ones every step
+
 
 class Engine:
     def __init__(
@@ -57,7 +59,9 @@ class Engine:
         self._cancel: set[int] = set()
         self._cond = threading.Condition()
         self._stop = False
+        self._stop_reason = ""
         self._thread: threading.Thread | None = None
+        self._last_waiting_poll = 0.0
 
     @property
     def cache(self) -> KVCacheManager:
@@ -120,31 +124,42 @@ class Engine:
         return self
 
     def shutdown(self, reason: str = "the model is being unloaded") -> None:
-        """Stop the loop, fail what is pending, and release the runner (worker processes)."""
+        """Stop the loop, fail what is pending, and release the runner (worker processes).
+
+        The engine thread fails the pending requests itself when it leaves its loop, so a
+        step still running when the join times out cannot race this thread into sending a
+        second final response."""
         with self._cond:
-            self._stop = True
+            self._stop, self._stop_reason = True, reason
             self._cond.notify()
         try:
-            if self._thread is not None:
-                self._thread.join(timeout=30)
-            with self._cond:
-                pending, self._inbox = self.scheduler.sequences() + self._inbox, []
-            for seq in pending:
-                self.output.fail(seq, reason)
+            if self._thread is None:
+                self._fail_pending()
+                return
+            self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                log.error("engine thread still in a step after 30 s; it fails the pending requests when it returns")
         finally:
             self.runner.close()
+
+    def _fail_pending(self) -> None:
+        with self._cond:
+            pending, self._inbox = self.scheduler.sequences() + self._inbox, []
+        for seq in pending:
+            self.output.fail(seq, self._stop_reason)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and not self._inbox and not self._cancel and not self.has_work():
-                    self._cond.wait(timeout=0.5 if self.scheduler.num_waiting else None)
+                    self._cond.wait(timeout=WAITING_POLL_S if self.scheduler.num_waiting else None)
                 if self._stop:
-                    return
+                    break
             try:
                 self.step()
             except Exception:  # the loop must survive anything one step does
                 log.exception("engine step failed")
+        self._fail_pending()
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -165,16 +180,28 @@ class Engine:
         self.output.process(outputs)
 
     def _intake(self) -> None:
-        """New requests join the queue; cancelled and expired ones leave it."""
+        """New requests join the queue; cancelled and expired ones leave it.
+
+        `is_cancelled` is a round trip to the Triton server: running sequences are asked
+        every step, waiting ones at most every WAITING_POLL_S, so step time does not grow
+        with the queue."""
         with self._cond:
             for seq in self._inbox:
                 self.scheduler.add(seq)
             self._inbox = []
             cancel, self._cancel = self._cancel, set()
+        for rid in cancel:
+            seq = self.scheduler.get(rid)
+            if seq is not None:
+                self.output.finish(seq, "cancelled")
         now = time.monotonic()
-        for seq in self.scheduler.sequences():
+        seqs = list(self.scheduler.running)
+        if now - self._last_waiting_poll >= WAITING_POLL_S:
+            self._last_waiting_poll = now
+            seqs += self.scheduler.waiting
+        for seq in seqs:
             hook = seq.request.is_cancelled
-            if seq.id in cancel or (hook is not None and hook()):
+            if hook is not None and hook():
                 self.output.finish(seq, "cancelled")
             elif self.queue_timeout_s > 0 and seq.state is SeqState.WAITING and seq.waited(now) > self.queue_timeout_s:
                 self.output.fail(

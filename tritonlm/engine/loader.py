@@ -94,7 +94,7 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
         use_kv_cache=settings.use_kv_cache,
         queue_timeout_s=settings.queue_timeout_s,
         observer=observer,
-        drafter=build_drafter(settings, runner, cache, tokenizer),
+        drafter=build_drafter(settings, runner, cache, tokenizer, max_context),
         num_draft_tokens=settings.num_draft_tokens,
     )
 
@@ -116,8 +116,11 @@ def _load_runner_or_explain(field: str, kind: str, path, **kwargs):
         ) from None
 
 
-def build_drafter(settings: EngineSettings, target_runner, target_cache: KVCacheManager, target_tokenizer=None):
-    """The speculative drafter the settings ask for, or None."""
+def build_drafter(
+    settings: EngineSettings, target_runner, target_cache: KVCacheManager, target_tokenizer=None, max_context: int | None = None
+):
+    """The speculative drafter the settings ask for, or None. The draft model must read
+    every position the target serves (max_context)."""
     from tritonlm.engine.speculative import DraftModelDrafter, PromptLookupDrafter
 
     if settings.speculative == "prompt_lookup":
@@ -133,6 +136,11 @@ def build_drafter(settings: EngineSettings, target_runner, target_cache: KVCache
         raise SettingsError(
             f"draft_model: its vocabulary has {draft.spec.vocab_size} tokens, the target's {target_runner.spec.vocab_size}; "
             "a draft must share the target's tokenizer"
+        )
+    if max_context is not None and draft.max_positions is not None and draft.max_positions < max_context:
+        raise SettingsError(
+            f"draft_model: it reads {draft.max_positions} positions, less than max_context={max_context}; "
+            f"lower max_context to {draft.max_positions} or pick a draft with a longer context"
         )
     log.info("speculative decoding: draft model %s, up to %d draft tokens", settings.draft_model, settings.num_draft_tokens)
     return DraftModelDrafter(draft, target_cache)

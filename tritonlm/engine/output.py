@@ -22,11 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class EngineObserver(Protocol):
-    """Hooks for metrics (bridged to Triton's metrics by the glue)."""
+    """Hooks for metrics (bridged to Triton's metrics by the glue). Called on the engine
+    thread, once per step rather than per token where they can be (each Triton metric
+    update is a round trip to the server); an observer that raises is logged and ignored."""
 
-    def on_step(self, batch_size: int, num_tokens: int, seconds: float) -> None: ...
+    def on_step(self, batch_size: int, num_tokens: int, seconds: float, generated: int) -> None: ...
     def on_first_token(self, ttft_s: float) -> None: ...
-    def on_token(self) -> None: ...
     def on_finish(self, reason: str, time_per_output_token_s: float | None) -> None: ...
     def on_speculation(self, proposed: int, accepted: int) -> None: ...
 
@@ -46,50 +47,57 @@ class OutputProcessor:
         self.max_context = max_context
         self.observer = observer
         self.stats = EngineStats()
+        self._outbox: list[tuple[Sequence, GenerationEvent]] = []  # sent at the end of each call
 
     def process(self, step: StepOutput) -> None:
         self.stats.steps += 1
         self.stats.max_batch_size = max(self.stats.max_batch_size, step.batch_size)
         self.stats.max_kv_used_bytes = max(self.stats.max_kv_used_bytes, self.scheduler.cache.used_bytes)
-        if self.observer:
-            self.observer.on_step(step.batch_size, step.num_tokens, step.seconds)
+        generated_before = self.stats.tokens_generated
         now = time.monotonic()
         for out in step.rows:
             seq = out.seq
             if out.error is not None:
-                self.fail(seq, out.error)
+                self._fail(seq, out.error)
                 continue
             used = self._append(seq, out.tokens, now)
             if out.proposed:
                 accepted = min(out.accepted, used)  # guesses after the sequence ended do not count
                 seq.draft_tokens += out.proposed
                 seq.accepted_draft_tokens += accepted
-                if self.observer:
-                    self.observer.on_speculation(out.proposed, accepted)
+                self._observe("on_speculation", out.proposed, accepted)
+        generated = self.stats.tokens_generated - generated_before
+        self._observe("on_step", step.batch_size, step.num_tokens, step.seconds, generated)
+        self._flush()  # after the metrics: a client that saw its response finds it counted
+
+    def _observe(self, hook: str, *args) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, hook)(*args)
+        except Exception:  # metrics must never cost a client its response
+            log.exception("metrics hook %s failed", hook)
 
     def _append(self, seq: Sequence, tokens: list[tuple[int, float]], now: float) -> int:
         """Add tokens in order until the sequence finishes; returns how many were used."""
         for used, (token, logprob) in enumerate(tokens, start=1):
             if seq.first_token_time is None:
                 seq.first_token_time = now
-                if self.observer:
-                    self.observer.on_first_token(now - seq.request.arrival)
+                self._observe("on_first_token", now - seq.request.arrival)
             seq.last_token_time = now
             eos = seq.sampling.eos_id
             if eos is not None and token == eos:
-                self.finish(seq, "stop")
+                self._finish(seq, "stop")
                 return used
             seq.token_ids.append(token)
             self.stats.tokens_generated += 1
-            if self.observer:
-                self.observer.on_token()
             text = seq.detok.update()
             self._report(seq, text, token, logprob)
             if seq.detok.stopped:
-                self.finish(seq, "stop")
+                self._finish(seq, "stop")
                 return used
             if seq.num_output_tokens >= seq.request.params.max_tokens or seq.num_tokens >= self.max_context:
-                self.finish(seq, "length")
+                self._finish(seq, "length")
                 return used
         return len(tokens)
 
@@ -112,14 +120,18 @@ class OutputProcessor:
     # ---- endings ----------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
         """stop | length | cancelled: the rest of the text and the final event."""
+        self._finish(seq, reason)
+        self._flush()
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        self._fail(seq, message)
+        self._flush()
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.state is SeqState.FINISHED:
             return
         tail = "" if reason == "cancelled" else seq.detok.flush()
         self._retire(seq, reason)
-        if self.observer:
-            n = seq.num_output_tokens
-            tpot = (seq.last_token_time - seq.first_token_time) / (n - 1) if n > 1 and seq.first_token_time else None
-            self.observer.on_finish(reason, tpot)
         seq.pending_text.append(tail)
         self._emit(seq, GenerationEvent(
             seq.id,
@@ -131,13 +143,14 @@ class OutputProcessor:
             draft_tokens=seq.draft_tokens,
             accepted_draft_tokens=seq.accepted_draft_tokens,
         ))
+        n = seq.num_output_tokens
+        tpot = (seq.last_token_time - seq.first_token_time) / (n - 1) if n > 1 and seq.first_token_time else None
+        self._observe("on_finish", reason, tpot)
 
-    def fail(self, seq: Sequence, message: str) -> None:
+    def _fail(self, seq: Sequence, message: str) -> None:
         if seq.state is SeqState.FINISHED:
             return
         self._retire(seq, "error")
-        if self.observer:
-            self.observer.on_finish("error", None)
         self._emit(seq, GenerationEvent(
             seq.id,
             finished=True,
@@ -146,14 +159,19 @@ class OutputProcessor:
             num_input_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
         ))
+        self._observe("on_finish", "error", None)
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)  # leaves the batch, cache back to the pool (the draft's too)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
-    @staticmethod
-    def _emit(seq: Sequence, event: GenerationEvent) -> None:
-        try:
-            seq.request.on_event(event)
-        except Exception:  # a broken client callback must not take the loop down
-            log.exception("event callback failed for request %s", seq.id)
+    def _emit(self, seq: Sequence, event: GenerationEvent) -> None:
+        self._outbox.append((seq, event))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for seq, event in outbox:
+            try:
+                seq.request.on_event(event)
+            except Exception:  # a broken client callback must not take the loop down
+                log.exception("event callback failed for request %s", seq.id)

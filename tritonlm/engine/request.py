@@ -10,6 +10,10 @@ from typing import Callable
 _ids = itertools.count(1)
 
 
+MIN_TEMPERATURE = 1e-5  # below it: greedy
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it the penalised logits overflow or vanish
+
+
 class InvalidRequestError(ValueError):
     """Bad input from a client; the message names the input and what is allowed."""
 
@@ -34,7 +38,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return not self.temperature or self.top_k == 1
+        # a temperature this small is greedy in effect, and dividing by it would overflow
+        return not self.temperature or self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         if self.max_tokens <= 0:
@@ -47,8 +52,11 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0:
-            raise InvalidRequestError(f"repetition_penalty: must be > 0 (1 = off), got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise InvalidRequestError(f"repetition_penalty: must be in [{lo:g}, {hi:g}] (1 = off), got {self.repetition_penalty}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens: {self.min_tokens} is more than max_tokens={self.max_tokens}")
 
 
 @dataclass

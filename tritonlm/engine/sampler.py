@@ -51,7 +51,8 @@ class RowState:
 def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
     """[V] raw logits -> [V] logits with penalties, bans and temperature applied (a new tensor)."""
     p = row.params
-    out = logits.to(torch.float32).clone()
+    # NaN (an overflow upstream) can never win; +inf would make every probability NaN
+    out = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     if p.repetition_penalty != 1.0 and row.token_ids:
         seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.int64)
         vals = out[seen]
@@ -105,6 +106,8 @@ def next_token_distribution(logits: torch.Tensor, row: RowState) -> torch.Tensor
 def sample_row(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
     """[V] raw logits -> (token, its log-probability under the processed distribution)."""
     processed = process_logits(logits, row)
+    if not bool(torch.isfinite(processed).any()):
+        raise ValueError("the model's logits hold no finite value for this sequence")
     if row.params.greedy:
         token = int(torch.argmax(processed))
     else:

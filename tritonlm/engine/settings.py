@@ -5,6 +5,7 @@ load with a message naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,31 @@ def parse_bytes(field: str, text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
+def inside_repository(field: str, raw: str, model_dir: Path) -> Path:
+    """A path parameter (hf_dir, onnx_model, draft_model) as the path to open: relative to the
+    model folder and, with its '..' applied to the text, inside the model repository (the
+    model folder's parent: an export points at sibling models, '../NAME_onnx/1/model.onnx',
+    '../NAME_draft/1/hf'). A config, including one sent with a load request, cannot make the
+    server read files elsewhere. Symlinks that are in the repository are followed: placing
+    them takes write access to it (tritonlm perf's private repositories are made of them)."""
+    if "\0" in raw:
+        raise SettingsError(f"{field}: {raw!r} holds a NUL character; not a path")
+    if Path(raw).is_absolute():
+        raise SettingsError(
+            f"{field}: {raw!r} is an absolute path; paths are relative to the model folder and stay inside "
+            "the model repository (e.g. '1/hf', '../NAME_onnx/1/model.onnx')"
+        )
+    folder = Path(os.path.abspath(model_dir))
+    repository = folder.parent
+    path = Path(os.path.normpath(folder / raw))  # '..' applied to the text, not through symlinks
+    if path == repository or not path.is_relative_to(repository):
+        raise SettingsError(
+            f"{field}: {raw!r} leaves the model repository {repository} (resolves to {path}); paths are "
+            "relative to the model folder and may name only files inside the repository"
+        )
+    return path
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     model_dir: Path  # the model's folder in the repository
@@ -46,6 +72,11 @@ class EngineSettings:
     max_queue_size: int = 1024
     queue_timeout_s: float = 0.0  # 0: wait as long as it takes
     default_max_tokens: int = 16
+    # request bounds, checked before tokenizing (tritonlm.protocol.RequestLimits)
+    max_prompt_bytes: int = 0  # 0: 32 bytes per token of max_context
+    max_words: int = 64  # stop_words / bad_words entries, each
+    max_word_bytes: int = 256
+    max_request_bytes: int = 0  # 0: the limits above added up + 64 KiB
     use_kv_cache: bool = True  # False only for benchmarks: recompute the whole sequence every step
     num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
     # speculative decoding
@@ -107,8 +138,7 @@ class EngineSettings:
             raw = params.get(name, "") or default
             if not raw:
                 return None
-            path = Path(raw)
-            path = path if path.is_absolute() else (model_dir / path)
+            path = inside_repository(name, raw, model_dir)
             if not path.exists():
                 raise SettingsError(f"{name}: {raw!r} does not exist (looked at {path}); re-export the model")
             return path
@@ -147,6 +177,10 @@ class EngineSettings:
             max_queue_size=get_int("max_queue_size", 1024, 1),
             queue_timeout_s=get_float("queue_timeout_s", 0.0) or 0.0,
             default_max_tokens=get_int("default_max_tokens", 16, 1),
+            max_prompt_bytes=get_int("max_prompt_bytes", 0, 0),
+            max_words=get_int("max_words", 64, 0),
+            max_word_bytes=get_int("max_word_bytes", 256, 1),
+            max_request_bytes=get_int("max_request_bytes", 0, 0),
             use_kv_cache=get_bool("use_kv_cache", True),
             num_threads=get_int("num_threads", 0, 0),
             draft_model=get_path("draft_model", None),

@@ -136,9 +136,10 @@ def already_exported(repo: Path, name: str, model: str, draft: str | None) -> bo
 
 def run_serve_default(args: argparse.Namespace) -> int:
     from tritonlm.cli import CliError
-    from tritonlm.commands.serve import serve
+    from tritonlm.commands.serve import check_server_args, serve
     from tritonlm.export.pipeline import ExportError, export
 
+    check_server_args(args)  # refuse an unsafe host / model-control mix before exporting
     repo = Path(args.repo)
     name = args.name or default_name(args.model)
     if not args.force and already_exported(repo, name, args.model, args.draft):

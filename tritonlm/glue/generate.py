@@ -17,7 +17,7 @@ from tritonlm.engine.loader import build_engine
 from tritonlm.engine.request import GenerationEvent, GenerationRequest, InvalidRequestError, ServerBusyError
 from tritonlm.engine.settings import EngineSettings
 from tritonlm.glue.metrics import TritonMetrics
-from tritonlm.protocol import bad_word_token_ids, event_outputs, parse_request
+from tritonlm.protocol import RequestLimits, bad_word_token_ids, event_outputs, parse_request
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -40,9 +40,10 @@ class Handler:
             )
         model_dir = Path(args["model_repository"])
         self.settings = instance_device(EngineSettings.from_params(params, model_dir), args)
-        self.metrics = TritonMetrics(self.name, args.get("model_version", "1"))
+        self.metrics = TritonMetrics(self.name, args.get("model_version", "1"), args.get("model_instance_name", ""))
         self.engine = build_engine(self.settings, observer=self.metrics)
         self.vocab_size = self.engine.runner.spec.vocab_size
+        self.limits = RequestLimits.for_model(self.settings, self.engine.max_context)
         self.metrics.set_kv_capacity(self.engine.cache.total_bytes, self.engine.runner.spec.bytes_per_token)
         self.engine.start()
         self.metrics.watch(self.engine)
@@ -61,7 +62,7 @@ class Handler:
 
     def _submit(self, request, sender) -> None:
         inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-        parsed = parse_request(inputs, self.settings.default_max_tokens, self.vocab_size)
+        parsed = parse_request(inputs, self.settings.default_max_tokens, self.vocab_size, self.limits)
         params = parsed.params
         if parsed.bad_words_text:
             params = type(params)(**{**params.__dict__, "bad_words": bad_word_token_ids(self.engine.tokenizer, parsed.bad_words_text)})

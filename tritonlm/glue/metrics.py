@@ -4,6 +4,7 @@ metrics port beside Triton's own nv_inference_* series."""
 from __future__ import annotations
 
 import threading
+import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -37,9 +38,13 @@ class _Histogram:
             self.count.increment(1)
 
 
+REFRESH_S = 0.1  # gauges are refreshed at most this often from the engine thread
+
+
 class TritonMetrics:
-    def __init__(self, model: str, version: str):
-        labels = {"model": model, "version": str(version)}
+    def __init__(self, model: str, version: str, instance: str = ""):
+        # one label set per instance: instances of one model would overwrite each other's gauges
+        labels = {"model": model, "version": str(version), "instance": instance or model}
         self._families: list = []
         self.ttft = _Histogram("tritonlm_time_to_first_token_seconds", "Time from arrival to the first generated token", labels, TTFT_BUCKETS)
         self.tpot = _Histogram(
@@ -76,27 +81,31 @@ class TritonMetrics:
             "tritonlm_tokens_per_target_pass", "Speculative decoding: tokens produced per target verification pass", labels, [1, 2, 3, 4, 5, 6, 8, 10, 16]
         )
         self._proposed = self._accepted = 0
+        self._last_refresh = 0.0
+        self._published: tuple[int, int] | None = None  # (running, waiting) last sent
         self._engine = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # EngineObserver hooks (engine thread)
-    def on_step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+    def on_step(self, batch_size: int, num_tokens: int, seconds: float, generated: int) -> None:
         self.batch.observe(batch_size)
-        self._refresh()
+        if generated:
+            self.tokens.increment(generated)
+        engine = self._engine
+        changed = engine is not None and self._published != (engine.scheduler.num_running, engine.scheduler.num_waiting)
+        if changed or time.monotonic() - self._last_refresh >= REFRESH_S:
+            self._refresh()  # at once when requests were admitted or left, else at most every REFRESH_S
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
-
-    def on_token(self) -> None:
-        self.tokens.increment(1)
 
     def on_finish(self, reason: str, time_per_output_token_s: float | None) -> None:
         if time_per_output_token_s is not None:
             self.tpot.observe(time_per_output_token_s)
         if reason in self.finished:
             self.finished[reason].increment(1)
-        self._refresh()
+        self._refresh()  # a finished request freed its cache: show it at once
 
     def on_speculation(self, proposed: int, accepted: int) -> None:
         self._proposed += proposed
@@ -112,9 +121,11 @@ class TritonMetrics:
 
     def _refresh(self) -> None:
         engine = self._engine
+        self._last_refresh = time.monotonic()
         if engine is not None:
-            self.running.set(engine.scheduler.num_running)
-            self.waiting.set(engine.scheduler.num_waiting)
+            self._published = (engine.scheduler.num_running, engine.scheduler.num_waiting)
+            self.running.set(self._published[0])
+            self.waiting.set(self._published[1])
             self.kv_used.set(engine.cache.used_bytes)
 
     def watch(self, engine) -> None:

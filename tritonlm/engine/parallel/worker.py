@@ -8,8 +8,9 @@ goes away:
       lives as long as the process);
     - EOF on the control socket (the parent's end closes when it dies);
     - a watchdog thread that sees the parent pid change (reparenting) within 0.5 s.
-SIGINT is ignored: Ctrl-C / Triton's graceful shutdown reaches the whole process group,
-and a worker must outlive its engine until the engine tells it to stop.
+SIGINT and SIGTERM are ignored: Ctrl-C / Triton's graceful shutdown reaches the whole
+process group, and a worker must outlive its engine until the engine tells it to stop
+(it still leaves when its parent dies, by the three ways above).
 
 Any error in a step is fatal (logged, exit 1): the other ranks would otherwise wait in a
 collective; the runner sees the exit and takes the model out of service.
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="model", help="model name (logs, and to find the process)")
     ap.add_argument("--pdeathsig", action="store_true")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # group-wide stop signals: the engine says when
+        signal.signal(sig, signal.SIG_IGN)
     if args.pdeathsig:
         set_pdeathsig()
     if os.getppid() != args.parent:  # the parent died before we could watch it
