@@ -12,6 +12,7 @@ REPO ?= model_repository
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 # `make serve HOST=0.0.0.0` listens on every interface; only a command-line HOST counts
 # (some shells export HOST as the machine's name).
 ifneq ($(origin HOST),command line)
@@ -35,7 +36,8 @@ $(STAMP): pyproject.toml scripts/setup_system.sh
 
 serve: setup
 	$(VENV)/bin/tritonlm serve-default --model $(MODEL) $(if $(DRAFT),--draft $(DRAFT)) $(if $(NAME),--name $(NAME)) \
-		--repo $(REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+		--repo $(REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--openai-port $(OPENAI_PORT)
 
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

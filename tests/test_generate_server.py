@@ -180,3 +180,18 @@ def test_metrics_report_cache_and_tokens(triton_server):
     assert metric(triton_server, "tritonlm_generated_tokens_total", "tiny") >= 4
     assert metric(triton_server, "tritonlm_requests_finished_total", "tiny", reason="length") >= 1
     assert metric(triton_server, "tritonlm_time_to_first_token_seconds_count", "tiny") >= 1
+
+
+def test_a_shared_prefix_is_served_from_the_cache_with_the_same_text(triton_server):
+    system = "You are a helpful assistant. Answer in one short sentence, please. " * 3
+    hits = metric(triton_server, "tritonlm_prefix_cache_hits_total", "tiny")
+    queries = metric(triton_server, "tritonlm_prefix_cache_queries_total", "tiny")
+    first = gen(triton_server, system + "Who are you?", max_tokens=8, stream=True)
+    second = gen(triton_server, system + "Where are you?", max_tokens=8, stream=True)
+    assert first.extra["num_cached_tokens"] == 0  # nothing before it shared this prefix
+    prompt_ids = tiny()[1](system + "Where are you?").input_ids
+    assert second.extra["num_cached_tokens"] >= 16 * ((len(tiny()[1](system).input_ids) - 16) // 16)
+    assert second.text == text_of(hf_greedy(system + "Where are you?", 8))
+    assert metric(triton_server, "tritonlm_prefix_cache_hits_total", "tiny") - hits >= second.extra["num_cached_tokens"]
+    assert metric(triton_server, "tritonlm_prefix_cache_queries_total", "tiny") - queries >= 2 * len(prompt_ids) - 2
+    assert metric(triton_server, "tritonlm_prefix_cache_blocks", "tiny") > 0

@@ -171,7 +171,7 @@ def gauge(server, name: str) -> float:
 def peak_batch_size(server) -> float:
     """The largest batch_size histogram bound that not every step stayed under."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    rows = re.findall(rf'tritonlm_batch_size_bucket{{model="{MODEL}",version="1",le="([^"]+)"}} (\S+)', text)
+    rows = re.findall(rf'tritonlm_batch_size_bucket{{instance="[^"]+",model="{MODEL}",version="1",le="([^"]+)"}} (\S+)', text)
     total = float(rows[-1][1])
     below = [float(le) for le, count in rows if le != "+Inf" and float(count) < total]
     return max(below) if below else 0.0

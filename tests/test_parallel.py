@@ -329,6 +329,14 @@ def test_engine_built_from_settings_generates_hf_tokens_and_stops_its_workers(tm
         for i, (rid, p) in enumerate(zip(rids, prompts)):
             assert events[rid][-1].error is None
             assert [t for ev in events[rid] for t in ev.token_ids] == hf_greedy(p, 16 + 4 * i)
+        # prefix caching across the ranks: the same prompt again shares its full blocks
+        again = GenerationRequest(engine.encode(prompts[2]), SamplingParams(max_tokens=16), lambda ev: events[ev.request_id].append(ev))
+        events[again.request_id] = []
+        engine.submit(again)
+        while not (events[again.request_id] and events[again.request_id][-1].finished):
+            engine.step()
+        assert events[again.request_id][-1].num_cached_tokens == 16  # its first block, held by every rank
+        assert [t for ev in events[again.request_id] for t in ev.token_ids] == hf_greedy(prompts[2], 16)
     finally:
         engine.shutdown()
     assert not alive(pids[0])

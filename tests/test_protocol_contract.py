@@ -94,7 +94,7 @@ def _sample(t, wrong: bool = False) -> np.ndarray:
     good = {"INT32": np.array([1], np.int32), "UINT64": np.array([1], np.uint64), "FP32": np.array([0.5], np.float32),
             "BOOL": np.array([True]), "BYTES": np.array([b"x"], dtype=object)}
     if not wrong:
-        return good[t.dtype]
+        return np.array([b'{"max_tokens": 2}'], dtype=object) if t.name == "sampling_parameters" else good[t.dtype]
     return good["INT32"] if t.dtype in ("BOOL", "BYTES") else np.array([b"x"], dtype=object)
 
 

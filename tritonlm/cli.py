@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = [
     "tritonlm.export.cli",
     "tritonlm.client.cli",
     "tritonlm.perf.cli",
+    "tritonlm.openai.server",
 ]
 
 

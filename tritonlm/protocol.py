@@ -11,7 +11,8 @@ these functions, so every rule here is tested without a server.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Union
 
 import numpy as np
@@ -79,6 +80,17 @@ INPUTS: tuple[Tensor, ...] = (
     _in("stop_words", "BYTES", "strings that end the answer (TensorRT-LLM's comma-separated form works too)", dims=(-1,)),
     _in("bad_words", "BYTES", "words never generated (as written and after a space)", dims=(-1,)),
     _in("return_log_probs", "BOOL", "true: responses also carry `output_log_probs`", False),
+    # what Triton's OpenAI frontend sends to a vLLM-backend model (`--backend vllm`)
+    _in("sampling_parameters", "BYTES",
+        "vLLM backend's JSON object of settings (NVIDIA's OpenAI frontend sends it): `max_tokens`, `min_tokens`, "
+        "`temperature`, `top_p`, `top_k`, `seed`, `repetition_penalty`, `stop`, `bad_words`, `ignore_eos`, "
+        "`logprobs` (0 or true: the chosen token's); `n`, `best_of` 1; `frequency_penalty`, `presence_penalty` 0; other keys are refused by name"),
+    _in("return_num_input_tokens", "BOOL",
+        "vLLM backend's flag (NVIDIA's OpenAI frontend sends true): accepted; the final response carries `num_input_tokens` either way",
+        False),
+    _in("return_num_output_tokens", "BOOL",
+        "vLLM backend's flag (NVIDIA's OpenAI frontend sends true): accepted; the final response carries `num_output_tokens` either way",
+        False),
 )
 
 OUTPUTS: tuple[Tensor, ...] = (
@@ -87,6 +99,7 @@ OUTPUTS: tuple[Tensor, ...] = (
     _out("finish_reason", "BYTES", "final response: `stop` / `length` / `cancelled` / `error`"),
     _out("num_input_tokens", "INT32", "final response: tokens in the prompt"),
     _out("num_output_tokens", "INT32", "final response: tokens generated"),
+    _out("num_cached_tokens", "INT32", "final response: prompt tokens served from the prefix cache (`enable_prefix_caching`)"),
     _out("output_log_probs", "FP32", "with `return_log_probs`: log-probability of each token of this response", dims=(-1,)),
     _out("acceptance_rate", "FP32", "final response: accepted / proposed draft tokens (0 without speculation)"),
     _out("total_accepted_draft_tokens", "INT32", "final response: draft tokens the target accepted"),
@@ -189,6 +202,15 @@ class ParsedRequest:
     exclude_input_in_output: bool
     num_draft_tokens: int | None
     bad_words_text: tuple[str, ...]  # turned into token ids by the caller (needs the tokenizer)
+    # field -> what the request called it, where that differs ("sampling_parameters.max_tokens",
+    # "min_length"): later errors about the field name what was sent (rename_error)
+    renames: dict[str, str] = field(default_factory=dict)
+
+
+def rename_error(message: str, renames: dict[str, str]) -> str:
+    """An error message `FIELD: ...` with FIELD as the request named it."""
+    head, sep, rest = message.partition(": ")
+    return f"{renames[head]}: {rest}" if sep and head in renames else message
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str):
@@ -259,6 +281,110 @@ def _value(inputs: dict[str, np.ndarray], name: str):
     return value
 
 
+# --- sampling_parameters: the vLLM backend's JSON settings ---------------------------------------
+# key -> (the contract input it sets, what it must be). Keys are vLLM's SamplingParams names,
+# as Triton's OpenAI frontend (python/openai/openai_frontend/engine/utils/triton.py in
+# triton-inference-server/server, r25.08) writes them from an OpenAI request.
+SAMPLING_KEYS: dict[str, tuple[str | None, str]] = {
+    "max_tokens": ("max_tokens", "int"),
+    "min_tokens": ("min_tokens", "int"),
+    "temperature": ("temperature", "number"),
+    "top_p": ("top_p", "number"),
+    "top_k": ("top_k", "int"),  # vLLM's -1 (off) is 0 here
+    "seed": ("seed", "int"),
+    "repetition_penalty": ("repetition_penalty", "number"),
+    "stop": ("stop_words", "words"),
+    "bad_words": ("bad_words", "words"),
+    "ignore_eos": ("end_id", "bool"),  # true: end_id -1
+    "logprobs": ("return_log_probs", "logprobs"),  # int (completions) or bool (chat)
+    "top_logprobs": (None, "no_alternatives"),
+    "n": (None, "one"),
+    "best_of": (None, "one"),
+    "frequency_penalty": (None, "zero"),
+    "presence_penalty": (None, "zero"),
+    "logit_bias": (None, "empty"),
+}
+
+
+def _sp_error(key: str, text: str) -> InvalidRequestError:
+    return InvalidRequestError(f"sampling_parameters.{key}: {text}")
+
+
+def _sp_number(key: str, v, integer: bool):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise _sp_error(key, f"expected {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}")
+    if not integer:
+        if not np.isfinite(v):
+            raise _sp_error(key, f"must be a finite number, got {v}")
+        return float(v)
+    lo, hi = (0, 2**64 - 1) if key == "seed" else (-(2**31), 2**31 - 1)  # the inputs' UINT64 / INT32 ranges
+    if not lo <= v <= hi:
+        raise _sp_error(key, f"must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _sp_words(key: str, v, limits: RequestLimits) -> tuple[str, ...]:
+    words = [v] if isinstance(v, str) else v
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise _sp_error(key, f"expected a string or a list of strings, got {json.dumps(v)[:40]}")
+    if len(words) > limits.max_words:
+        raise _sp_error(key, f"{len(words)} entries; the limit is {limits.max_words} (max_words)")
+    for w in words:
+        if len(w.encode("utf-8")) > limits.max_word_bytes:
+            raise _sp_error(key, f"an entry of {len(w.encode('utf-8'))} bytes; the limit is {limits.max_word_bytes} (max_word_bytes)")
+    return tuple(w for w in words if w)  # literal strings: no comma splitting here
+
+
+def parse_sampling_parameters(text: str, limits: RequestLimits) -> dict:
+    """The JSON object of `sampling_parameters` -> values of contract inputs (by input name).
+    Nulls count as absent; unknown keys and unsupported values are refused by name."""
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise InvalidRequestError("sampling_parameters: nested too deeply; send a flat JSON object of settings") from None
+    except ValueError as e:
+        raise InvalidRequestError(f"sampling_parameters: not valid JSON ({e}); send a JSON object such as "
+                                  '{"max_tokens": 16, "temperature": 0}') from None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError(f"sampling_parameters: expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(k for k in obj if k not in SAMPLING_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"sampling_parameters: unknown key(s) {unknown}; known keys: {sorted(SAMPLING_KEYS)}")
+    out: dict = {}
+    for key, v in obj.items():
+        if v is None:
+            continue
+        name, kind = SAMPLING_KEYS[key]
+        if kind in ("int", "number"):
+            v = _sp_number(key, v, kind == "int")
+            if key == "top_k" and v == -1:
+                v = 0
+            out[name] = v
+        elif kind == "words":
+            out[name] = _sp_words(key, v, limits)
+        elif kind == "bool":
+            if not isinstance(v, bool):
+                raise _sp_error(key, f"expected true or false, got {json.dumps(v)[:40]}")
+            if v:
+                out[name] = -1
+        elif kind == "logprobs":  # vLLM: the chosen token's plus this many alternatives; true/false from chat requests
+            if not isinstance(v, bool) and _sp_number(key, v, True) != 0:
+                raise _sp_error(key, f"only 0 (the chosen token's log-probability; alternatives are not computed) or true/false, got {v}")
+            out[name] = v is not False
+        elif kind == "no_alternatives":
+            if _sp_number(key, v, True) != 0:
+                raise _sp_error(key, f"only 0: alternatives' log-probabilities are not computed, got {v}")
+        elif kind == "one":
+            if _sp_number(key, v, True) != 1:
+                raise _sp_error(key, f"only 1 is supported (one sequence per request: send several requests), got {v}")
+        elif kind == "zero":
+            if _sp_number(key, v, False) != 0:
+                raise _sp_error(key, f"not supported: only 0 (off), got {v}; repetition_penalty is available")
+        elif kind == "empty" and v != {}:
+            raise _sp_error(key, "not supported: only {} (none)")
+    return out
+
+
 def parse_request(
     inputs: dict[str, np.ndarray], default_max_tokens: int, vocab_size: int | None = None, limits: RequestLimits | None = None
 ) -> ParsedRequest:
@@ -275,17 +401,36 @@ def parse_request(
     text = _value(inputs, "text_input")
     if not text:
         raise InvalidRequestError("text_input: empty prompt; send some text")
+    sampling = _value(inputs, "sampling_parameters")
+    overrides = parse_sampling_parameters(sampling, limits) if sampling is not None else {}
+    both = sorted(name for name in overrides if name in inputs)
+    if both:
+        raise InvalidRequestError(f"{both[0]}: sent both as an input and in sampling_parameters; send it once")
+    _value(inputs, "return_num_input_tokens")  # vLLM's flags: checked, the final response carries the counts anyway
+    _value(inputs, "return_num_output_tokens")
 
     def get(name: str, default=None):
-        """The input's value; absent: `default` when given, else the contract's default."""
+        """The input's value (or sampling_parameters'); absent: `default` when given, else the contract's default."""
         v = _value(inputs, name)
+        if v is None:
+            v = overrides.get(name)
         if v is not None:
             return v
         return INPUT[name].default if default is None else default
 
+    def words(name: str) -> tuple[str, ...]:
+        return overrides[name] if name in overrides else _word_list(inputs, name, limits.max_words)
+
+    # errors about a field name it as the request did: a sampling_parameters key, or min_length
+    keys = {name: key for key, (name, _) in SAMPLING_KEYS.items() if name}
+    renames = {name: f"sampling_parameters.{keys[name]}" for name in overrides}
     min_tokens = _value(inputs, "min_tokens")
     if min_tokens is None:
+        min_tokens = overrides.get("min_tokens")
+    if min_tokens is None:
         min_tokens = get("min_length")  # genai-perf's name for it
+        if "min_length" in inputs:
+            renames["min_tokens"] = "min_length"
     seed = get("seed")
     if seed is not None and seed < 0:
         raise InvalidRequestError(f"seed: must be >= 0, got {seed}")
@@ -305,17 +450,21 @@ def parse_request(
         seed=seed,
         repetition_penalty=get("repetition_penalty"),
         end_id=end_id,
-        stop_words=_word_list(inputs, "stop_words", limits.max_words),
+        stop_words=words("stop_words"),
         return_log_probs=get("return_log_probs"),
     )
-    params.validate()
+    try:
+        params.validate()
+    except InvalidRequestError as e:
+        raise InvalidRequestError(rename_error(str(e), renames)) from None
     return ParsedRequest(
         text=text,
         params=params,
         stream=get("stream"),
         exclude_input_in_output=get("exclude_input_in_output"),
         num_draft_tokens=num_draft,
-        bad_words_text=_word_list(inputs, "bad_words", limits.max_words),
+        bad_words_text=words("bad_words"),
+        renames=renames,
     )
 
 
@@ -347,6 +496,7 @@ def event_outputs(event: GenerationEvent, prefix: str = "", with_log_probs: bool
         out["finish_reason"] = _tensor("finish_reason", [(event.finish_reason or "").encode()])
         out["num_input_tokens"] = _tensor("num_input_tokens", [event.num_input_tokens])
         out["num_output_tokens"] = _tensor("num_output_tokens", [event.num_output_tokens])
+        out["num_cached_tokens"] = _tensor("num_cached_tokens", [event.num_cached_tokens])
         out["total_draft_tokens"] = _tensor("total_draft_tokens", [event.draft_tokens])
         out["total_accepted_draft_tokens"] = _tensor("total_accepted_draft_tokens", [event.accepted_draft_tokens])
         out["acceptance_rate"] = _tensor("acceptance_rate", [rate])

@@ -79,7 +79,7 @@ def _absorb(result: GenerateResult, response) -> bool:
         result.finish_reason = reason.reshape(-1)[0].decode()
         result.num_input_tokens = int(response.as_numpy("num_input_tokens").reshape(-1)[0])
         result.num_output_tokens = int(response.as_numpy("num_output_tokens").reshape(-1)[0])
-        for name in ("acceptance_rate", "total_draft_tokens", "total_accepted_draft_tokens"):
+        for name in ("acceptance_rate", "total_draft_tokens", "total_accepted_draft_tokens", "num_cached_tokens"):
             value = response.as_numpy(name)
             if value is not None:
                 result.extra[name] = value.reshape(-1)[0].item()

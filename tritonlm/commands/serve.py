@@ -11,7 +11,9 @@ from pathlib import Path
 
 from tritonlm.errors import CliError
 from tritonlm.paths import StackError
-from tritonlm.server import DEFAULT_HOST, ServerStartError, TritonServer, check_exposure, check_host, parse_restriction
+from tritonlm.server import (
+    DEFAULT_HOST, ServerStartError, TritonServer, check_exposure, check_host, parse_restriction, port_is_free,
+)
 
 
 def add_parser(sub) -> None:
@@ -46,6 +48,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, default=9000,
+                   help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on the same "
+                   "--host, in front of this server (default 9000; 0: off)")
     p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none",
                    help="none (default): load the repository at start, no load/unload API; explicit: the "
                    "load/unload API is on (refused on a non-loopback --host without --restrict-model-control)")
@@ -65,8 +70,27 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise CliError(str(e)) from None
 
 
+def _openai_frontend(server: TritonServer, repo: Path, args: argparse.Namespace):
+    """The OpenAI API in front of the server (None with --openai-port 0). Its chat templates
+    come from the repository's tokenizers; the model list needs the model-control header."""
+    port = getattr(args, "openai_port", 0)
+    if not port:
+        return None
+    from tritonlm.openai.server import OpenAIServer
+
+    headers = None
+    if args.restrict_model_control:
+        key, value = parse_restriction(args.restrict_model_control)
+        headers = {f"triton-grpc-protocol-{key}": value}
+    return OpenAIServer(server.grpc_url, host=server.host, port=port, repo=repo, headers=headers)
+
+
 def serve(repo: Path, args: argparse.Namespace) -> int:
     check_server_args(args)
+    openai_port = getattr(args, "openai_port", 0)
+    if openai_port and not port_is_free(openai_port, check_host(args.host)):
+        raise CliError(f"port {openai_port} (--openai-port) is already in use: stop what holds it or choose another port "
+                       "(0 turns the OpenAI API off)")
     server = TritonServer(
         repo,
         args.http_port,
@@ -106,8 +130,17 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
             kept = f" (log: {server.log_path})" if server.log_path and Path(server.log_path).exists() else ""
             print(f"\ninterrupted while starting; tritonserver stopped{kept}", file=sys.stderr, flush=True)
             return 130
+        frontend = _openai_frontend(server, repo, args)
+        if frontend is not None:
+            try:
+                frontend.start()
+            except CliError:
+                server.stop()
+                raise
         lines = [f"tritonserver ready (log: {server.log_path}{'' if args.log_file else ', removed after a clean stop'})"]
         lines += [f"  {name:<8} {url}" for name, url in server.listen_addresses().items()]
+        if frontend is not None:
+            lines.append(f"  {'OpenAI':<8} http://{server.host}:{frontend.port}/v1")
         if ipaddress.IPv4Address(server.host).is_unspecified:
             lines.append(f"  (every interface: other machines reach it too; from this one: http://{server.http_url})")
         if args.restrict_model_control:
@@ -115,8 +148,12 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
             lines.append(f"  model control needs header {key} (gRPC metadata: triton-grpc-protocol-{key})")
         lines.append("Ctrl-C stops it.")
         print("\n".join(lines), flush=True)
-        while server.process.poll() is None:
-            time.sleep(0.2)
+        try:
+            while server.process.poll() is None:
+                time.sleep(0.2)
+        finally:
+            if frontend is not None:
+                frontend.stop()
         code = server.process.returncode
         server.stop()  # reap, and kill whatever of its process group is left
     finally:

@@ -14,19 +14,20 @@ import logging
 import threading
 import time
 
+from tritonlm.engine.client_io import CancellationPoller, EventDispatcher
 from tritonlm.engine.executor import ModelExecutor
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.output import EngineObserver, EngineStats, OutputProcessor
 from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
-from tritonlm.engine.sequence import Sequence, SeqState
+from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import Drafter
 
 __all__ = ["Engine", "EngineObserver", "EngineStats"]
 
 log = logging.getLogger(__name__)
 
-WAITING_POLL_S = 0.05  # waiting requests are asked "cancelled?" this often, running ones every step
+EXPIRY_CHECK_S = 0.05  # how often waiting requests are checked against queue_timeout_s
 
 
 class Engine:
@@ -61,7 +62,9 @@ class Engine:
         self._stop = False
         self._stop_reason = ""
         self._thread: threading.Thread | None = None
-        self._last_waiting_poll = 0.0
+        self._last_expiry_check = 0.0
+        self._dispatcher: EventDispatcher | None = None
+        self._poller: CancellationPoller | None = None
 
     @property
     def cache(self) -> KVCacheManager:
@@ -119,9 +122,18 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------
     def start(self) -> "Engine":
+        """Run the loop on its own thread; events go out, and cancellations come in, on two
+        more threads (client_io), so client round trips never stall a step."""
+        self._dispatcher = EventDispatcher()
+        self.output.deliver = self._dispatcher.submit
+        self._poller = CancellationPoller(self._live, self.cancel)
         self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
         self._thread.start()
         return self
+
+    def _live(self) -> tuple[list[Sequence], list[Sequence]]:
+        # list() of a list or deque copies in one C call: safe beside the engine thread
+        return list(self.scheduler.running), list(self.scheduler.waiting)
 
     def shutdown(self, reason: str = "the model is being unloaded") -> None:
         """Stop the loop, fail what is pending, and release the runner (worker processes).
@@ -133,12 +145,16 @@ class Engine:
             self._stop, self._stop_reason = True, reason
             self._cond.notify()
         try:
+            if self._poller is not None:
+                self._poller.close()
             if self._thread is None:
                 self._fail_pending()
                 return
             self._thread.join(timeout=30)
             if self._thread.is_alive():
                 log.error("engine thread still in a step after 30 s; it fails the pending requests when it returns")
+            elif self._dispatcher is not None:
+                self._dispatcher.close()  # the final responses go out before the model unloads
         finally:
             self.runner.close()
 
@@ -152,7 +168,7 @@ class Engine:
         while True:
             with self._cond:
                 while not self._stop and not self._inbox and not self._cancel and not self.has_work():
-                    self._cond.wait(timeout=WAITING_POLL_S if self.scheduler.num_waiting else None)
+                    self._cond.wait(timeout=EXPIRY_CHECK_S if self.scheduler.num_waiting else None)
                 if self._stop:
                     break
             try:
@@ -182,9 +198,8 @@ class Engine:
     def _intake(self) -> None:
         """New requests join the queue; cancelled and expired ones leave it.
 
-        `is_cancelled` is a round trip to the Triton server: running sequences are asked
-        every step, waiting ones at most every WAITING_POLL_S, so step time does not grow
-        with the queue."""
+        Cancellations arrive through cancel(): from the CancellationPoller in a server,
+        which asks Triton off this thread, or from a caller directly."""
         with self._cond:
             for seq in self._inbox:
                 self.scheduler.add(seq)
@@ -195,17 +210,12 @@ class Engine:
             if seq is not None:
                 self.output.finish(seq, "cancelled")
         now = time.monotonic()
-        seqs = list(self.scheduler.running)
-        if now - self._last_waiting_poll >= WAITING_POLL_S:
-            self._last_waiting_poll = now
-            seqs += self.scheduler.waiting
-        for seq in seqs:
-            hook = seq.request.is_cancelled
-            if hook is not None and hook():
-                self.output.finish(seq, "cancelled")
-            elif self.queue_timeout_s > 0 and seq.state is SeqState.WAITING and seq.waited(now) > self.queue_timeout_s:
-                self.output.fail(
-                    seq,
-                    f"timed out after waiting {seq.waited(now):.1f} s for a free slot "
-                    f"(queue_timeout_s={self.queue_timeout_s}); retry later",
-                )
+        if self.queue_timeout_s > 0 and now - self._last_expiry_check >= EXPIRY_CHECK_S:
+            self._last_expiry_check = now
+            for seq in list(self.scheduler.waiting):
+                if seq.waited(now) > self.queue_timeout_s:
+                    self.output.fail(
+                        seq,
+                        f"timed out after waiting {seq.waited(now):.1f} s for a free slot "
+                        f"(queue_timeout_s={self.queue_timeout_s}); retry later",
+                    )

@@ -6,8 +6,9 @@ Kinds of rows in one step:
     decode        1 pending token -> logits of the last position
     prefill       a chunk of the prompt; a token only after the prompt's last chunk
     speculating   1 pending token + K guesses -> logits of all K+1 positions, verified
-Speculating rows and decodes share one pass (all logits); prefill chunks then run in
-a pass of their own, so no prompt-long logits are ever made.
+Speculating rows and decodes share one pass (all logits when anyone speculates); each
+prefill chunk runs in a pass of its own, so no decoding row is padded to a chunk's width
+and no prompt-long logits are ever made.
 """
 
 from __future__ import annotations
@@ -72,12 +73,15 @@ class ModelExecutor:
         verify = [(seq, seq.pending_tokens + proposals[seq.id].tokens) for seq, _ in plan if seq.id in proposals]
         plain = [(seq, seq.pending_tokens[:n]) for seq, n in plan if seq.id not in proposals]
         len_before = {seq.id: seq.num_tokens for seq, _ in verify}  # pending token included
-        if verify:
-            decode = [(seq, toks) for seq, toks in plain if not seq.in_prefill]
-            prefill = [(seq, toks) for seq, toks in plain if seq.in_prefill]
-            rows = self._pass(verify + decode, all_logits=True) + self._pass(prefill, all_logits=False)
-        else:
-            rows = self._pass(plain, all_logits=False)
+        if self.scheduler.recompute:  # benchmark baseline: every row its whole history, one pass
+            return ForwardResult(plan, self._pass(plain, all_logits=False), {}, {}, time.perf_counter() - t0)
+        decode = [(seq, toks) for seq, toks in plain if not seq.in_prefill]
+        rows = self._pass(verify + decode, all_logits=bool(verify))
+        # each prefill chunk in a pass of its own: in one padded batch, every decoding row
+        # would be computed at the chunk's width (B x T positions for B + T useful ones)
+        for seq, toks in plain:
+            if seq.in_prefill:
+                rows += self._pass([(seq, toks)], all_logits=False)
         return ForwardResult(plan, rows, proposals, len_before, time.perf_counter() - t0)
 
     def _speculation(self, plan: Plan) -> dict[int, int]:

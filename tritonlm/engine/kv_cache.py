@@ -16,6 +16,15 @@ Who touches what:
                      and frees. How many tokens of a sequence are in the cache is
                      `Sequence.num_computed`, not kept here a second time.
 
+Prefix caching: a FULL block is identified by a chain digest of the model, its token ids
+and the digest of the block before it (`block_digest`). Once a sequence's cache holds a
+full block, the scheduler registers it; a later request whose prompt starts with the same
+blocks shares them (a reference count per block) and its prefill starts after them.
+A block whose references drop to 0 stays cached, unreferenced, until a new allocation
+needs room (least recently used first). Shared blocks are never written: the block a
+sequence writes into is always its own (a prompt shares at most its full blocks before
+its last token).
+
 Tensors (per layer, one for K and one for V):
     [num_blocks * block_size, num_kv_heads, head_dim]   ("slots": one token each)
 Slot 0 is reserved as a scratch slot that padding entries point at.
@@ -23,6 +32,8 @@ Slot 0 is reserved as a scratch slot that padding entries point at.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,11 +85,29 @@ class KVPool:
 PoolFactory = Callable[[int], "KVPool | None"]  # num_slots -> the runner's pool (None: held by worker ranks)
 
 
+def block_digest(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """Chain digest of one full block: BLAKE2b-128 over the parent block's digest and the
+    block's token ids. A cryptographic digest: two different prefixes do not meet by
+    accident, nor by a client's design, so equal digests mean equal prefixes (the block's
+    own token ids are compared on every hit as well)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
+    return h.digest()
+
+
 class KVCacheManager:
-    def __init__(self, spec: ModelSpec, budget_bytes: int, block_size: int = 16, allocate_kv: PoolFactory | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        budget_bytes: int,
+        block_size: int = 16,
+        allocate_kv: PoolFactory | None = None,
+        prefix_caching: bool = False,
+    ):
         """budget_bytes counts the whole model's K/V (spec.bytes_per_token per token).
         allocate_kv: the runner's `allocate_kv`, called once with the number of slots;
-        None keeps the accounting only (`pool` is None)."""
+        None keeps the accounting only (`pool` is None). prefix_caching: full blocks are
+        shared between requests with the same prefix and stay cached once freed."""
         if block_size <= 0:
             raise CacheBudgetError(f"kv_block_size must be positive, got {block_size}")
         self.spec = spec
@@ -92,9 +121,17 @@ class KVCacheManager:
                 f"({self.block_bytes} bytes each at {spec.bytes_per_token} bytes/token); raise it"
             )
         self.num_blocks = num_blocks
+        self.prefix_caching = prefix_caching
+        self.root_digest = hashlib.blake2b(repr(spec).encode(), digest_size=16).digest()  # "the model" in every chain
         self.pool: KVPool | None = allocate_kv(self.num_slots) if allocate_kv is not None else None
-        self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # block 0 reserved
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # block 0 reserved; holds nothing reusable
         self._tables: dict[int, list[int]] = {}  # seq id -> its blocks, in position order
+        self._refs = [0] * num_blocks  # sequences holding each block
+        self._cached: dict[bytes, int] = {}  # digest -> the block holding that content
+        self._content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (digest, token ids)
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unreferenced; LRU first
+        self.hit_tokens = 0  # prefix cache: prompt tokens found cached, and looked up (for metrics)
+        self.query_tokens = 0
 
     # ---- accounting -------------------------------------------------------
     @property
@@ -107,7 +144,13 @@ class KVCacheManager:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a new allocation may take: never used, or cached but unreferenced."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks holding a registered prefix (referenced or not)."""
+        return len(self._content)
 
     @property
     def total_bytes(self) -> int:
@@ -115,7 +158,7 @@ class KVCacheManager:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes reserved by live sequences."""
+        """Bytes referenced by live sequences (cached, unreferenced blocks are free to take)."""
         return (self.usable_blocks - self.free_blocks) * self.block_bytes
 
     @property
@@ -125,26 +168,80 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.free_blocks
+    def can_allocate(self, num_tokens: int, hits: list[int] = ()) -> bool:
+        """Room for num_tokens when the blocks `hits` (from find_prefix) are shared."""
+        taken_from_free = sum(1 for b in hits if b in self._evictable)
+        return self.blocks_for(num_tokens) - len(hits) <= self.free_blocks - taken_from_free
 
     def live_sequences(self) -> int:
         return len(self._tables)
 
+    # ---- prefix cache -----------------------------------------------------
+    def prompt_digests(self, prompt: list[int]) -> list[bytes]:
+        """Chain digests of the prompt's full blocks that may be shared: those before the
+        block of its last token, whose logits the first output token needs."""
+        bs, out, parent = self.block_size, [], self.root_digest
+        for i in range((len(prompt) - 1) // bs):
+            parent = block_digest(parent, prompt[i * bs : (i + 1) * bs])
+            out.append(parent)
+        return out
+
+    def find_prefix(self, digests: list[bytes], prompt: list[int]) -> list[int]:
+        """The cached blocks holding the prompt's leading full blocks (stops at the first miss)."""
+        if not self.prefix_caching:
+            return []
+        bs, hits = self.block_size, []
+        for i, digest in enumerate(digests):
+            block = self._cached.get(digest)
+            if block is None or self._content[block][1] != tuple(prompt[i * bs : (i + 1) * bs]):
+                break
+            hits.append(block)
+        return hits
+
+    def register(self, seq_id: int, index: int, digest: bytes, tokens: list[int]) -> None:
+        """Block `index` of the sequence is now full and its K/V final: others may share it."""
+        if not self.prefix_caching or digest in self._cached:
+            return  # another block holds that content already: this one stays private
+        block = self._tables[seq_id][index]
+        if block in self._content:
+            return
+        self._cached[digest] = block
+        self._content[block] = (digest, tuple(tokens))
+
     # ---- per sequence -----------------------------------------------------
-    def allocate(self, seq_id: int, num_tokens: int) -> None:
-        """Reserve room for num_tokens tokens. Raises if it does not fit now (check can_allocate)."""
+    def allocate(self, seq_id: int, num_tokens: int, hits: list[int] = ()) -> None:
+        """Reserve room for num_tokens tokens, sharing the blocks `hits` (from find_prefix)
+        as the first ones. Raises if it does not fit now (check can_allocate)."""
         if seq_id in self._tables:
             raise KeyError(f"sequence {seq_id} already has a cache")
-        need = self.blocks_for(num_tokens)
-        if need > self.free_blocks:
-            raise CacheBudgetError(f"need {need} blocks, {self.free_blocks} free")
-        self._tables[seq_id] = [self._free.pop() for _ in range(need)]
+        if not self.can_allocate(num_tokens, hits):
+            raise CacheBudgetError(f"need {self.blocks_for(num_tokens) - len(hits)} new blocks, {self.free_blocks} free")
+        for block in hits:
+            self._evictable.pop(block, None)
+            self._refs[block] += 1
+        fresh = [self._take() for _ in range(self.blocks_for(num_tokens) - len(hits))]
+        self._tables[seq_id] = list(hits) + fresh
+
+    def _take(self) -> int:
+        """A block for new content: a never-used one, else the least recently used cached one."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            digest, _ = self._content.pop(block)
+            del self._cached[digest]
+        self._refs[block] = 1
+        return block
 
     def free(self, seq_id: int) -> None:
         blocks = self._tables.pop(seq_id, None)
-        if blocks is not None:
-            self._free.extend(reversed(blocks))
+        for block in reversed(blocks or []):  # the tail first: evicted before the prefix it extends
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._content:
+                    self._evictable[block] = None  # most recently used last
+                else:
+                    self._free.append(block)
 
     def capacity(self, seq_id: int) -> int:
         """Tokens reserved for the sequence."""

@@ -64,8 +64,14 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
     budget = resolve_kv_budget(settings, spec.bytes_per_token, max_context)
     if settings.is_parallel:  # on GPUs each rank has its own free memory
         budget = runner.resolve_kv_budget(settings, budget)
+    # the draft model's cache is indexed by the same blocks but would be missing on a hit
+    prefix_caching = settings.enable_prefix_caching and settings.use_kv_cache and settings.speculative != "draft"
+    if settings.enable_prefix_caching and settings.speculative == "draft":
+        log.info("prefix caching is off: a draft model's cache is not shared between requests")
     try:
-        cache = KVCacheManager(spec, budget, settings.kv_block_size, allocate_kv=runner.allocate_kv)
+        cache = KVCacheManager(
+            spec, budget, settings.kv_block_size, allocate_kv=runner.allocate_kv, prefix_caching=prefix_caching
+        )
     except CacheBudgetError as e:
         raise SettingsError(f"kv_cache_bytes: {e}") from None
     if cache.max_tokens_per_sequence < max_context:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tritonlm.engine.client_io import deliver
 from tritonlm.engine.executor import StepOutput
 from tritonlm.engine.request import GenerationEvent
 from tritonlm.engine.scheduler import Scheduler
@@ -48,6 +49,7 @@ class OutputProcessor:
         self.observer = observer
         self.stats = EngineStats()
         self._outbox: list[tuple[Sequence, GenerationEvent]] = []  # sent at the end of each call
+        self.deliver = deliver  # the engine thread hands it to an EventDispatcher when it runs one
 
     def process(self, step: StepOutput) -> None:
         self.stats.steps += 1
@@ -140,6 +142,7 @@ class OutputProcessor:
             finish_reason=reason,
             num_input_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
             draft_tokens=seq.draft_tokens,
             accepted_draft_tokens=seq.accepted_draft_tokens,
         ))
@@ -170,8 +173,4 @@ class OutputProcessor:
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, []
-        for seq, event in outbox:
-            try:
-                seq.request.on_event(event)
-            except Exception:  # a broken client callback must not take the loop down
-                log.exception("event callback failed for request %s", seq.id)
+        self.deliver(outbox)

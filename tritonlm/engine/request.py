@@ -72,6 +72,7 @@ class GenerationEvent:
     error: str | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     draft_tokens: int = 0  # speculative decoding: proposed so far
     accepted_draft_tokens: int = 0
 
@@ -88,4 +89,4 @@ class GenerationRequest:
     request_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
     num_draft_tokens: int | None = None  # speculative decoding: None = model default, 0 = off
-    is_cancelled: Callable[[], bool] | None = None  # polled once per step (client gone / cancelled)
+    is_cancelled: Callable[[], bool] | None = None  # asked by the CancellationPoller (client gone / cancelled)

@@ -19,7 +19,7 @@ import collections
 from dataclasses import dataclass
 
 from tritonlm.engine.batch import StepBatch
-from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.kv_cache import KVCacheManager, block_digest
 from tritonlm.engine.request import ServerBusyError
 from tritonlm.engine.sequence import Sequence, SeqState
 
@@ -41,6 +41,8 @@ class Scheduler:
         self.config = config
         self.cache = cache
         self.recompute = recompute
+        if recompute:
+            cache.prefix_caching = False  # recomputing rewrites every block: nothing may be shared
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._live: dict[int, Sequence] = {}  # waiting + running, by request id
@@ -73,6 +75,9 @@ class Scheduler:
     # ---- each step ---------------------------------------------------------------------
     def schedule(self) -> Plan:
         """Admit what fits, then (sequence, number of its pending tokens to run) for this step."""
+        if self.cache.prefix_caching:
+            for seq in self.running:
+                self._register_full_blocks(seq)
         self._admit()
         if self.recompute:
             for seq in self.running:
@@ -100,15 +105,36 @@ class Scheduler:
         return plan
 
     def _admit(self) -> None:
-        """Move waiting sequences to running, oldest first, while their cache reservation fits."""
+        """Move waiting sequences to running, oldest first, while their cache reservation fits.
+        With prefix caching, the prompt's cached leading blocks are shared and count only once."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.cache.can_allocate(seq.reserve_tokens):
+            prompt = seq.request.prompt_ids
+            if self.cache.prefix_caching and not seq.block_digests:
+                seq.block_digests = self.cache.prompt_digests(prompt)
+            hits = self.cache.find_prefix(seq.block_digests, prompt)
+            if not self.cache.can_allocate(seq.reserve_tokens, hits):
                 break  # head-of-line waits: later, smaller requests must not starve it
             self.waiting.popleft()
-            self.cache.allocate(seq.id, seq.reserve_tokens)
+            self.cache.allocate(seq.id, seq.reserve_tokens, hits)
+            seq.num_computed = seq.num_cached_tokens = len(hits) * self.cache.block_size  # prefill starts after them
+            if self.cache.prefix_caching:
+                self.cache.query_tokens += len(prompt)
+                self.cache.hit_tokens += seq.num_cached_tokens
             seq.state = SeqState.RUNNING
             self.running.append(seq)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed blocks to the prefix cache: those whose K/V
+        are final (computed, and the token ids there accepted, not speculative guesses)."""
+        bs = self.cache.block_size
+        final = min(seq.num_computed, seq.num_tokens)
+        for i in range(seq.num_registered_blocks, final // bs):
+            if i >= len(seq.block_digests):
+                parent = seq.block_digests[-1] if seq.block_digests else self.cache.root_digest
+                seq.block_digests.append(block_digest(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+            self.cache.register(seq.id, i, seq.block_digests[i], seq.token_ids[i * bs : (i + 1) * bs])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, final // bs)
 
     def batch(self, rows: list[tuple[Sequence, list[int]]], past: list[int], all_logits: bool = False) -> StepBatch:
         """A forward pass's batch: rows[b] = (sequence, new tokens) on top of past[b] cached
@@ -132,6 +158,8 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Leave the batch or the queue now and give the cache back."""
         if seq.state is SeqState.RUNNING:
+            if self.cache.prefix_caching:
+                self._register_full_blocks(seq)  # what its last step completed: a next turn may reuse it
             self.running.remove(seq)
             self.cache.free(seq.id)
         elif seq.state is SeqState.WAITING:

@@ -29,6 +29,9 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     num_computed: int = 0  # tokens whose K/V are in the cache (moved only by the Scheduler)
     draft_computed: int = 0  # tokens whose K/V are in the draft model's cache (moved by its drafter)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    block_digests: list[bytes] = field(default_factory=list)  # chain digests of its full blocks so far
+    num_registered_blocks: int = 0  # leading blocks offered to the prefix cache
     first_token_time: float | None = None
     last_token_time: float | None = None
     # what is generated but not yet sent: streaming requests send it as soon as it holds

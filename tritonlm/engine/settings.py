@@ -78,6 +78,7 @@ class EngineSettings:
     max_word_bytes: int = 256
     max_request_bytes: int = 0  # 0: the limits above added up + 64 KiB
     use_kv_cache: bool = True  # False only for benchmarks: recompute the whole sequence every step
+    enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes across requests
     num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
     # speculative decoding
     draft_model: Path | None = None
@@ -182,6 +183,7 @@ class EngineSettings:
             max_word_bytes=get_int("max_word_bytes", 256, 1),
             max_request_bytes=get_int("max_request_bytes", 0, 0),
             use_kv_cache=get_bool("use_kv_cache", True),
+            enable_prefix_caching=get_bool("enable_prefix_caching", True),
             num_threads=get_int("num_threads", 0, 0),
             draft_model=get_path("draft_model", None),
             speculative=speculative,

@@ -17,7 +17,7 @@ from tritonlm.engine.loader import build_engine
 from tritonlm.engine.request import GenerationEvent, GenerationRequest, InvalidRequestError, ServerBusyError
 from tritonlm.engine.settings import EngineSettings
 from tritonlm.glue.metrics import TritonMetrics
-from tritonlm.protocol import RequestLimits, bad_word_token_ids, event_outputs, parse_request
+from tritonlm.protocol import RequestLimits, bad_word_token_ids, event_outputs, parse_request, rename_error
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -79,16 +79,19 @@ class Handler:
             tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if event.finished else 0)
 
-        self.engine.submit(
-            GenerationRequest(
-                prompt_ids=self.engine.encode(parsed.text),
-                params=params,
-                on_event=on_event,
-                stream=parsed.stream,
-                num_draft_tokens=parsed.num_draft_tokens,
-                is_cancelled=request.is_cancelled,
+        try:
+            self.engine.submit(
+                GenerationRequest(
+                    prompt_ids=self.engine.encode(parsed.text),
+                    params=params,
+                    on_event=on_event,
+                    stream=parsed.stream,
+                    num_draft_tokens=parsed.num_draft_tokens,
+                    is_cancelled=request.is_cancelled,
+                )
             )
-        )
+        except InvalidRequestError as e:  # name the field as the request did (a sampling_parameters key)
+            raise InvalidRequestError(rename_error(str(e), parsed.renames)) from None
 
     def finalize(self):
         self.metrics.unwatch()

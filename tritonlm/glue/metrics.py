@@ -80,6 +80,10 @@ class TritonMetrics:
         self.tokens_per_pass = _Histogram(
             "tritonlm_tokens_per_target_pass", "Speculative decoding: tokens produced per target verification pass", labels, [1, 2, 3, 4, 5, 6, 8, 10, 16]
         )
+        _, self.prefix_hits = counter("tritonlm_prefix_cache_hits_total", "Prefix cache: prompt tokens found cached")
+        _, self.prefix_queries = counter("tritonlm_prefix_cache_queries_total", "Prefix cache: prompt tokens looked up")
+        self.prefix_blocks = gauge("tritonlm_prefix_cache_blocks", "Prefix cache: KV blocks holding a shared prefix (in use or kept)")
+        self._prefix_seen = (0, 0)  # (hits, queries) already counted
         self._proposed = self._accepted = 0
         self._last_refresh = 0.0
         self._published: tuple[int, int] | None = None  # (running, waiting) last sent
@@ -96,6 +100,11 @@ class TritonMetrics:
         changed = engine is not None and self._published != (engine.scheduler.num_running, engine.scheduler.num_waiting)
         if changed or time.monotonic() - self._last_refresh >= REFRESH_S:
             self._refresh()  # at once when requests were admitted or left, else at most every REFRESH_S
+        if engine is not None and engine.cache.query_tokens != self._prefix_seen[1]:  # someone was admitted
+            hits, queries = engine.cache.hit_tokens, engine.cache.query_tokens
+            self.prefix_hits.increment(hits - self._prefix_seen[0])
+            self.prefix_queries.increment(queries - self._prefix_seen[1])
+            self._prefix_seen = (hits, queries)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -127,6 +136,7 @@ class TritonMetrics:
             self.running.set(self._published[0])
             self.waiting.set(self._published[1])
             self.kv_used.set(engine.cache.used_bytes)
+            self.prefix_blocks.set(engine.cache.cached_blocks)
 
     def watch(self, engine) -> None:
         """Keep gauges fresh while idle too (a cancelled request frees its cache between steps)."""

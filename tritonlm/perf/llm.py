@@ -11,8 +11,14 @@ function):
                               i.e. (latency - TTFT) / (tokens - 1) measured to the last token
 - output tokens/s           = all output tokens / (last response - first request) of the run
 
-Output tokens are streamed pieces (the model sends one piece per new token)
-unless a tokenizer is given, in which case the returned text is re-tokenized.
+Output tokens are the server's own count (the final response's num_output_tokens, or
+the OpenAI usage chunk), else streamed pieces, or re-tokenized text with a tokenizer.
+
+`--openai [URL]` measures the same through the OpenAI-compatible API (tritonlm/openai/):
+perf_analyzer's OpenAI client posts streaming /v1/completions (or chat) requests with
+`stream_options.include_usage`, and each server-sent event is one response.
+`--compare-grpc` also measures gRPC direct at the same loads and prints the frontend's
+overhead (output tok/s through it / direct) with the CPU it ran on.
 Prompts and output lengths come from a JSONL dataset (`prompt`, `max_tokens`)
 or are generated with set length distributions.
 """
@@ -118,6 +124,36 @@ def _piece(output: dict, name: str) -> str:
     return "" if value is None else str(value)
 
 
+def sse_events(output: dict) -> list[dict]:
+    """The JSON events of one OpenAI streaming response as perf_analyzer records it
+    ({"response": "data: {...}\\n\\n"}, sometimes several events at once); [DONE] left out."""
+    events = []
+    for block in str((output or {}).get("response", "")).split("\n\n"):
+        line = block.strip()
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            try:
+                events.append(json.loads(line[5:]))
+            except ValueError:
+                pass
+    return events
+
+
+def openai_output(output: dict) -> dict:
+    """One recorded OpenAI response as tritonlm's outputs: text_output, and num_output_tokens
+    from a usage event."""
+    text, out = [], {}
+    for event in sse_events(output):
+        for choice in event.get("choices") or []:
+            piece = choice.get("text")
+            if piece is None:
+                piece = (choice.get("delta") or {}).get("content")
+            text.append(piece or "")
+        if event.get("usage"):
+            out["num_output_tokens"] = event["usage"].get("completion_tokens")
+    out[TEXT_OUTPUT] = "".join(text)
+    return out
+
+
 def _server_token_count(outputs: list) -> int | None:
     for o in reversed(outputs):
         value = (o or {}).get("num_output_tokens")
@@ -161,9 +197,12 @@ def parse_profile_export(
 ) -> list[LlmMetrics]:
     """LLM metrics per experiment (one per concurrency or request rate) of a perf_analyzer profile export."""
     results = []
+    openai = export.get("service_kind") == "openai"
     for exp in export.get("experiments", []):
         info = exp.get("experiment", {})
         requests = exp.get("requests", [])
+        if openai:
+            requests = [{**r, "response_outputs": [openai_output(o) for o in r.get("response_outputs", [])]} for r in requests]
         timings, empty = [], 0
         for r in requests:
             t = request_timing(r, count_tokens, output_name)
@@ -259,6 +298,41 @@ def input_data(prompts: Sequence[Prompt], model_inputs: set[str], *, fixed_lengt
     return {"data": data}
 
 
+OPENAI_ENDPOINTS = {"completions": "v1/completions", "chat": "v1/chat/completions"}
+
+
+def openai_input_data(prompts: Sequence[Prompt], model: str, endpoint: str = "completions", *, fixed_length: bool = False) -> dict:
+    """perf_analyzer --input-data for its OpenAI client: one streaming request body per prompt."""
+    data = []
+    for p in prompts:
+        body: dict = {"model": model, "max_tokens": p.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        if endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": p.text}]
+        else:
+            body["prompt"] = p.text
+        if fixed_length:
+            body["min_tokens"] = p.max_tokens
+        data.append({"payload": [body]})
+    return {"data": data}
+
+
+def cpu_model() -> str:
+    """The CPU's name and how many cores this process may use (figures depend on both)."""
+    import os
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {cores} cores"
+
+
 def token_counter(tokenizer: str | None) -> Callable[[str], int] | None:
     """Count tokens by re-tokenizing with a tokenizer.json file or a Hugging Face tokenizer folder."""
     if not tokenizer:
@@ -289,14 +363,16 @@ def run_llm(
     *,
     requests_per_point: Callable[[int], int] | None = None,
     count_tokens: Callable[[str], int] | None = None,
+    extra_args: Sequence[str] = (),
+    label: str = "",
 ) -> list[LlmMetrics]:
     results = []
     for i, c in enumerate(concurrencies, 1):
         m = measure
         if requests_per_point is not None:
             m = replace(measure, requests=requests_per_point(int(c)))
-        print(f"[llm {model}] concurrency {int(c)} ({i}/{len(concurrencies)}) ...", end="", flush=True)
-        point = measure_point(target, model, c, m, ["--input-data", str(data_file)], workdir=workdir)
+        print(f"[llm {model}{label}] concurrency {int(c)} ({i}/{len(concurrencies)}) ...", end="", flush=True)
+        point = measure_point(target, model, c, m, ["--input-data", str(data_file), *extra_args], workdir=workdir)
         metrics = parse_profile_export(point.export, count_tokens)
         if not metrics or metrics[-1].requests == 0:
             print(" no requests", flush=True)
@@ -360,10 +436,66 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or HF folder: count output tokens by re-tokenizing")
     p.add_argument("--requests-per-concurrency", type=int, default=4, help="with request counting: requests = this x concurrency (min 10)")
     p.add_argument("--time-windows", action="store_true", help="use perf_analyzer's stabilized time windows instead of request counts")
+    oa = p.add_argument_group("through the OpenAI-compatible API")
+    oa.add_argument("--openai", nargs="?", const="start", default=None, metavar="URL",
+                    help="measure through the OpenAI API at URL (e.g. http://127.0.0.1:9000, as `tritonlm serve` runs it); "
+                         "without URL: start one in this process in front of the measured server")
+    oa.add_argument("--openai-endpoint", choices=sorted(OPENAI_ENDPOINTS), default="completions",
+                    help="completions (default) or chat (needs the model's chat template)")
+    oa.add_argument("--compare-grpc", action="store_true",
+                    help="with --openai: also measure gRPC direct at the same loads and print the frontend's overhead")
     common.add_target_args(p)
     common.add_measure_args(p, interval_ms=5000)
     common.add_results_arg(p, "llm")
     p.set_defaults(func=main)
+
+
+class _ViaOpenAI:
+    """The measured server, reached through the OpenAI API: perf_analyzer talks to the frontend
+    (http_url), the statistics still come from Triton."""
+
+    def __init__(self, target, host_port: str):
+        self._target = target
+        self.http_url = host_port
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
+def _host_port(url: str) -> str:
+    url = url.strip().rstrip("/")
+    for prefix in ("http://", "https://"):
+        url = url.removeprefix(prefix)
+    return url.removesuffix("/v1")
+
+
+def _synthetic_or_dataset(args: argparse.Namespace) -> list[Prompt]:
+    if args.dataset:
+        return load_dataset(args.dataset)
+    return synthetic_dataset(
+        args.num_prompts,
+        prompt_mean=args.prompt_tokens,
+        prompt_stddev=args.prompt_tokens_stddev,
+        output_mean=args.output_tokens,
+        output_stddev=args.output_tokens_stddev,
+        seed=args.seed,
+    )
+
+
+def overhead_rows(direct: list[LlmMetrics], via: list[LlmMetrics]) -> list[dict]:
+    rows = []
+    for d, o in zip(direct, via):
+        rows.append({
+            "concurrency": int(d.load),
+            "grpc_tokens_per_s": round(d.output_tokens_per_s, 1),
+            "openai_tokens_per_s": round(o.output_tokens_per_s, 1),
+            "ratio": round(o.output_tokens_per_s / d.output_tokens_per_s, 3) if d.output_tokens_per_s else float("nan"),
+            "grpc_ttft_p50_ms": round(d.ttft_ms["p50"], 2),
+            "openai_ttft_p50_ms": round(o.ttft_ms["p50"], 2),
+            "grpc_itl_avg_ms": round(d.itl_ms["avg"], 2),
+            "openai_itl_avg_ms": round(o.itl_ms["avg"], 2),
+        })
+    return rows
 
 
 def main(args: argparse.Namespace) -> int:
@@ -372,39 +504,78 @@ def main(args: argparse.Namespace) -> int:
     concurrencies = common.loads_from(args.concurrency)
     out = report.results_dir(args.results, "llm")
     count_tokens = token_counter(args.tokenizer)
+    if args.openai is not None and args.input_data:
+        raise PerfError("--input-data is perf_analyzer's gRPC input; with --openai give prompts with --dataset or the generated ones")
+    if args.openai is not None and args.time_windows:
+        raise PerfError("--openai measures request counts (perf_analyzer's OpenAI client records each request); drop --time-windows")
+    if args.compare_grpc and args.openai is None:
+        raise PerfError("--compare-grpc compares gRPC with the OpenAI API: add --openai [URL]")
+    direct: list[LlmMetrics] = []
+    via: list[LlmMetrics] = []
     with common.open_target(args, [args.model], log_path=out / "tritonserver.log") as target:
         if not target.is_decoupled(args.model):
             raise PerfError(f"model '{args.model}' is not decoupled: perf llm measures streaming models; use `tritonlm perf sla`")
         measure = common.measure_from_args(args, decoupled=True)
         work = out / "raw"
         work.mkdir(exist_ok=True)
-        if args.input_data:
-            data_file = args.input_data
-        else:
-            prompts = (
-                load_dataset(args.dataset)
-                if args.dataset
-                else synthetic_dataset(
-                    args.num_prompts,
-                    prompt_mean=args.prompt_tokens,
-                    prompt_stddev=args.prompt_tokens_stddev,
-                    output_mean=args.output_tokens,
-                    output_stddev=args.output_tokens_stddev,
-                    seed=args.seed,
-                )
-            )
-            names = {i["name"] for i in target.config(args.model).get("input", [])}
-            data_file = work / "llm_input_data.json"
-            data_file.write_text(json.dumps(input_data(prompts, names, fixed_length=args.fixed_output_length)))
-        warm_up(target, args.model, measure, ["--input-data", str(data_file)], work, requests=2)
+        prompts = None if args.input_data else _synthetic_or_dataset(args)
         per_point = None
         if not args.time_windows and not args.requests:
             per_point = lambda c: max(10, args.requests_per_concurrency * c)  # noqa: E731
-        results = run_llm(
-            target, args.model, concurrencies, measure, data_file, work, requests_per_point=per_point, count_tokens=count_tokens
-        )
+        if args.openai is None or args.compare_grpc:
+            if args.input_data:
+                data_file = args.input_data
+            else:
+                names = {i["name"] for i in target.config(args.model).get("input", [])}
+                data_file = work / "llm_input_data.json"
+                data_file.write_text(json.dumps(input_data(prompts, names, fixed_length=args.fixed_output_length)))
+            warm_up(target, args.model, measure, ["--input-data", str(data_file)], work, requests=2)
+            direct = run_llm(target, args.model, concurrencies, measure, data_file, work, requests_per_point=per_point,
+                             count_tokens=count_tokens, label=" gRPC" if args.openai else "")
+        if args.openai is not None:
+            via = _measure_openai(args, target, prompts, concurrencies, measure, work, per_point, count_tokens)
     print()
-    print(report.table([r.row() for r in results], title=f"{args.model}: streaming LLM metrics"))
-    for f in write_outputs(results, out, args.model):
-        print(f"wrote {f}")
+    if direct:
+        print(report.table([r.row() for r in direct], title=f"{args.model}: streaming LLM metrics (gRPC)"))
+        for f in write_outputs(direct, out, args.model):
+            print(f"wrote {f}")
+    if via:
+        oa_out = out / "openai"
+        oa_out.mkdir(exist_ok=True)
+        print(report.table([r.row() for r in via], title=f"{args.model}: streaming LLM metrics (OpenAI API, {args.openai_endpoint})"))
+        for f in write_outputs(via, oa_out, args.model):
+            print(f"wrote {f}")
+    if direct and via:
+        rows = overhead_rows(direct, via)
+        cpu = cpu_model()
+        print()
+        print(report.table(rows, title=f"OpenAI frontend overhead: output tok/s through it / gRPC direct (CPU: {cpu})"))
+        print(f"wrote {report.write_csv(out / 'overhead.csv', [{**r, 'cpu': cpu} for r in rows])}")
     return 0
+
+
+def _measure_openai(args, target, prompts, concurrencies, measure, work, per_point, count_tokens) -> list[LlmMetrics]:
+    import contextlib
+
+    from tritonlm.server import free_ports
+
+    frontend = contextlib.nullcontext()
+    url = args.openai
+    if args.openai == "start":
+        from tritonlm.openai.server import OpenAIServer
+
+        (port,) = free_ports(1)
+        frontend = OpenAIServer(target.grpc_url, port=port, repo=target.repo)
+        url = f"127.0.0.1:{port}"
+    with frontend:
+        via = _ViaOpenAI(target, _host_port(url))
+        oa_work = work / "openai"
+        oa_work.mkdir(exist_ok=True)
+        data_file = oa_work / "openai_input_data.json"
+        data_file.write_text(json.dumps(openai_input_data(prompts, args.model, args.openai_endpoint,
+                                                          fixed_length=args.fixed_output_length)))
+        extra = ["--service-kind", "openai", "--endpoint", OPENAI_ENDPOINTS[args.openai_endpoint], "--async"]
+        m = replace(measure, protocol="http", streaming=False)
+        warm_up(via, args.model, m, ["--input-data", str(data_file), *extra], oa_work, requests=2)
+        return run_llm(via, args.model, concurrencies, m, data_file, oa_work, requests_per_point=per_point,
+                       count_tokens=count_tokens, extra_args=extra, label=" OpenAI")

@@ -1,0 +1,397 @@
+"""The FastAPI application: OpenAI's /v1/models, /v1/completions and /v1/chat/completions
+in front of Triton's generation models.
+
+Each choice (a prompt, times n) is one Triton request (tritonlm/openai/triton.py). A
+non-streamed answer waits for all of them; a streamed one waits for every choice's first
+response (so a refused request still gets its HTTP status), then sends server-sent events
+as pieces arrive and ends with `data: [DONE]`. A client that disconnects cancels every
+Triton request it started, at once (SSEResponse listens for the disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tritonlm.openai.chat import ChatTemplates
+from tritonlm.openai.errors import OpenAIError
+from tritonlm.openai.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from tritonlm.openai.triton import Generation, Piece, TritonBackend
+
+log = logging.getLogger(__name__)
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+# --- one choice ------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    first_of_prompt: bool  # counts the prompt's tokens in usage (once per prompt, not per choice)
+    prompt: str
+    gen: Generation
+    text: list[str] = field(default_factory=list)
+    tokens: list[tuple[str, float]] = field(default_factory=list)  # (token text, log-probability)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, served from the prefix cache
+    completion_tokens: int = 0
+    chars: int = 0  # characters of text so far
+    piece_start: int = 0  # where the last piece's text starts in it (logprobs' text_offset)
+
+    def absorb(self, piece: Piece) -> list[tuple[str, float]]:
+        """Add one Triton response; returns its tokens (text, logprob) when log-probs were asked.
+        A response covering several tokens (a character split over tokens is held back until
+        complete) gives its text to its last token, the others get ""."""
+        self.text.append(piece.text)
+        self.piece_start, self.chars = self.chars, self.chars + len(piece.text)
+        new: list[tuple[str, float]] = []
+        if piece.log_probs:
+            new = [("", lp) for lp in piece.log_probs[:-1]] + [(piece.text, piece.log_probs[-1])]
+            self.tokens.extend(new)
+        elif piece.text and self.tokens:  # text released at the end without a new token
+            t, lp = self.tokens[-1]
+            self.tokens[-1] = (t + piece.text, lp)
+        if piece.final:
+            self.finish_reason = FINISH_REASONS.get(piece.finish_reason or "", "stop")
+            self.prompt_tokens = piece.num_input_tokens or 0
+            self.cached_tokens = piece.num_cached_tokens or 0
+            self.completion_tokens = piece.num_output_tokens or 0
+        return new
+
+
+def usage(choices: list[Choice]) -> dict:
+    prompt = sum(c.prompt_tokens for c in choices if c.first_of_prompt)
+    cached = sum(c.cached_tokens for c in choices if c.first_of_prompt)
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_logprobs(tokens: list[tuple[str, float]], start: int = 0) -> dict:
+    offsets, at = [], start
+    for t, _ in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": [t for t, _ in tokens], "token_logprobs": [lp for _, lp in tokens], "top_logprobs": None,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[tuple[str, float]]) -> dict:
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []} for t, lp in tokens]}
+
+
+async def _start(backend: TritonBackend, model: str, jobs: list[tuple[int, str, dict]], n: int, stream: bool, chat: bool
+                 ) -> list[Choice]:
+    """One Triton request per (prompt index, prompt, sampling); n choices per prompt."""
+    choices = []
+    try:
+        for i, (p, prompt, sampling) in enumerate(jobs):
+            gen = backend.generate(model, prompt, sampling, stream=stream, chat=chat)
+            choices.append(Choice(i, p, i % n == 0, prompt, gen))
+    except BaseException:
+        for c in choices:
+            c.gen.cancel()
+        raise
+    return choices
+
+
+async def _first_pieces(choices: list[Choice]) -> list[Piece]:
+    """Every choice's first response; the first error (after cancelling the rest) raises."""
+    results = await asyncio.gather(*(c.gen.__anext__() for c in choices), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for c in choices:
+            c.gen.cancel()
+        raise errors[0]
+    return results
+
+
+async def _collect(choices: list[Choice], want_logprobs: bool) -> None:
+    async def one(c: Choice):
+        async for piece in c.gen:
+            c.absorb(piece)
+
+    results = await asyncio.gather(*(one(c) for c in choices), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for c in choices:
+            c.gen.cancel()
+        raise errors[0]
+
+
+# --- streaming -------------------------------------------------------------------------------
+class SSEResponse(StreamingResponse):
+    """text/event-stream from an async iterator of str; a client disconnect cancels the
+    stream at once (calling on_disconnect), also while no event is due (a queued request)."""
+
+    def __init__(self, events, on_disconnect):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.events = events
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream():
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def disconnected():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        sending = asyncio.ensure_future(stream())
+        listening = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({sending, listening}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not sending.done():  # the client went away (or we are being cancelled)
+                self.on_disconnect()
+                sending.cancel()
+            listening.cancel()
+            await asyncio.gather(sending, listening, return_exceptions=True)
+        if sending.done() and not sending.cancelled() and sending.exception() is not None:
+            exc = sending.exception()
+            if not isinstance(exc, OSError):  # OSError: the client went away mid-send
+                raise exc
+
+
+async def _pieces(choices: list[Choice], firsts: list[Piece]):
+    """(choice, piece) as they arrive, the first pieces first; an error raises."""
+    for c, p in zip(choices, firsts):
+        yield c, p
+    live = [c for c, p in zip(choices, firsts) if not p.final]
+    if len(live) == 1:
+        c = live[0]
+        async for p in c.gen:
+            yield c, p
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice):
+        try:
+            async for p in c.gen:
+                queue.put_nowait((c, p, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((c, None, e))
+            return
+        queue.put_nowait((c, None, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in live]
+    try:
+        remaining = len(live)
+        while remaining:
+            c, p, err = await queue.get()
+            if err is not None:
+                raise err
+            if p is None:
+                remaining -= 1
+                continue
+            yield c, p
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _stream(choices: list[Choice], firsts: list[Piece], *, chat: bool, model: str, include_usage: bool,
+            want_logprobs: bool, echo: bool) -> SSEResponse:
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = f'data: {{"id":"{rid}","object":"{obj}","created":{created},"model":{_dumps(model)},"choices":['
+
+    def chunk(c: Choice, text: str | None, tokens, finish: str | None, role: bool = False) -> str:
+        lp = "null"
+        if want_logprobs and tokens is not None:
+            lp = _dumps(chat_logprobs(tokens) if chat else completion_logprobs(tokens, c.piece_start))
+        fin = "null" if finish is None else f'"{finish}"'
+        if chat:
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            body = f'{{"index":{c.index},"delta":{_dumps(delta)},"logprobs":{lp},"finish_reason":{fin}}}'
+        else:
+            body = f'{{"index":{c.index},"text":{_dumps(text or "")},"logprobs":{lp},"finish_reason":{fin}}}'
+        return head + body + "]}\n\n"
+
+    async def events():
+        try:
+            for c in choices:
+                if chat:
+                    yield chunk(c, "", None, None, role=True)
+                elif echo:
+                    yield chunk(c, c.prompt, None, None)
+            async for c, piece in _pieces(choices, firsts):
+                tokens = c.absorb(piece)
+                if piece.text or tokens or piece.final:
+                    yield chunk(c, piece.text if (piece.text or not piece.final) else None, tokens, c.finish_reason)
+            if include_usage:
+                yield f'data: {{"id":"{rid}","object":"{obj}","created":{created},"model":{_dumps(model)},' \
+                      f'"choices":[],"usage":{_dumps(usage(choices))}}}\n\n'
+        except OpenAIError as e:
+            yield "data: " + _dumps(e.body()) + "\n\n"
+        except Exception as e:  # never leave the client hanging without the end of the stream
+            log.exception("stream failed")
+            yield "data: " + _dumps(OpenAIError(500, f"internal error: {e}").body()) + "\n\n"
+        finally:
+            for c in choices:
+                c.gen.cancel()
+        yield "data: [DONE]\n\n"
+
+    def cancel_all():
+        for c in choices:
+            c.gen.cancel()
+
+    return SSEResponse(events(), cancel_all)
+
+
+# --- the application -------------------------------------------------------------------------
+async def _body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise OpenAIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(triton_url: str, templates: ChatTemplates | None = None, headers: dict[str, str] | None = None) -> FastAPI:
+    """The OpenAI API in front of the Triton server whose gRPC endpoint is triton_url (host:port)."""
+    templates = templates or ChatTemplates()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.backend = TritonBackend(triton_url, headers)
+        try:
+            yield
+        finally:
+            await app.state.backend.close()
+
+    app = FastAPI(title="tritonlm OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.templates = templates
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return _error_response(OpenAIError(e.status_code, message, code=kind, type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("request failed")
+        return _error_response(OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        try:
+            live = await app.state.backend.client.is_server_live()
+        except Exception:
+            live = False
+        if not live:
+            raise OpenAIError(503, f"Triton at {triton_url} is not live", code="triton_unavailable")
+        return {"status": "ok"}
+
+    def model_card(m) -> dict:
+        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "tritonlm"}
+
+    @app.get("/v1/models")
+    async def list_models():
+        models = await app.state.backend.models(refresh=True)
+        return {"object": "list", "data": [model_card(m) for m in sorted(models.values(), key=lambda m: m.name)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        return model_card(await app.state.backend.model(model))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_body(CompletionRequest, await _body(request))
+        info = await app.state.backend.model(req.model)
+        n = req.n or 1
+        jobs = [(p, text, req.sampling(j)) for p, text in enumerate(req.prompts()) for j in range(n)]
+        return await _answer(request, req, info.name, jobs, n, chat=False, echo=bool(req.echo))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_body(ChatCompletionRequest, await _body(request))
+        info = await app.state.backend.model(req.model)
+        prompt = await templates.render(info.name, info.parameters, req.chat_messages())
+        n = req.n or 1
+        jobs = [(0, prompt, req.sampling(j)) for j in range(n)]
+        return await _answer(request, req, info.name, jobs, n, chat=True, echo=False)
+
+    async def _answer(request: Request, req, model: str, jobs, n: int, *, chat: bool, echo: bool):
+        want_logprobs = req.wants_logprobs()
+        stream = bool(req.stream)
+        # per-token responses from Triton when streaming, or to list each token's log-probability
+        choices = await _start(app.state.backend, model, jobs, n, stream or want_logprobs, chat)
+        if stream:
+            firsts = await _first_pieces(choices)
+            return _stream(choices, firsts, chat=chat, model=model, include_usage=req.include_usage,
+                           want_logprobs=want_logprobs, echo=echo)
+        collecting = asyncio.ensure_future(_collect(choices, want_logprobs))
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not collecting.done():  # the client left (or we are cancelled): end its requests
+                for c in choices:
+                    c.gen.cancel()
+                collecting.cancel()
+            gone.cancel()
+            await asyncio.gather(collecting, gone, return_exceptions=True)
+        if collecting.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        collecting.result()  # its error, if any
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            lp = None
+            if want_logprobs:
+                lp = chat_logprobs(c.tokens) if chat else completion_logprobs(c.tokens)
+            if chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                            "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "text": (c.prompt if echo else "") + text, "logprobs": lp,
+                            "finish_reason": c.finish_reason})
+        return JSONResponse({
+            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": out,
+            "usage": usage(choices),
+        })
+
+    return app

@@ -1,0 +1,97 @@
+"""Chat messages -> one prompt, with the model's own chat template.
+
+The template is the `chat_template` of the model's tokenizer, loaded by this process from
+the model's folder: `<repo>/<model>/<hf_dir>` (hf_dir: the model config's parameter, default
+1/hf; it must stay inside the repository), or a folder given with --tokenizer. A model whose
+tokenizer has no chat template gets a 400 (no default template is made up); without access
+to any tokenizer, chat requests get a 400 saying to pass --repo or --tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from tritonlm.openai.errors import OpenAIError
+
+
+class ChatTemplates:
+    def __init__(self, repo: Path | None = None, tokenizers: dict[str, Path] | None = None):
+        """repo: the model repository Triton serves (as this process sees it); tokenizers:
+        model name -> tokenizer folder, "*" for every model (wins over repo)."""
+        self.repo = Path(repo) if repo else None
+        self.tokenizers = {k: Path(v) for k, v in (tokenizers or {}).items()}
+        self._loaded: dict[tuple[str, str], object] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def folder(self, model: str, parameters: dict[str, str]) -> Path | None:
+        if model in self.tokenizers:
+            return self.tokenizers[model]
+        if "*" in self.tokenizers:
+            return self.tokenizers["*"]
+        if self.repo is None:
+            return None
+        model_dir = Path(os.path.abspath(self.repo / model))
+        path = Path(os.path.normpath(model_dir / parameters.get("hf_dir", "1/hf")))
+        repository = Path(os.path.abspath(self.repo))
+        if not path.is_relative_to(repository) or path == repository:
+            return None  # a path leaving the repository is not followed
+        return path
+
+    async def tokenizer(self, model: str, parameters: dict[str, str]):
+        folder = self.folder(model, parameters)
+        if folder is None:
+            raise OpenAIError(
+                400,
+                f"messages: chat needs model '{model}''s tokenizer (for its chat template), and this frontend has none: "
+                "start it with --repo (the model repository) or --tokenizer (a tokenizer folder)",
+                param="messages", code="no_tokenizer",
+            )
+        key = (model, str(folder))
+        if key not in self._loaded:
+            lock = self._locks.setdefault(model, asyncio.Lock())
+            async with lock:
+                if key not in self._loaded:
+                    self._loaded[key] = await asyncio.to_thread(_load, folder, model)
+        return self._loaded[key]
+
+    async def render(self, model: str, parameters: dict[str, str], messages: list[dict]) -> str:
+        tok = await self.tokenizer(model, parameters)
+        if not getattr(tok, "chat_template", None):
+            raise OpenAIError(
+                400,
+                f"messages: model '{model}' has no chat template (its tokenizer has no chat_template); "
+                "use /v1/completions with a prompt, or add a chat_template to the model's tokenizer_config.json",
+                param="messages", code="no_chat_template",
+            )
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may raise on purpose (e.g. roles must alternate)
+            raise OpenAIError(400, f"messages: the chat template of '{model}' refused them: {e}", param="messages",
+                              code="invalid_value") from None
+        # the model's tokenizer adds its BOS itself when it encodes: do not send a second one
+        bos = getattr(tok, "bos_token", None)
+        if bos and text.startswith(bos) and _adds_bos(tok):
+            text = text[len(bos):]
+        return text
+
+
+def _adds_bos(tok) -> bool:
+    try:
+        ids = tok("a").input_ids
+    except Exception:
+        return False
+    return bool(ids) and tok.bos_token_id is not None and ids[0] == tok.bos_token_id
+
+
+def _load(folder: Path, model: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise OpenAIError(
+            500, f"cannot load the tokenizer of model '{model}' from {folder}: {first}", code="tokenizer_error"
+        ) from None

@@ -1,0 +1,254 @@
+"""The OpenAI request bodies this server takes, and what each field becomes on the Triton side.
+
+Parsing is strict: an unknown field, a value of the wrong type or out of range, and a known
+field this server does not support (tools, response_format, images, non-zero penalties,
+alternatives' log-probabilities) each get a 400 whose `param` and message name the field.
+`sampling()` turns a request into the `sampling_parameters` JSON of tritonlm's generation
+model (tritonlm/protocol.py, SAMPLING_KEYS).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tritonlm.openai.errors import OpenAIError, bad_field, unsupported
+
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 64  # Triton requests one HTTP request may start (prompts x n)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = None
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, le=2**64 - 1 - MAX_N)
+    stop: Any = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    user: str | None = None  # accepted, ignored
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    # extensions, with vLLM's names
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    ignore_eos: bool | None = None
+    # accepted and ignored
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # known, refused while set (checked in check_supported)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+
+    # --- checks beyond the types ----------------------------------------------------------
+    def check_supported(self) -> None:
+        for name in ("tools", "functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort"):
+            if getattr(self, name) is not None:
+                raise unsupported(name, "is not supported by this server (plain text generation only)")
+        if self.tool_choice not in (None, "none"):
+            raise unsupported("tool_choice", "is not supported by this server (no tools); leave it out or send \"none\"")
+        rf = self.response_format
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text" and len(rf) == 1):
+            raise unsupported("response_format", 'is not supported by this server: only {"type": "text"} (no JSON mode or schemas)')
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise unsupported("modalities", 'only ["text"] is supported')
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise unsupported(name, f"only 0 is supported, got {getattr(self, name)} (the sampler has no {name}; "
+                                        "repetition_penalty is available)")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "is not supported by this server (only {} or null)")
+        if self.stream_options is not None and not self.stream:
+            raise bad_field("stream_options", "only allowed when stream is true")
+        self.stop_list()  # its errors now, before any generation
+
+    def stop_list(self) -> list[str]:
+        stop = self.stop
+        if stop is None:
+            return []
+        words = [stop] if isinstance(stop, str) else stop
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise bad_field("stop", f"expected a string or a list of strings, got {type(stop).__name__}")
+        return [w for w in words if w]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def wants_logprobs(self) -> bool:
+        return False
+
+    def sampling(self, choice: int = 0) -> dict:
+        """sampling_parameters for the `choice`-th of n generations (each gets seed + choice,
+        so several choices with a seed differ from each other and repeat across requests)."""
+        out: dict[str, Any] = {}
+        if self.new_tokens() is not None:
+            out["max_tokens"] = self.new_tokens()
+        for name in ("temperature", "top_p", "top_k", "min_tokens", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.seed is not None:
+            out["seed"] = self.seed + choice
+        stop = self.stop_list()
+        if stop:
+            out["stop"] = stop
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.wants_logprobs():
+            out["logprobs"] = 0  # the chosen token's
+        return out
+
+
+class CompletionRequest(_Request):
+    prompt: Any
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise unsupported("suffix", "is not supported by this server (no insertion)")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of", f"only 1 is supported, got {self.best_of}")
+        if self.logprobs:
+            raise unsupported("logprobs", f"only 0 is supported (the chosen token's log-probability, in token_logprobs; "
+                                          f"alternatives are not computed), got {self.logprobs}")
+        if self.echo and self.logprobs is not None:
+            raise unsupported("logprobs", "with echo: the prompt's log-probabilities are not computed")
+        if len(self.prompts()) * (self.n or 1) > MAX_CHOICES:
+            raise bad_field("n", f"{len(self.prompts())} prompts x n={self.n} choices; at most {MAX_CHOICES} per request")
+
+    def prompts(self) -> list[str]:
+        p = self.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            prompts = p
+        elif isinstance(p, list) and p and all(isinstance(x, int) or isinstance(x, list) for x in p):
+            raise unsupported("prompt", "token-id prompts are not supported; send the text (a string or a list of strings)")
+        else:
+            raise bad_field("prompt", "expected a string or a non-empty list of strings")
+        for i, text in enumerate(prompts):
+            if not text:
+                raise bad_field("prompt" if len(prompts) == 1 else f"prompt[{i}]", "empty prompt; send some text")
+        return prompts
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[Any] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs:
+            raise unsupported("top_logprobs", f"only 0 is supported (alternatives' log-probabilities are not computed), "
+                                              f"got {self.top_logprobs}")
+        self.chat_messages()
+
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    def chat_messages(self) -> list[dict]:
+        """The messages as the chat template takes them: role and text content."""
+        out = []
+        for i, m in enumerate(self.messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise bad_field(where, "expected an object with role and content")
+            role = m.get("role")
+            if role not in ("system", "developer", "user", "assistant"):
+                if role in ("tool", "function"):
+                    raise unsupported(f"{where}.role", f"{role!r} messages are not supported (no tools)")
+                raise bad_field(f"{where}.role", f"expected system, developer, user or assistant, got {role!r}")
+            for key in m:
+                if key in ("tool_calls", "function_call", "audio"):
+                    raise unsupported(f"{where}.{key}", "is not supported by this server (no tools or audio)")
+                if key not in ("role", "content", "name", "refusal"):
+                    raise bad_field(f"{where}.{key}", "unrecognized field")
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind == "text" and isinstance(part.get("text"), str):
+                        texts.append(part["text"])
+                    elif kind in ("image_url", "input_image", "image"):
+                        raise unsupported(f"{where}.content[{j}]", "images are not supported by this server (text only)")
+                    elif kind in ("input_audio", "file", "refusal"):
+                        raise unsupported(f"{where}.content[{j}]", f"{kind} content is not supported by this server (text only)")
+                    else:
+                        raise bad_field(f"{where}.content[{j}]", 'expected {"type": "text", "text": "..."}')
+                content = "\n".join(texts)
+            elif content is None:
+                if role != "assistant":
+                    raise bad_field(f"{where}.content", "required")
+                content = ""
+            elif not isinstance(content, str):
+                raise bad_field(f"{where}.content", "expected a string or a list of text parts")
+            message = {"role": "system" if role == "developer" else role, "content": content}
+            if isinstance(m.get("name"), str):
+                message["name"] = m["name"]
+            out.append(message)
+        return out
+
+
+def _loc(loc: tuple) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "body"
+
+
+def parse_body(model: type[_Request], body: Any) -> _Request:
+    """The request model from a JSON body; every problem a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _loc(err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise OpenAIError(400, f"{param}: unrecognized request argument", param=param, code="unknown_parameter") from None
+        if err["type"] == "missing":
+            raise OpenAIError(400, f"{param}: required", param=param, code="missing_required_parameter") from None
+        got = repr(err.get("input"))[:60]
+        raise OpenAIError(400, f"{param}: {err['msg']} (got {got})", param=param, code="invalid_value") from None
+    request.check_supported()
+    return request

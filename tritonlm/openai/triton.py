@@ -1,0 +1,235 @@
+"""The Triton side of the OpenAI frontend: which models generate, and one generation as an
+asyncio gRPC stream (tritonclient.grpc.aio).
+
+Each generation is its own ModelStreamInfer call carrying one request: text_input, stream,
+exclude_input_in_output and the sampling settings as `sampling_parameters` JSON (the
+vLLM-backend form that tritonlm's generation model also takes, tritonlm/protocol.py). Stop
+strings travel in that JSON as a list, so a stop string holding a comma stays whole. When the
+consumer stops early (the HTTP client went away), the call is cancelled: Triton cancels the
+request and the model sees request.is_cancelled(), which frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tritonlm.openai.errors import OpenAIError, from_triton
+
+MODEL_LIST_TTL_S = 2.0  # the repository index is asked again after this long
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    version: str
+    config: dict  # Triton's model config, as JSON
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def parameters(self) -> dict[str, str]:
+        return {k: v.get("string_value", "") for k, v in self.config.get("parameters", {}).items()}
+
+
+def is_generation_model(config: dict) -> bool:
+    """task=generate (tritonlm's generation model), or any decoupled model taking text_input."""
+    task = config.get("parameters", {}).get("task", {}).get("string_value")
+    if task is not None:
+        return task == "generate"
+    decoupled = config.get("model_transaction_policy", {}).get("decoupled", False)
+    return bool(decoupled) and any(i.get("name") == "text_input" for i in config.get("input", []))
+
+
+@dataclass
+class Piece:
+    """One Triton response: new text and, on the final one, why it ended and the counts."""
+
+    text: str = ""
+    log_probs: list[float] = field(default_factory=list)
+    final: bool = False
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    num_cached_tokens: int | None = None
+
+
+def _scalar(result, name: str):
+    arr = result.as_numpy(name)
+    return None if arr is None or arr.size == 0 else arr.reshape(-1)[0]
+
+
+def parse_response(result) -> Piece:
+    piece = Piece()
+    text = result.as_numpy("text_output")
+    if text is not None:
+        piece.text = b"".join(text.reshape(-1)).decode("utf-8")
+    lp = result.as_numpy("output_log_probs")
+    if lp is not None:
+        piece.log_probs = lp.reshape(-1).tolist()
+    reason = _scalar(result, "finish_reason")
+    if reason is not None:
+        piece.finish_reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+    n_in, n_out = _scalar(result, "num_input_tokens"), _scalar(result, "num_output_tokens")
+    piece.num_input_tokens = None if n_in is None else int(n_in)
+    piece.num_output_tokens = None if n_out is None else int(n_out)
+    n_cached = _scalar(result, "num_cached_tokens")
+    piece.num_cached_tokens = None if n_cached is None else int(n_cached)
+    final = result.get_response().parameters.get("triton_final_response")
+    piece.final = bool(final and final.bool_param)
+    return piece
+
+
+class TritonBackend:
+    """The frontend's view of one Triton server (gRPC). Create and use inside one event loop."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
+        self.url = url
+        self.headers = headers  # e.g. a --restrict-model-control header for the repository index
+        self._client = None
+        self._models: dict[str, ModelInfo] = {}
+        self._listed_at = 0.0
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            import tritonclient.grpc.aio as grpcclient
+
+            self._client = grpcclient.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    # --- models -----------------------------------------------------------------------------
+    async def models(self, refresh: bool = False) -> dict[str, ModelInfo]:
+        """The READY generation models, from Triton's repository index (cached briefly)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if refresh or time.monotonic() - self._listed_at > MODEL_LIST_TTL_S:
+                self._models = await self._list()
+                self._listed_at = time.monotonic()
+            return self._models
+
+    async def _list(self) -> dict[str, ModelInfo]:
+        try:
+            index = await self.client.get_model_repository_index(headers=self.headers, as_json=True)
+        except Exception as e:
+            raise OpenAIError(503, f"cannot reach Triton at {self.url}: {_first_line(e)}", code="triton_unavailable") from None
+        found: dict[str, ModelInfo] = {}
+        for entry in index.get("models", []):
+            if entry.get("state") != "READY":
+                continue
+            name = entry["name"]
+            old = self._models.get(name)
+            try:
+                config = old.config if old else (await self.client.get_model_config(name, as_json=True))["config"]
+            except Exception:
+                continue  # unloaded between the two calls
+            if is_generation_model(config):
+                found[name] = ModelInfo(name, entry.get("version", ""), config, old.created if old else int(time.time()))
+        return found
+
+    async def model(self, name: str) -> ModelInfo:
+        models = await self.models()
+        if name not in models:
+            models = await self.models(refresh=True)
+        if name not in models:
+            from tritonlm.openai.errors import model_not_found
+
+            raise model_not_found(name, sorted(models))
+        return models[name]
+
+    # --- generation -------------------------------------------------------------------------
+    def _inputs(self, prompt: str, sampling: dict, stream: bool):
+        import tritonclient.grpc.aio as grpcclient
+
+        def tensor(name, arr, dtype):
+            t = grpcclient.InferInput(name, [1], dtype)
+            t.set_data_from_numpy(arr)
+            return t
+
+        return [
+            tensor("text_input", np.array([prompt.encode("utf-8")], dtype=object), "BYTES"),
+            tensor("stream", np.array([stream], dtype=bool), "BOOL"),
+            tensor("exclude_input_in_output", np.array([True], dtype=bool), "BOOL"),
+            tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=object), "BYTES"),
+        ]
+
+    def generate(self, model: str, prompt: str, sampling: dict, stream: bool, chat: bool = False) -> "Generation":
+        """One generation: iterate it for its responses; cancel() it to end it early."""
+        return Generation(self, model, prompt, sampling, stream, chat)
+
+
+class Generation:
+    """One Triton request on its own gRPC stream. `async for piece in gen` yields each
+    response (an error response raises OpenAIError); cancel() (synchronous, safe from a
+    `finally` of a cancelled task) cancels the call, so Triton cancels the request."""
+
+    def __init__(self, backend: TritonBackend, model: str, prompt: str, sampling: dict, stream: bool, chat: bool):
+        self.backend = backend
+        self.model = model
+        self.chat = chat
+        self.done = False
+        self._finished = asyncio.Event()
+        request = {
+            "model_name": model,
+            "inputs": backend._inputs(prompt, sampling, stream),
+            "parameters": {"triton_enable_empty_final_response": True},
+        }
+
+        async def requests():
+            yield request
+            await self._finished.wait()  # keep our side open until the last response is in
+
+        try:
+            self._call = backend.client.stream_infer(requests())
+        except Exception as e:
+            raise OpenAIError(503, f"cannot reach Triton at {backend.url}: {_first_line(e)}", code="triton_unavailable") from None
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def __anext__(self) -> Piece:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            result, error = await self._call.__anext__()
+        except StopAsyncIteration:
+            self._end()
+            raise OpenAIError(500, f"Triton closed the stream of {self.model} before its final response") from None
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        except Exception as e:  # grpc.aio.AioRpcError and friends: the connection, not the model
+            self.cancel()
+            raise OpenAIError(503, f"Triton at {self.backend.url}: {_first_line(e)}", code="triton_unavailable") from None
+        if error is not None:
+            self._end()  # an error response is the request's last
+            raise from_triton(error.message(), chat=self.chat)
+        piece = parse_response(result)
+        if piece.final:
+            self._end()
+        return piece
+
+    def _end(self) -> None:
+        self.done = True
+        self._finished.set()
+
+    def cancel(self) -> None:
+        """End the request now unless it has already finished (no-op then)."""
+        if not self.done:
+            self._call.cancel()
+            self._end()
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
