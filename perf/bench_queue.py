@@ -29,7 +29,6 @@ import struct
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import numpy as np  # noqa: E402
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
 from tritonlm.export.repository import write_generate_config  # noqa: E402
+from tritonlm.perf.serverstats import engine_gauges  # noqa: E402
 from tritonlm.server import TritonServer, free_ports  # noqa: E402
 
 MODEL = "tiny"
@@ -101,13 +101,7 @@ def write_repo(repo: Path, max_num_seqs: int, max_queue_size: int) -> None:
 
 
 def gauges(server: TritonServer) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        for name in ("tritonlm_requests_waiting", "tritonlm_requests_running", "tritonlm_kv_cache_used_bytes"):
-            if line.startswith(name + "{") and f'model="{MODEL}"' in line:
-                out[name.replace("tritonlm_", "")] = float(line.rsplit(" ", 1)[1])
-    return out
+    return engine_gauges(server.metrics_url, MODEL)
 
 
 def wait_idle(server: TritonServer, timeout_s: float = 120.0) -> dict[str, float]:

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import random
 import re
 import struct
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +45,7 @@ import numpy as np  # noqa: E402
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
 from tritonlm.export.repository import write_generate_config  # noqa: E402
+from tritonlm.perf.serverstats import engine_gauges, process_tree_rss  # noqa: E402
 from tritonlm.server import TritonServer, free_ports  # noqa: E402
 
 MODEL = "tiny"
@@ -71,53 +70,8 @@ def write_repo(repo: Path):
     return tok
 
 
-def process_tree_rss(pid: int) -> tuple[int, int]:
-    """(resident bytes of pid and all its descendants, number of processes): tritonserver
-    and its Python backend stubs."""
-    try:
-        import psutil
-
-        root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
-        total = 0
-        for p in procs:
-            try:
-                total += p.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total, len(procs)
-    except ImportError:
-        pass
-    children: dict[int, list[int]] = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
-    total, count, todo = 0, 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, []))
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-                    count += 1
-        except OSError:
-            pass
-    return total, count
-
-
 def gauges(server: TritonServer) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        for name in ("tritonlm_requests_waiting", "tritonlm_requests_running", "tritonlm_kv_cache_used_bytes"):
-            if line.startswith(name + "{") and f'model="{MODEL}"' in line:
-                out[name.replace("tritonlm_", "")] = float(line.rsplit(" ", 1)[1])
-    return out
+    return engine_gauges(server.metrics_url, MODEL)
 
 
 def wait_idle(server: TritonServer, timeout_s: float = 60.0) -> tuple[dict[str, float], float]:

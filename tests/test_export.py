@@ -227,7 +227,7 @@ def test_generation_entry_contract(exported, model):
     assert list(inputs["stop_words"].dims) == [-1]
     outputs = {o.name for o in cfg.output}
     assert {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "output_log_probs",
-            "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} == outputs
+            "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_cached_tokens"} == outputs
     # the saved HF folder is the same model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

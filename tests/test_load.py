@@ -9,7 +9,6 @@ Loopback only, every wait bounded; sized for 2 shared CPU cores (~1 minute)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import queue
 import re
 import threading
@@ -17,13 +16,13 @@ import time
 import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.genrepo import add_generation_model
 from tritonlm.client.generate import _grpc_inputs, generate_grpc
+from tritonlm.perf.serverstats import process_tree_rss
 
 MODEL = "tiny"
 NUM_CLIENTS = 64
@@ -136,30 +135,6 @@ def run_round(url: str) -> dict[str, Tally]:
     return tallies
 
 
-def process_tree_rss(pid: int) -> int:
-    """Resident bytes of pid and all its descendants (tritonserver and its Python stubs)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children[ppid].append(int(entry))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, []))
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
-
-
 def gauge(server, name: str) -> float:
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     for line in text.splitlines():
@@ -213,13 +188,13 @@ def test_64_streaming_clients_every_request_once_and_no_memory_leak(triton_serve
     check_round(run_round(url), expected)  # warm-up: threads, arenas, caches get created
     warmup_s = time.monotonic() - t0
     wait_idle(triton_server)
-    rss_before = process_tree_rss(triton_server.process.pid)
+    rss_before = process_tree_rss(triton_server.process.pid)[0]
 
     t0 = time.monotonic()
     check_round(run_round(url), expected)
     measured_s = time.monotonic() - t0
     wait_idle(triton_server)
-    rss_after = process_tree_rss(triton_server.process.pid)
+    rss_after = process_tree_rss(triton_server.process.pid)[0]
 
     growth = rss_after - rss_before
     print(

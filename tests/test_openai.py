@@ -202,6 +202,8 @@ def test_chat_uses_the_models_template_and_equals_the_grpc_path(client, triton_s
     assert r.choices[0].finish_reason == "length" and r.object == "chat.completion"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
         ref.num_input_tokens, ref.num_output_tokens, ref.num_input_tokens + ref.num_output_tokens)
+    # the same conversation again: its prompt's full blocks come from the prefix cache
+    assert r.usage.prompt_tokens_details.cached_tokens == 16 * ((ref.num_input_tokens - 1) // 16) > 0
     # max_tokens works too; text parts are joined
     parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
     assert client.chat.completions.create(model="tiny_chat", messages=parts, max_tokens=12).choices[0].message.content == ref.text

@@ -1,0 +1,181 @@
+"""The sampler against transformers' own logits processors, and seeded draws through the
+engine (plain and speculative) against the reference distribution (chi-square).
+
+A wrong top-p cut-off (one token too many or too few), a wrong top-k, or another filter
+order changes the support or the weights of the distribution and fails here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from tests.genrepo import tiny
+from tests.test_engine import Collector, drain, make_engine
+from tests.test_speculative import chi_square_p_value, spec_engine
+from tritonlm.engine.request import SamplingParams
+from tritonlm.engine.sampler import RowState, next_token_distribution, sample_row
+
+
+def hf_distribution(logits: torch.Tensor, history: list[int], temperature: float, top_k: int, top_p: float,
+                    repetition_penalty: float = 1.0) -> torch.Tensor:
+    """[V] logits -> [V] probabilities, as transformers' generate(do_sample=True) builds them:
+    repetition penalty, then temperature, top-k, top-p (its own warper order)."""
+    procs = LogitsProcessorList()
+    if repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    ids = torch.tensor([history], dtype=torch.long)
+    return torch.softmax(procs(ids, logits.float().unsqueeze(0).clone())[0], dim=-1)
+
+
+def near_top_p_boundary(logits: torch.Tensor, history, temperature, top_k, top_p, rp) -> bool:
+    """True when a cumulative mass of the filtered distribution is within float rounding of
+    top_p: there the two summation orders may legitimately keep a different last token."""
+    before_p = hf_distribution(logits, history, temperature, top_k, 1.0, rp)
+    cum = torch.sort(before_p, descending=True).values.cumsum(0)
+    return bool(((cum - top_p).abs() < 1e-5).any())
+
+
+SETTINGS = [
+    (t, k, p, rp)
+    for t in (0.3, 0.7, 1.0, 1.6)
+    for k in (0, 1, 2, 7, 50)
+    for p in (1.0, 0.95, 0.6, 0.25, 0.05)
+    for rp in (1.0, 1.3)
+]
+
+
+@pytest.mark.parametrize("vocab,scale", [(11, 1.0), (64, 3.0), (512, 2.0)])
+def test_next_token_distribution_equals_transformers_warpers(vocab, scale):
+    gen = torch.Generator().manual_seed(vocab)
+    checked = skipped = 0
+    for i, (t, k, p, rp) in enumerate(SETTINGS):
+        for _ in range(3):
+            logits = torch.randn(vocab, generator=gen) * scale
+            history = torch.randint(0, vocab, (6,), generator=gen).tolist()
+            if p < 1.0 and near_top_p_boundary(logits, history, t, k, p, rp):
+                skipped += 1
+                continue
+            params = SamplingParams(max_tokens=4, temperature=t, top_k=k, top_p=p, repetition_penalty=rp, seed=i)
+            ours = next_token_distribution(logits, RowState.make(params, list(history), None))
+            ref = hf_distribution(logits, history, t, k, p, rp)
+            where = f"temperature={t} top_k={k} top_p={p} repetition_penalty={rp}"
+            assert torch.equal(ours > 0, ref > 0), f"different support: {where}"
+            torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5, msg=lambda m: f"{where}: {m}")
+            checked += 1
+    assert checked >= 0.98 * 3 * len(SETTINGS)  # boundary cases are rare: nearly every case is compared
+
+
+def test_sample_row_draws_follow_the_reference_distribution():
+    """The draw itself (multinomial on the row's generator) on random logits, top-k and top-p on."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, generator=gen) * 2
+    for t, k, p in [(0.8, 12, 0.9), (1.3, 0, 0.7), (1.0, 5, 1.0)]:
+        ref = hf_distribution(logits, [0], t, k, p)
+        params = SamplingParams(max_tokens=4, temperature=t, top_k=k, top_p=p, seed=11)
+        row = RowState.make(params, [0], None)
+        counts = torch.zeros(40)
+        for _ in range(4000):
+            counts[sample_row(logits, row)[0]] += 1
+        assert counts[ref == 0].sum() == 0
+        assert chi_square_p_value(counts, ref) > 0.001, (t, k, p)
+
+
+# ---- through the engine ---------------------------------------------------------------
+
+PROMPT = "Once upon a time"
+
+
+def model_logits(token_lists: list[list[int]]) -> torch.Tensor:
+    """The tiny model's last-position logits for each token list (same length each)."""
+    model, _ = tiny()
+    with torch.no_grad():
+        return model(torch.tensor(token_lists)).logits[:, -1, :].float()
+
+
+def engine_draws(engine, n: int, max_tokens: int, **params) -> list[list[int]]:
+    out = []
+    col = Collector()
+    rids = []
+    for i in range(n):
+        rids.append(col.request(engine, PROMPT, max_tokens=max_tokens, seed=1000 + i, **params))
+        if len(rids) % 64 == 0:
+            drain(engine)
+    drain(engine)
+    for rid in rids:
+        assert col.final(rid).num_output_tokens == max_tokens
+        out.append(col.ids(rid))
+    return out
+
+
+SAMPLED = [dict(temperature=0.8, top_k=6, top_p=1.0), dict(temperature=1.2, top_k=0, top_p=0.5),
+           dict(temperature=1.0, top_k=8, top_p=0.7)]
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=lambda p: f"t{p['temperature']}-k{p['top_k']}-p{p['top_p']}")
+def test_engine_first_token_follows_the_reference(params):
+    _, tok = tiny()
+    prompt_ids = tok(PROMPT)["input_ids"]
+    ref = hf_distribution(model_logits([prompt_ids])[0], prompt_ids, params["temperature"], params["top_k"],
+                          params["top_p"])
+    draws = engine_draws(make_engine(kv_sequences=64, max_context=64), 1500, 1, **params)
+    counts = torch.zeros_like(ref)
+    for ids in draws:
+        counts[ids[0]] += 1
+    assert counts[ref == 0].sum() == 0, "a token outside top-k / top-p was drawn"
+    assert chi_square_p_value(counts, ref) > 0.001
+
+
+def joint_reference(params: dict) -> dict[tuple[int, int], float]:
+    """P(t1, t2) for the first two generated tokens under the reference rule."""
+    _, tok = tiny()
+    prompt_ids = tok(PROMPT)["input_ids"]
+    t, k, p = params["temperature"], params["top_k"], params["top_p"]
+    p1 = hf_distribution(model_logits([prompt_ids])[0], prompt_ids, t, k, p)
+    firsts = torch.nonzero(p1).flatten().tolist()
+    second_logits = model_logits([prompt_ids + [a] for a in firsts])
+    joint = {}
+    for a, logits in zip(firsts, second_logits):
+        p2 = hf_distribution(logits, prompt_ids + [a], t, k, p)
+        for b in torch.nonzero(p2).flatten().tolist():
+            joint[(a, b)] = float(p1[a] * p2[b])
+    return joint
+
+
+@pytest.mark.parametrize("params", SAMPLED[:1] + SAMPLED[2:],
+                         ids=lambda p: f"t{p['temperature']}-k{p['top_k']}-p{p['top_p']}")
+@pytest.mark.parametrize("drafter", ["random", "self"])
+def test_speculative_engine_first_two_tokens_follow_the_reference(params, drafter, monkeypatch):
+    """The second token goes through the verifier (draft guesses accepted or rejected):
+    the pair (t1, t2) must still follow the target's filtered distribution."""
+    import tritonlm.engine.executor as executor
+
+    verified = []
+    real_verify = executor.verify_row
+    monkeypatch.setattr(executor, "verify_row",
+                        lambda logits, proposal, row: verified.append(len(proposal.tokens)) or real_verify(logits, proposal, row))
+    joint = joint_reference(params)
+    engine = spec_engine(drafter, k=3)
+    draws = engine_draws(engine, 1500, 3, **params)
+    pairs = list(joint)
+    index = {pair: i for i, pair in enumerate(pairs)}
+    counts = torch.zeros(len(pairs), dtype=torch.float64)
+    for ids in draws:
+        pair = (ids[0], ids[1])
+        assert pair in index, f"drawn {pair}: outside the reference support"
+        counts[index[pair]] += 1
+    probs = torch.tensor([joint[pr] for pr in pairs], dtype=torch.float64)
+    assert chi_square_p_value(counts, probs) > 0.001
+    assert len(verified) >= 1500 and min(verified) >= 1  # every second token came through the verifier
