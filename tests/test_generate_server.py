@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import re
+import time
 import urllib.request
 
 import numpy as np
@@ -133,6 +134,7 @@ def test_kv_budget_of_two_sequences_serves_twelve_concurrent_requests(triton_ser
             peak_used = max(peak_used, metric(triton_server, "tritonlm_kv_cache_used_bytes", "tiny_small_kv"))
             peak_waiting = max(peak_waiting, metric(triton_server, "tritonlm_requests_waiting", "tiny_small_kv"))
             assert metric(triton_server, "tritonlm_requests_running", "tiny_small_kv") <= 2
+            time.sleep(0.02)  # poll, do not spin: the server shares the CPU with this loop
         results = [f.result() for f in futures]
     assert [r.text for r in results] == expected
     assert 0 < peak_used <= total
@@ -175,11 +177,26 @@ def test_prompt_longer_than_the_context_is_refused_and_the_server_keeps_serving(
 
 
 def test_metrics_report_cache_and_tokens(triton_server):
+    """Each counter moves by exactly what one 4-token request adds (before/after, not cumulative)."""
+    counters = [("tritonlm_generated_tokens_total", {}, 4), ("tritonlm_requests_finished_total", {"reason": "length"}, 1),
+                ("tritonlm_time_to_first_token_seconds_count", {}, 1)]
+
+    def read(name, labels):
+        try:
+            return metric(triton_server, name, "tiny", **labels)
+        except AssertionError:  # a labelled counter appears with its first sample
+            return 0.0
+
+    before = [read(name, labels) for name, labels, _ in counters]
     gen(triton_server, "metrics please", max_tokens=4)
     assert metric(triton_server, "tritonlm_kv_cache_bytes_per_token", "tiny") == BYTES_PER_TOKEN
-    assert metric(triton_server, "tritonlm_generated_tokens_total", "tiny") >= 4
-    assert metric(triton_server, "tritonlm_requests_finished_total", "tiny", reason="length") >= 1
-    assert metric(triton_server, "tritonlm_time_to_first_token_seconds_count", "tiny") >= 1
+    deadline = time.monotonic() + 10  # the last counters may be written just after the final response
+    while True:
+        deltas = [read(name, labels) - b for (name, labels, _), b in zip(counters, before)]
+        if deltas == [d for _, _, d in counters] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert deltas == [d for _, _, d in counters], list(zip([c[0] for c in counters], deltas))
 
 
 def test_a_shared_prefix_is_served_from_the_cache_with_the_same_text(triton_server):

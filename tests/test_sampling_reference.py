@@ -24,7 +24,7 @@ from tritonlm.engine.sampler import RowState, next_token_distribution, sample_ro
 
 
 def hf_distribution(logits: torch.Tensor, history: list[int], temperature: float, top_k: int, top_p: float,
-                    repetition_penalty: float = 1.0) -> torch.Tensor:
+                    repetition_penalty: float = 1.0, banned: int | None = None) -> torch.Tensor:
     """[V] logits -> [V] probabilities, as transformers' generate(do_sample=True) builds them:
     repetition penalty, then temperature, top-k, top-p (its own warper order)."""
     procs = LogitsProcessorList()
@@ -37,7 +37,10 @@ def hf_distribution(logits: torch.Tensor, history: list[int], temperature: float
     if top_p < 1.0:
         procs.append(TopPLogitsWarper(top_p))
     ids = torch.tensor([history], dtype=torch.long)
-    return torch.softmax(procs(ids, logits.float().unsqueeze(0).clone())[0], dim=-1)
+    scores = logits.float().unsqueeze(0).clone()
+    if banned is not None:  # EOS before min_tokens: transformers' MinNewTokensLength runs before the warpers
+        scores[0, banned] = float("-inf")
+    return torch.softmax(procs(ids, scores)[0], dim=-1)
 
 
 def near_top_p_boundary(logits: torch.Tensor, history, temperature, top_k, top_p, rp) -> bool:
@@ -110,8 +113,8 @@ def engine_draws(engine, n: int, max_tokens: int, **params) -> list[list[int]]:
     col = Collector()
     rids = []
     for i in range(n):
-        rids.append(col.request(engine, PROMPT, max_tokens=max_tokens, seed=1000 + i, **params))
-        if len(rids) % 64 == 0:
+        rids.append(col.request(engine, PROMPT, max_tokens=max_tokens, min_tokens=max_tokens, seed=1000 + i, **params))
+        if len(rids) % 100 == 0:
             drain(engine)
     drain(engine)
     for rid in rids:
@@ -129,8 +132,8 @@ def test_engine_first_token_follows_the_reference(params):
     _, tok = tiny()
     prompt_ids = tok(PROMPT)["input_ids"]
     ref = hf_distribution(model_logits([prompt_ids])[0], prompt_ids, params["temperature"], params["top_k"],
-                          params["top_p"])
-    draws = engine_draws(make_engine(kv_sequences=64, max_context=64), 1500, 1, **params)
+                          params["top_p"], banned=tok.eos_token_id)
+    draws = engine_draws(make_engine(kv_sequences=100, max_context=64, max_num_seqs=100), 1000, 1, **params)
     counts = torch.zeros_like(ref)
     for ids in draws:
         counts[ids[0]] += 1
@@ -143,19 +146,18 @@ def joint_reference(params: dict) -> dict[tuple[int, int], float]:
     _, tok = tiny()
     prompt_ids = tok(PROMPT)["input_ids"]
     t, k, p = params["temperature"], params["top_k"], params["top_p"]
-    p1 = hf_distribution(model_logits([prompt_ids])[0], prompt_ids, t, k, p)
+    p1 = hf_distribution(model_logits([prompt_ids])[0], prompt_ids, t, k, p, banned=tok.eos_token_id)
     firsts = torch.nonzero(p1).flatten().tolist()
     second_logits = model_logits([prompt_ids + [a] for a in firsts])
     joint = {}
     for a, logits in zip(firsts, second_logits):
-        p2 = hf_distribution(logits, prompt_ids + [a], t, k, p)
+        p2 = hf_distribution(logits, prompt_ids + [a], t, k, p, banned=tok.eos_token_id)
         for b in torch.nonzero(p2).flatten().tolist():
             joint[(a, b)] = float(p1[a] * p2[b])
     return joint
 
 
-@pytest.mark.parametrize("params", SAMPLED[:1] + SAMPLED[2:],
-                         ids=lambda p: f"t{p['temperature']}-k{p['top_k']}-p{p['top_p']}")
+@pytest.mark.parametrize("params", SAMPLED[2:], ids=lambda p: f"t{p['temperature']}-k{p['top_k']}-p{p['top_p']}")
 @pytest.mark.parametrize("drafter", ["random", "self"])
 def test_speculative_engine_first_two_tokens_follow_the_reference(params, drafter, monkeypatch):
     """The second token goes through the verifier (draft guesses accepted or rejected):
@@ -168,7 +170,7 @@ def test_speculative_engine_first_two_tokens_follow_the_reference(params, drafte
                         lambda logits, proposal, row: verified.append(len(proposal.tokens)) or real_verify(logits, proposal, row))
     joint = joint_reference(params)
     engine = spec_engine(drafter, k=3)
-    draws = engine_draws(engine, 1500, 3, **params)
+    draws = engine_draws(engine, 1000, 4, **params)  # 4: room for a draft after the first token
     pairs = list(joint)
     index = {pair: i for i, pair in enumerate(pairs)}
     counts = torch.zeros(len(pairs), dtype=torch.float64)
@@ -178,4 +180,4 @@ def test_speculative_engine_first_two_tokens_follow_the_reference(params, drafte
         counts[index[pair]] += 1
     probs = torch.tensor([joint[pr] for pr in pairs], dtype=torch.float64)
     assert chi_square_p_value(counts, probs) > 0.001
-    assert len(verified) >= 1500 and min(verified) >= 1  # every second token came through the verifier
+    assert len(verified) >= 1000 and min(verified) >= 1  # every second token came through the verifier

