@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
 from tritonlm.export.repository import write_generate_config  # noqa: E402
+from tritonlm.perf.machine import describe_cpu  # noqa: E402
 from tritonlm.perf.serverstats import engine_gauges, process_tree_rss  # noqa: E402
 from tritonlm.server import TritonServer, free_ports  # noqa: E402
 
@@ -375,6 +376,7 @@ def main() -> int:
         ("server_ready_at_end", live),
     ]
     print()
+    print(f"CPU: {describe_cpu()}")
     print(f"soak: {args.clients} clients, {args.duration:.0f} s, tiny-gpt2 (seeded), server started by the script")
     print(f"{'minute':>6} {'requests':>8} {'completed':>9} {'cancelled':>9} {'refused':>7} {'unexpected':>10} "
           f"{'tok/s':>7} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11}")

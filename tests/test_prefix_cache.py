@@ -192,3 +192,20 @@ def test_concurrent_requests_and_cancellation_keep_outputs_exact_and_references_
         assert col.ids(r) == hf_ids(p, 10)
     assert col.final(warm).finish_reason == "length"
     assert engine.cache.used_bytes == 0 and all(r == 0 for r in engine.cache._refs)
+
+
+def test_the_setting_turns_it_on_and_off_and_a_bad_value_is_refused(tmp_path):
+    from tests.genrepo import add_generation_model
+    from tritonlm.engine.loader import build_engine
+    from tritonlm.engine.settings import EngineSettings, SettingsError
+
+    folder = add_generation_model(tmp_path, "m")
+    for raw, on in (("", True), ("false", False), ("true", True)):
+        engine = build_engine(EngineSettings.from_params({"enable_prefix_caching": raw}, folder))
+        assert engine.cache.prefix_caching is on
+        engine.shutdown()
+    engine = build_engine(EngineSettings.from_params({"use_kv_cache": "false"}, folder))
+    assert engine.cache.prefix_caching is False  # recomputing every step shares nothing
+    engine.shutdown()
+    with pytest.raises(SettingsError, match="enable_prefix_caching: 'maybe' is not a boolean"):
+        EngineSettings.from_params({"enable_prefix_caching": "maybe"}, folder)
