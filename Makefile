@@ -20,7 +20,7 @@ HOST := 127.0.0.1
 endif
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench doctor clean
+.PHONY: setup serve test bench doctor clean demo-scale bench-peer
 
 setup: $(STAMP)
 
@@ -44,6 +44,15 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/python perf/run_all.py
+
+# tritonlm vs llama.cpp's llama-server, same model and clients (builds llama.cpp into .cache/
+# the first time: minutes); BENCH_PEER_ARGS=--quick for a smoke run
+bench-peer: setup
+	$(VENV)/bin/python perf/bench_peer.py $(BENCH_PEER_ARGS)
+
+# two tritonlm serve replicas behind nginx, one restarted under load (deploy/README.md)
+demo-scale: setup
+	$(VENV)/bin/python perf/demo_scale.py
 
 doctor: setup
 	$(VENV)/bin/tritonlm doctor

@@ -8,7 +8,10 @@
 3. KV memory budgeting: a pool sized by kv_cache_fraction takes what it says
    (torch.cuda.memory_allocated before/after) and the engine never exceeds it.
 4. Engine throughput: 32 concurrent requests, continuous batching, greedy tokens equal
-   to the CPU engine's.
+   to the CPU engine's; GPU utilization sampled (NVML) while it runs.
+5. The load path as the server takes it (config parameters -> build_engine): `dtype: auto`
+   resolves to bfloat16 on a GPU of compute capability 8.0+; `kv_cache_fraction` sizes
+   the pool from free memory; `dtype: int8` refuses to load on CUDA naming the field.
 Prints a table, writes gpu_check.csv under --out (or $OUT). Exits 2 without CUDA.
 """
 
@@ -25,6 +28,36 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
+
+
+class UtilizationSampler:
+    """Mean GPU utilization (NVML, percent) from now until stop(), sampled every 50 ms."""
+
+    def __init__(self, dev: torch.device):
+        import threading
+
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)
+            self._read = lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        except Exception as e:  # no NVML: report NaN rather than fail the other checks
+            print(f"GPU utilization not sampled: {e}")
+            self._read = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self._read is not None and not self._stop.wait(0.05):
+            self.samples.append(self._read())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return sum(self.samples) / len(self.samples) if self.samples else float("nan")
 
 
 def main() -> int:
@@ -123,11 +156,56 @@ def main() -> int:
             engine.step()
         sync()
         return out, engine.stats.tokens_generated / (time.perf_counter() - t0), engine.stats.max_kv_used_bytes <= cache.total_bytes
+    util = UtilizationSampler(dev) if on_gpu else None
     gpu_out, gpu_tps, within = engine_run(TorchRunner(model, device=dev))
+    busy = util.stop() if util else float("nan")
     cpu_out, cpu_tps, _ = engine_run(TorchRunner(model))
     same = sum(gpu_out[i] == cpu_out[i] for i in range(32))
     rows.append({"check": f"engine 32 requests {args.device} fp32 tok/s", "value": gpu_tps,
-                 "extra": f"cpu {cpu_tps:.1f} tok/s; {same}/32 same greedy tokens as cpu; kv within budget {within}"})
+                 "extra": f"cpu {cpu_tps:.1f} tok/s; {same}/32 same greedy tokens as cpu; kv within budget {within}; "
+                          f"GPU utilization mean {busy:.0f}%"})
+
+    # 5. the server's load path: settings from config parameters -> build_engine
+    import tempfile
+
+    from tritonlm.engine.loader import build_engine
+    from tritonlm.engine.settings import EngineSettings, SettingsError
+    from tritonlm.export.repository import write_generate_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "gpt2s"
+        model.save_pretrained(folder / "1" / "hf")
+        tok.save_pretrained(folder / "1" / "hf")
+        write_generate_config(folder, max_context=1024)
+        params = {"task": "generate", "device": args.device, "dtype": "auto", "kv_cache_fraction": "0.3" if on_gpu else "0.01"}
+        free_before = free_memory_bytes(args.device)
+        before = allocated()
+        engine = build_engine(EngineSettings.from_params(params, folder))
+        kv = engine.cache.pool.nbytes
+        rows.append({"check": "dtype auto -> compute dtype", "value": float(engine.runner.spec.dtype == torch.bfloat16),
+                     "extra": f"{engine.runner.spec.dtype} (1 = bfloat16)"})
+        rows.append({"check": f"kv_cache_fraction {params['kv_cache_fraction']}: pool / free", "value": kv / free_before,
+                     "extra": f"{kv / 2**30:.2f} GiB pool of {free_before / 2**30:.1f} GiB free; "
+                              f"allocated grew {(allocated() - before) / 2**30:.2f} GiB with the weights"})
+        out = {}
+        for i in range(32):
+            engine.submit(GenerationRequest([100 + i, 200 + i, 300], SamplingParams(max_tokens=64 if on_gpu else 4, end_id=-1),
+                                            lambda ev, i=i: out.setdefault(i, []).extend(ev.token_ids), stream=False))
+        t0 = time.perf_counter()
+        while engine.has_work() or engine._inbox:
+            engine.step()
+        sync()
+        bf16_tps = engine.stats.tokens_generated / (time.perf_counter() - t0)
+        bf16_same = sum(out[i] == cpu_out[i][:len(out[i])] for i in range(32))
+        rows.append({"check": f"engine 32 requests {args.device} auto tok/s", "value": bf16_tps,
+                     "extra": f"{bf16_same}/32 rows equal the CPU fp32 engine's greedy tokens"})
+        del engine
+        try:
+            build_engine(EngineSettings.from_params({**params, "dtype": "int8"}, folder))
+            refused = "loaded (unexpected)"
+        except SettingsError as e:
+            refused = str(e)
+        rows.append({"check": "dtype int8 on cuda refused", "value": float(refused.startswith("dtype:")), "extra": refused[:90]})
 
     print(f"\n{'check':<40} {'value':>12}  detail")
     for r in rows:

@@ -1,7 +1,8 @@
 """`tritonlm serve` stopping under load, against the real tritonserver: SIGTERM drains
-(readiness off, new requests refused, in-flight streams finish), the drain deadline cuts
-what is left and the process still exits 0; a model that fails to load makes serve exit
-non-zero with the model's error (so an orchestrator restarts it)."""
+(readiness off, new requests refused, in-flight streams finish); at the drain deadline what
+is left ends with finish_reason cancelled and its final response, and the process exits 0;
+a model that fails to load makes serve exit non-zero with the model's error (so an
+orchestrator restarts it)."""
 
 from __future__ import annotations
 
@@ -158,26 +159,84 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(slow_repo):
         serve.kill()
 
 
-def test_drain_deadline_cuts_what_is_left_and_exits_0(slow_repo):
+def test_drain_deadline_cancels_what_is_left_with_a_final_response_and_exits_0(slow_repo):
+    """Streams far longer than the drain timeout: at the deadline each one still running gets
+    its final response with finish_reason cancelled (and the tokens it had), then exit 0."""
     serve = Serve(slow_repo, "--drain-timeout", "2")
     try:
         serve.wait_ready()
         results: dict = {}
-        threads = run_streams(serve.grpc, 900, results, timeout_s=30)  # far longer than the deadline
+        threads = run_streams(serve.grpc, 900, results, timeout_s=60)  # far longer than the deadline
         time.sleep(0.5)
         t_term = time.monotonic()
         serve.proc.send_signal(signal.SIGTERM)
         assert serve.proc.wait(30) == 0, serve.output
-        assert time.monotonic() - t_term < 2 + 3 + 5  # deadline + kill grace + margin
+        # the deadline, then the cancellation and unload, well before tritonserver's own
+        # exit timeout (deadline + 5 s) and the kill after it (+ 3 s)
+        elapsed = time.monotonic() - t_term
+        assert elapsed < 2 + 5 + 3, (elapsed, serve.output)
         for t in threads:
             t.join(40)
         assert len(results) == STREAMS
-        # nothing hangs: each stream has ended; where the deadline cut it, with gRPC UNAVAILABLE
-        # "Stream removed" (the process is gone: no final response, see deploy/README.md)
-        assert all(r[0] in ("error", "length") for r in results.values()), results
-        assert any(r[0] == "error" for r in results.values()), results
+        # no error, no hang: every stream ended with a final response; those the deadline cut
+        # say cancelled and carry the tokens generated before it
+        assert all(r[0] in ("cancelled", "length") for r in results.values()), results
+        cancelled = [r for r in results.values() if r[0] == "cancelled"]
+        assert cancelled, results
+        assert all(0 <= r[1] < 900 for r in cancelled), results
+        assert any(r[1] > 0 and r[2] for r in cancelled), results  # streamed text before the cut
+        assert "drain deadline (2 s) passed: requests still running end with finish_reason cancelled" in serve.output
+        assert "stopping what still runs" not in serve.output and "stopped with code" not in serve.output, serve.output
     finally:
         serve.kill()
+
+
+def test_engine_shutdown_at_the_deadline_ends_pending_requests_as_cancelled():
+    """What the backend's drain watcher calls: every request still running or queued gets
+    one final event with finish_reason cancelled (no error); a second shutdown is a no-op."""
+    from tests.test_engine import Collector, make_engine
+
+    engine = make_engine(kv_sequences=1).start()  # room for one sequence: the second one waits
+    col = Collector()
+    running = col.request(engine, "Once upon a time", max_tokens=200, min_tokens=200)
+    waiting = col.request(engine, "Hello there", max_tokens=200, min_tokens=200)
+    assert wait_until(lambda: len(col.events[running]) >= 2, 30)  # it has streamed some text
+    engine.shutdown("the server is shutting down (drain deadline passed)", finish_reason="cancelled")
+    engine.shutdown()  # finalize afterwards: nothing more is sent
+    for rid in (running, waiting):
+        finals = [e for e in col.events[rid] if e.finished]
+        assert len(finals) == 1, col.events[rid]
+        assert finals[0].finish_reason == "cancelled" and finals[0].error is None
+    assert 0 < col.final(running).num_output_tokens < 200
+    assert col.final(waiting).num_output_tokens == 0
+
+
+def test_drain_watcher_fires_once_at_the_deadline_and_not_after_close(tmp_path):
+    from tritonlm.glue.drain import DrainWatcher, read_deadline, write_deadline
+
+    calls: list[float] = []
+    path = tmp_path / "deadline"
+    watcher = DrainWatcher(path, lambda: calls.append(time.time()), poll_s=0.02)
+    time.sleep(0.1)
+    assert calls == [] and read_deadline(path) is None  # no drain yet
+    deadline = time.time() + 0.3
+    write_deadline(path, deadline)
+    assert read_deadline(path) == pytest.approx(deadline, abs=1e-3)
+    assert wait_until(lambda: calls, 5)
+    assert calls[0] >= deadline - 0.01
+    time.sleep(0.1)
+    assert len(calls) == 1
+    watcher.close()
+
+    # the model unloaded before the deadline (finalize closed the watcher): no call
+    calls.clear()
+    path2 = tmp_path / "deadline2"
+    write_deadline(path2, time.time() + 0.3)
+    watcher = DrainWatcher(path2, lambda: calls.append(time.time()), poll_s=0.02)
+    time.sleep(0.1)
+    watcher.close()
+    time.sleep(0.4)
+    assert calls == []
 
 
 def test_model_that_fails_to_load_makes_serve_exit_nonzero(tmp_path):

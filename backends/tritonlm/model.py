@@ -15,15 +15,22 @@ except ImportError:  # running from a checkout: backends/tritonlm/model.py -> re
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
 from tritonlm.glue import make_handler
+from tritonlm.glue.drain import watch_drain
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.handler = make_handler(config, args)
+        # tritonlm serve's drain deadline: streams still running then end with finish_reason
+        # "cancelled" and their final response (tritonlm/glue/drain.py)
+        self.drain = watch_drain(self.handler)
 
     def execute(self, requests):
         return self.handler.execute(requests)
 
     def finalize(self):
+        drain = getattr(self, "drain", None)
+        if drain is not None:
+            drain.close()
         self.handler.finalize()

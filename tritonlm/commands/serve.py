@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import math
+import os
+import shutil
 import signal
-import time
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from tritonlm.errors import CliError
+from tritonlm.glue.drain import DRAIN_FILE_ENV, write_deadline
 from tritonlm.paths import StackError
 from tritonlm.server import (
     DEFAULT_HOST, ServerStartError, TritonServer, check_exposure, check_host, parse_restriction, port_is_free,
@@ -62,12 +66,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
     p.add_argument("--drain-timeout", type=_drain_timeout, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
                    help="on SIGTERM or Ctrl-C: readiness goes off, new requests are refused, in-flight requests "
-                   f"get up to S seconds to finish; what still runs then is cut and the exit is 0 "
-                   f"(default {DEFAULT_DRAIN_TIMEOUT_S:.0f})")
+                   f"get up to S seconds to finish; what still runs then ends with finish_reason cancelled "
+                   f"and the exit is 0 (default {DEFAULT_DRAIN_TIMEOUT_S:.0f})")
 
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-KILL_GRACE_S = 3.0  # after the drain deadline: tritonserver aborts on its own exit timeout and can hang there; then SIGKILL
+# After the drain deadline the backend cancels what still runs (final responses, finish_reason
+# cancelled) and the models unload: tritonserver's own exit timeout comes this much later, so
+# it does not abort first.
+CANCEL_GRACE_S = 5.0
+KILL_GRACE_S = 3.0  # after that: tritonserver aborts on its own exit timeout and can hang there; then SIGKILL
 
 
 def _drain_timeout(text: str) -> float:
@@ -121,11 +129,18 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
         load_models=["*"] if args.model_control == "explicit" else [],
         restrict_model_control=args.restrict_model_control,
         log_path=Path(args.log_file) if args.log_file else None,
-        # Triton's own drain: on SIGINT it refuses new requests and waits this long for in-flight ones
-        exit_timeout_s=max(1, math.ceil(drain_s)),
+        # Triton's own drain: on SIGINT it refuses new requests and waits this long for in-flight
+        # ones; longer than ours, so the backend's cancellation at our deadline comes first
+        exit_timeout_s=max(1, math.ceil(drain_s + CANCEL_GRACE_S)),
     )
     stopping = False
     drain_deadline: float | None = None
+    # where the drain deadline goes for the backend (tritonlm/glue/drain.py); the stubs inherit
+    # the variable from tritonserver, which inherits it from us
+    control_dir = Path(tempfile.mkdtemp(prefix="tritonlm-drain-"))
+    drain_file = control_dir / "deadline"
+    old_env = os.environ.get(DRAIN_FILE_ENV)
+    os.environ[DRAIN_FILE_ENV] = str(drain_file)
 
     # Installed before the start: tritonserver runs in its own session, so a Ctrl-C or a
     # SIGTERM reaches only us. While it starts, the handler raises KeyboardInterrupt, and
@@ -133,10 +148,12 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
     # only signals (waiting inside it would deadlock with the main thread's own wait on the
     # same process); a second Ctrl-C kills the server outright.
     #
-    # The first signal starts the drain: SIGINT to tritonserver, which (started with
-    # --exit-timeout-secs = the drain timeout) takes its HTTP endpoint (readiness) down,
-    # refuses new inferences and lets in-flight streams finish, then exits 0. The main loop
-    # below enforces the deadline: KILL_GRACE_S after it, what is left is killed.
+    # The first signal starts the drain: SIGINT to tritonserver, which takes its HTTP endpoint
+    # (readiness) down, refuses new inferences and lets in-flight streams finish, then exits 0.
+    # The deadline goes to the backend (drain_file): there, what still runs at the deadline
+    # ends with finish_reason "cancelled" and its final response. tritonserver's own exit
+    # timeout is CANCEL_GRACE_S later; the main loop below kills what is left KILL_GRACE_S
+    # after that.
     def on_signal(signum, frame):
         nonlocal stopping, drain_deadline
         if not server.started:
@@ -147,6 +164,10 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
             print(f"\n{name}: draining (readiness off, new requests refused, in-flight requests get up to "
                   f"{drain_s:g} s) ...", flush=True)
             drain_deadline = time.monotonic() + drain_s
+            try:
+                write_deadline(drain_file, time.time() + drain_s)
+            except OSError as e:  # the drain still works; only the cut at the deadline is rougher
+                print(f"warning: cannot pass the drain deadline to the backend: {e}", file=sys.stderr, flush=True)
         stopping = True
         server.interrupt(sig)
 
@@ -179,9 +200,14 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
             lines.append(f"  model control needs header {key} (gRPC metadata: triton-grpc-protocol-{key})")
         lines.append("Ctrl-C stops it.")
         print("\n".join(lines), flush=True)
+        announced = False
         try:
             while server.process.poll() is None:
-                if drain_deadline is not None and time.monotonic() > drain_deadline + KILL_GRACE_S:
+                if drain_deadline is not None and not announced and time.monotonic() > drain_deadline:
+                    print(f"drain deadline ({drain_s:g} s) passed: requests still running end with finish_reason "
+                          "cancelled", flush=True)
+                    announced = True
+                if drain_deadline is not None and time.monotonic() > drain_deadline + CANCEL_GRACE_S + KILL_GRACE_S:
                     print(f"drain deadline ({drain_s:g} s) passed: stopping what still runs", flush=True)
                     server.interrupt(signal.SIGKILL)
                     drain_deadline = None
@@ -194,6 +220,11 @@ def serve(repo: Path, args: argparse.Namespace) -> int:
     finally:
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
+        if old_env is None:
+            os.environ.pop(DRAIN_FILE_ENV, None)
+        else:
+            os.environ[DRAIN_FILE_ENV] = old_env
+        shutil.rmtree(control_dir, ignore_errors=True)
     if not stopping:
         print(f"tritonserver exited unexpectedly with code {code}; last log lines ({server.log_path}):", file=sys.stderr)
         print("\n".join(server.log_text().splitlines()[-20:]), file=sys.stderr)

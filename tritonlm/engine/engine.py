@@ -61,6 +61,7 @@ class Engine:
         self._cond = threading.Condition()
         self._stop = False
         self._stop_reason = ""
+        self._stop_finish: str | None = None  # shutdown(finish_reason=...): how pending requests end
         self._thread: threading.Thread | None = None
         self._last_expiry_check = 0.0
         self._dispatcher: EventDispatcher | None = None
@@ -135,14 +136,19 @@ class Engine:
         # list() of a list or deque copies in one C call: safe beside the engine thread
         return list(self.scheduler.running), list(self.scheduler.waiting)
 
-    def shutdown(self, reason: str = "the model is being unloaded") -> None:
-        """Stop the loop, fail what is pending, and release the runner (worker processes).
+    def shutdown(self, reason: str = "the model is being unloaded", finish_reason: str | None = None) -> None:
+        """Stop the loop, end what is pending, and release the runner (worker processes).
 
-        The engine thread fails the pending requests itself when it leaves its loop, so a
-        step still running when the join times out cannot race this thread into sending a
-        second final response."""
+        Pending requests fail with `reason` as their error; with finish_reason="cancelled"
+        (a drain deadline) they get a normal final response with that finish reason instead.
+        A second call (finalize after the drain deadline already shut the engine down) does
+        nothing. The engine thread ends the pending requests itself when it leaves its loop,
+        so a step still running when the join times out cannot race this thread into sending
+        a second final response."""
         with self._cond:
-            self._stop, self._stop_reason = True, reason
+            if self._stop:
+                return
+            self._stop, self._stop_reason, self._stop_finish = True, reason, finish_reason
             self._cond.notify()
         try:
             if self._poller is not None:
@@ -162,7 +168,10 @@ class Engine:
         with self._cond:
             pending, self._inbox = self.scheduler.sequences() + self._inbox, []
         for seq in pending:
-            self.output.fail(seq, self._stop_reason)
+            if self._stop_finish is not None:
+                self.output.finish(seq, self._stop_finish)
+            else:
+                self.output.fail(seq, self._stop_reason)
 
     def _loop(self) -> None:
         while True:

@@ -10,7 +10,8 @@ from tritonlm.engine.engine import Engine, EngineObserver
 from tritonlm.engine.kv_cache import CacheBudgetError, KVCacheManager
 from tritonlm.engine.memory import default_kv_budget, free_memory_bytes
 from tritonlm.engine.scheduler import SchedulerConfig
-from tritonlm.engine.settings import DTYPES, EngineSettings, SettingsError
+from tritonlm.engine.precision import Precision, PrecisionError, resolve_precision
+from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.engine.tokenizer import check_same_tokenizer, error_summary, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,22 @@ def resolve_kv_budget(settings: EngineSettings, bytes_per_token: int, max_contex
     if settings.kv_cache_fraction is not None:
         return int(free_memory_bytes(settings.device) * settings.kv_cache_fraction)
     return default_kv_budget(bytes_per_token, max_context, settings.kv_block_size)
+
+
+def resolve_settings_precision(settings: EngineSettings) -> Precision:
+    """The settings' dtype on their device (checked at load; SettingsError naming `dtype`)."""
+    try:
+        precision = resolve_precision(settings.dtype, settings.device)
+    except PrecisionError as e:
+        raise SettingsError(f"dtype: {e}") from None
+    log.info("precision: %s%s on %s (%s)", precision.name, " weights, float32 compute" if precision.int8_weights else "",
+             settings.device, precision.reason)
+    return precision
+
+
+def _torch_precision_kwargs(settings: EngineSettings) -> dict:
+    precision = resolve_settings_precision(settings)
+    return {"dtype": precision.compute, "int8": precision.int8_weights}
 
 
 def build_engine(settings: EngineSettings, observer: EngineObserver | None = None, runner=None, tokenizer=None) -> Engine:
@@ -50,7 +67,7 @@ def load_model_runner(settings: EngineSettings):
     return _load_runner_or_explain(
         "hf_dir" if settings.runtime == "torch" else "onnx_model",
         settings.runtime, settings.hf_dir, onnx_path=settings.onnx_model, device=settings.device,
-        **({"dtype": DTYPES[settings.dtype]} if settings.runtime == "torch" else {}),
+        **(_torch_precision_kwargs(settings) if settings.runtime == "torch" else {}),
     )
 
 
@@ -136,7 +153,7 @@ def build_drafter(
     if target_tokenizer is not None:
         check_same_tokenizer(target_tokenizer, load_tokenizer(settings.draft_model, "draft_model"), settings.draft_model)
     draft = _load_runner_or_explain(
-        "draft_model", "torch", settings.draft_model, device=settings.device, dtype=DTYPES[settings.dtype]
+        "draft_model", "torch", settings.draft_model, device=settings.device, **_torch_precision_kwargs(settings)
     )
     if draft.spec.vocab_size != target_runner.spec.vocab_size:
         raise SettingsError(

@@ -10,10 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tritonlm.engine.precision import DTYPE_NAMES
 
 
 class SettingsError(ValueError):
@@ -62,7 +59,7 @@ class EngineSettings:
     runtime: str = "torch"  # "torch" | "onnx"
     onnx_model: Path | None = None
     device: str = "cpu"
-    dtype: str = "float32"  # torch runtime compute and KV dtype: float32 | bfloat16 | float16
+    dtype: str = "float32"  # torch runtime: float32 | bfloat16 | float16 | int8 | auto (engine.precision)
     max_context: int | None = None  # None: the model's own maximum
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float | None = None  # of free device memory, when kv_cache_bytes is not set
@@ -151,8 +148,8 @@ class EngineSettings:
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise SettingsError(f"device: {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
         dtype = params.get("dtype", "float32") or "float32"
-        if dtype not in DTYPES:
-            raise SettingsError(f"dtype: {dtype!r}; use one of {sorted(DTYPES)}")
+        if dtype not in DTYPE_NAMES:
+            raise SettingsError(f"dtype: {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
         speculative = params.get("speculative", "") or ("draft" if params.get("draft_model") else "off")
         if speculative not in ("off", "draft", "prompt_lookup"):
             raise SettingsError(f"speculative: {speculative!r}; use 'off', 'draft' or 'prompt_lookup'")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -69,15 +70,17 @@ class Handler:
         prefix = "" if (parsed.exclude_input_in_output or parsed.stream) else parsed.text
         want_logprobs = params.return_log_probs
 
+        link = ClientLink(request, sender)
+
         def on_event(event: GenerationEvent) -> None:
             nonlocal prefix
             if event.error is not None:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(event.error)), flags=FINAL)
+                link.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(event.error)), final=True)
                 return
             outputs = event_outputs(event, prefix, with_log_probs=want_logprobs)
             prefix = ""
             tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
-            sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if event.finished else 0)
+            link.send(pb_utils.InferenceResponse(output_tensors=tensors), final=event.finished)
 
         try:
             self.engine.submit(
@@ -87,7 +90,7 @@ class Handler:
                     on_event=on_event,
                     stream=parsed.stream,
                     num_draft_tokens=parsed.num_draft_tokens,
-                    is_cancelled=request.is_cancelled,
+                    is_cancelled=link.is_cancelled,
                 )
             )
         except InvalidRequestError as e:  # name the field as the request did (a sampling_parameters key)
@@ -96,3 +99,28 @@ class Handler:
     def finalize(self):
         self.metrics.unwatch()
         self.engine.shutdown()
+
+
+class ClientLink:
+    """One request's responses and cancellation flag, used from two threads (the event
+    dispatcher sends, the cancellation poller asks). Once the final response is sent,
+    Triton frees the request's response factory: is_cancelled() after that read freed
+    memory and crashed tritonserver 2.51 (SIGSEGV in
+    TRITONBACKEND_ResponseFactoryIsCancelled) under load. The lock makes "final sent"
+    and "ask" exclusive, and nothing is asked after the final response."""
+
+    def __init__(self, request, sender):
+        self._request, self._sender = request, sender
+        self._lock = threading.Lock()
+        self._done = False
+
+    def send(self, response, final: bool) -> None:
+        with self._lock:
+            if self._done:
+                return  # a response after the final one would be an error in Triton
+            self._sender.send(response, flags=FINAL if final else 0)
+            self._done = final
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return not self._done and self._request.is_cancelled()

@@ -299,7 +299,9 @@ def add_parser(subparsers) -> None:
         help="KV cache capacity planner: bytes per token, sequences that fit, max_sequence_length from traffic",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("model", help=f"a Hugging Face config.json (or its folder), or one of: {', '.join(BUILTIN)}")
+    p.add_argument("model", nargs="?", default=None,
+                   help=f"a Hugging Face config.json (or its folder), or one of: {', '.join(BUILTIN)} "
+                   "(optional with --rate: replicas only)")
     p.add_argument("--kv-dtype", default="fp16", choices=sorted(_TORCH_DTYPES), help="KV cache element type (default fp16)")
     p.add_argument("--weights-dtype", default=None, choices=sorted(DTYPE_BYTES), help="weights element type (default: the KV dtype, fp16 for 8-bit caches)")
     p.add_argument("--weights-bytes", default=None, help="weights size instead of parameters x dtype (e.g. 3.9GB)")
@@ -313,13 +315,49 @@ def add_parser(subparsers) -> None:
     p.add_argument("--percentile", type=float, default=99.0, help="percentile of prompt+output lengths to cover (default 99)")
     p.add_argument("--round-to", type=int, default=64, help="round max_sequence_length up to a multiple of this (default 64)")
     p.add_argument("--results", default=None, help="results folder (default results/plan)")
+    r = p.add_argument_group("replicas (tritonlm/perf/replicas.py)")
+    r.add_argument("--rate", type=float, default=None, help="target request rate, req/s: print the replicas needed")
+    r.add_argument("--p99-ms", type=float, default=None, help="p99 latency budget in milliseconds (with --rate)")
+    r.add_argument("--capacity", default=None,
+                   help="one replica's req/s within the budget: a number, or the sla.csv `tritonlm perf sla` wrote")
+    r.add_argument("--utilization", type=float, default=None,
+                   help="share of the measured capacity to plan each replica at (default 0.8: headroom for bursts)")
     p.set_defaults(func=main)
+
+
+def main_replicas(args: argparse.Namespace) -> None:
+    """--rate ...: replicas and the HPA target (raises CliError naming a bad flag)."""
+    from tritonlm.errors import CliError
+    from tritonlm.perf.replicas import DEFAULT_UTILIZATION, ReplicaPlanError, capacity_from, describe, plan_replicas
+
+    missing = [flag for flag, v in (("--p99-ms", args.p99_ms), ("--capacity", args.capacity)) if v is None]
+    if missing:
+        raise CliError(f"--rate needs {' and '.join(missing)} (one replica's capacity as `tritonlm perf sla` measures it)")
+    try:
+        if args.p99_ms <= 0:
+            raise ReplicaPlanError(f"--p99-ms must be a positive latency budget in milliseconds, not {args.p99_ms:g}")
+        capacity = capacity_from(args.capacity, args.p99_ms)
+        utilization = DEFAULT_UTILIZATION if args.utilization is None else args.utilization
+        print(describe(plan_replicas(args.rate, args.p99_ms, capacity, utilization)))
+    except ReplicaPlanError as e:
+        raise CliError(str(e)) from None
 
 
 def main(args: argparse.Namespace) -> int:
     from tritonlm.errors import CliError
     from tritonlm.perf import report
 
+    rate_only = [flag for flag, v in (("--p99-ms", args.p99_ms), ("--capacity", args.capacity),
+                                      ("--utilization", args.utilization)) if v is not None]
+    if args.rate is not None:
+        main_replicas(args)
+        if args.model is None:
+            return 0
+        print()
+    elif rate_only:
+        raise CliError(f"{', '.join(rate_only)} only count with --rate (the replica plan)")
+    elif args.model is None:
+        raise CliError("give a model (the KV cache plan) or --rate (the replica plan)")
     try:
         contexts = [int(c) for c in args.context.split(",") if c.strip()]
         device = None

@@ -27,6 +27,7 @@ def load_runner(
     onnx_path: str | Path | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    int8: bool = False,
 ) -> Runner:
     """Build a runner.
 
@@ -37,14 +38,17 @@ def load_runner(
     device           "cpu" or "cuda[:i]"
     dtype            torch: compute dtype (default: the model's); onnx: KV dtype (default: the
                      artifact's declared past dtype)
+    int8             torch only: int8 weights (CPU, float32 compute; see Transformer.quantize_int8)
     """
     if kind == "torch":
         from tritonlm.engine.runners.torch_runner import TorchRunner
 
         if isinstance(hf_dir_or_model, (str, Path)):
-            return TorchRunner.from_pretrained(hf_dir_or_model, device=device, dtype=dtype)
-        return TorchRunner(hf_dir_or_model, device=device, dtype=dtype)
+            return TorchRunner.from_pretrained(hf_dir_or_model, device=device, dtype=dtype, int8=int8)
+        return TorchRunner(hf_dir_or_model, device=device, dtype=dtype, int8=int8)
     if kind == "onnx":
+        if int8:
+            raise ValueError("int8 weights are a torch runtime option; for ONNX export the onnx-int8 artifact")
         from tritonlm.engine.runners.onnx_runner import OnnxRunner
 
         if onnx_path is None:

@@ -22,9 +22,14 @@ from tritonlm.engine.runners.transformer import Transformer
 class TorchRunner:
     """forward(batch, pool) -> float32 logits; see runners.base for the contract."""
 
-    def __init__(self, model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    def __init__(
+        self, model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, int8: bool = False
+    ):
+        """int8: weights of every projection and the LM head in int8 (CPU, float32 compute)."""
         self.device = torch.device(device)
         self.transformer = Transformer.from_hf(model, self.device, dtype)  # ValueError for other architectures
+        if int8:
+            self.transformer.quantize_int8()
         self.spec = self.transformer.spec
         self.dtype = self.spec.dtype
         self.config = model.config
@@ -32,7 +37,8 @@ class TorchRunner:
 
     @classmethod
     def from_pretrained(
-        cls, hf_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, **kwargs
+        cls, hf_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+        int8: bool = False, **kwargs
     ) -> "TorchRunner":
         from transformers import AutoModelForCausalLM
 
@@ -40,7 +46,7 @@ class TorchRunner:
             kwargs["dtype"] = dtype
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), **kwargs)
         model.eval()
-        return cls(model, device=device, dtype=dtype)
+        return cls(model, device=device, dtype=dtype, int8=int8)
 
     def allocate_kv(self, num_slots: int) -> KVPool:
         return KVPool.for_spec(self.spec, num_slots, self.device)

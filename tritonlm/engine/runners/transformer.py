@@ -28,6 +28,7 @@ C hidden, H query heads, Hkv key/value heads, D head_dim, V vocab, S pool slots.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,16 +42,57 @@ from tritonlm.engine.spec import ModelSpec
 # ---------------------------------------------------------------------------- weights
 
 
+# Dynamic int8 (fbgemm) quantizes activations to uint8 per call. Without VNNI its AVX2
+# kernel sums pairs of u8*s8 products in int16 and can saturate, so activations are then
+# limited to 7 bits (reduce_range), as torch.ao's dynamic Linear does; VNNI accumulates
+# in int32 and keeps all 8.
+_REDUCE_RANGE = not (hasattr(torch.cpu, "_is_vnni_supported") and torch.cpu._is_vnni_supported())
+
+
 @dataclass
 class Proj:
-    """y = x @ w + b with w stored [in, out] (GPT-2 Conv1D layout; nn.Linear weights are a .t() view)."""
+    """y = x @ w + b with w stored [in, out], contiguous (GPT-2's Conv1D layout; nn.Linear
+    weights are transposed once at load: x @ w.t() through a view ran at half the speed on
+    the CPU). int8: w is None and `packed` holds per-output-channel int8 weights prepacked
+    for PyTorch's dynamic quantized linear (fbgemm); b stays float and outside the pack
+    (row-parallel adds it after the all-reduce)."""
 
-    w: torch.Tensor  # [in, out]
+    w: torch.Tensor | None  # [in, out]
     b: torch.Tensor | None  # [out]
+    packed: object | None = None  # torch.ops.quantized LinearPackedParams (int8 [out, in] + scales)
+    packed_bytes: int = 0
+    pin: torch.Tensor | None = None  # [1, in] = (1, -1, 0, ...): see matmul
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], no bias
+        if self.packed is None:
+            return x @ self.w
+        # The kernel quantizes its whole input with one range (min..max of the tensor), so
+        # one row's outliers would coarsen every other row's, and a request's output would
+        # depend on what shares its batch. Each row is scaled to max |x| = 1 and a pinned
+        # row (1, -1, 0, ...) fixes the range to [-1, 1]: every token is quantized alone,
+        # the same in any batch. [M, in] -> [M + 1, in] -> [M, out]
+        flat = x.reshape(-1, x.shape[-1])
+        scale = flat.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)  # [M, 1]
+        y = torch.ops.quantized.linear_dynamic(torch.cat([flat / scale, self.pin]), self.packed, _REDUCE_RANGE)
+        return (y[:-1] * scale).view(*x.shape[:-1], y.shape[-1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        y = x @ self.w
+        y = self.matmul(x)
         return y if self.b is None else y + self.b
+
+    def quantized_int8(self) -> "Proj":
+        """This projection with int8 weights, one scale per output channel (symmetric:
+        scale = max |w| of the channel / 127). Float32 activations only."""
+        w = self.w.t().float().contiguous()  # [out, in]
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()  # [out]
+        zero = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensor creation warns of deprecation; the kernel needs it
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(q, None)
+        pin = torch.zeros(1, w.shape[1])
+        pin[0, 0], pin[0, 1] = 1.0, -1.0
+        return Proj(None, _copy(self.b), packed=packed, packed_bytes=w.numel() + 8 * w.shape[0], pin=pin)
 
 
 @dataclass
@@ -73,17 +115,12 @@ class Norm:
 class Layer:
     ln_attn: Norm
     ln_mlp: Norm
+    qkv: Proj  # fused [q | k | v]: [C, (H + 2 Hkv) D], column-parallel under TP
     o: Proj  # [H*D, C] row-parallel under TP
-    # GPT-2: fused qkv [C, (H + 2 Hkv) D]; Llama: separate q [C, H*D], k/v [C, Hkv*D]
-    qkv: Proj | None = None
-    q: Proj | None = None
-    k: Proj | None = None
-    v: Proj | None = None
-    # GPT-2: fc [C, F] -> act -> down [F, C]; Llama: down(act(gate(x)) * up(x)); down row-parallel under TP
+    down: Proj  # [F, C] row-parallel under TP
+    # GPT-2: fc [C, F] -> act; Llama: act(gate(x)) * up(x) with gate | up fused: [C, 2F]
     fc: Proj | None = None
-    gate: Proj | None = None
-    up: Proj | None = None
-    down: Proj | None = None
+    gate_up: Proj | None = None
     attn_scale: float = 1.0
 
 
@@ -122,17 +159,25 @@ def _take(t: torch.Tensor, dim: int, spans: list[tuple[int, int]]) -> torch.Tens
 
 def _cols(p: Proj, spans: list[tuple[int, int]]) -> Proj:
     """Column-parallel slice: output features in spans (bias sliced with them)."""
+    _check_float(p)
     return Proj(_take(p.w, 1, spans), None if p.b is None else _take(p.b, 0, spans))
 
 
 def _rows(p: Proj, spans: list[tuple[int, int]]) -> Proj:
     """Row-parallel slice: input features in spans; the whole bias, added once after the all-reduce."""
+    _check_float(p)
     return Proj(_take(p.w, 0, spans), _copy(p.b))
+
+
+def _check_float(p: Proj) -> None:
+    if p.packed is not None:
+        raise ValueError("int8 weights cannot be sliced: slice the float model, then quantize each share")
 
 
 def _clone(o):
     """Copy of a Proj / Norm / Layer (other fields as they are)."""
     if isinstance(o, Proj):
+        _check_float(o)
         return Proj(_copy(o.w), _copy(o.b))
     if isinstance(o, Norm):
         return Norm(_copy(o.w), _copy(o.b), o.eps, o.rms)
@@ -148,6 +193,9 @@ def tensor_bytes(*objs) -> int:
     def visit(o) -> None:
         if isinstance(o, torch.Tensor):
             seen.setdefault(o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
+        elif isinstance(o, Proj) and o.packed is not None:
+            seen[id(o.packed)] = o.packed_bytes
+            visit(o.b)
         elif isinstance(o, (list, tuple)):
             for x in o:
                 visit(x)
@@ -274,7 +322,7 @@ ONE_RANK = Comm()
 
 def row_parallel(p: Proj, x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """x @ w summed over ranks, then the bias once. World 1: exactly p(x)."""
-    y = x @ p.w  # [..., out], this rank's partial sum
+    y = p.matmul(x)  # [..., out], this rank's partial sum
     comm.allreduce(y)
     return y if p.b is None else y + p.b
 
@@ -342,8 +390,11 @@ class Transformer:
         def t(p: torch.Tensor | None) -> torch.Tensor | None:
             return None if p is None else p.detach().to(device, dtype)
 
-        def lin(m) -> Proj:  # nn.Linear: weight [out, in] -> [in, out] view
-            return Proj(t(m.weight).t(), t(m.bias))
+        def lin(*ms) -> Proj:  # nn.Linear weights [out, in], side by side -> [in, sum(out)], contiguous
+            w = torch.cat([t(m.weight) for m in ms], dim=0).t().contiguous()
+            if all(m.bias is None for m in ms):
+                return Proj(w, None)
+            return Proj(w, torch.cat([t(m.bias) if m.bias is not None else w.new_zeros(m.out_features) for m in ms]))
 
         def conv(m) -> Proj:  # GPT-2 Conv1D: weight already [in, out]
             return Proj(t(m.weight), t(m.bias))
@@ -374,8 +425,8 @@ class Transformer:
                 layers.append(Layer(
                     ln_attn=Norm(t(blk.input_layernorm.weight), None, eps, rms=True),
                     ln_mlp=Norm(t(blk.post_attention_layernorm.weight), None, eps, rms=True),
-                    q=lin(at.q_proj), k=lin(at.k_proj), v=lin(at.v_proj), o=lin(at.o_proj),
-                    gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj),
+                    qkv=lin(at.q_proj, at.k_proj, at.v_proj), o=lin(at.o_proj),  # one matmul for q, k and v
+                    gate_up=lin(mlp.gate_proj, mlp.up_proj), down=lin(mlp.down_proj),
                     attn_scale=spec.head_dim**-0.5,
                 ))
             wte, wpe = t(base.embed_tokens.weight), None
@@ -384,7 +435,8 @@ class Transformer:
             act, inv_freq, max_positions = activation(cfg.hidden_act), inv_freq.to(device), None
         return Transformer(
             spec=spec, layers=layers, wte=wte, wpe=wpe, ln_f=ln_f,
-            lm_head=lin(model.lm_head),  # tied or not: whatever tensor lm_head holds (a view of wte when tied)
+            # the LM head stays a view [C, V] of whatever lm_head holds (of wte when tied): no second copy
+            lm_head=Proj(t(model.lm_head.weight).t(), t(model.lm_head.bias)),
             act=act, inv_freq=inv_freq, rope_scaling=scaling, max_positions=max_positions,
             device=device, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
         )
@@ -392,26 +444,26 @@ class Transformer:
     # ---- shares of it -------------------------------------------------------------------
     def tensor_slice(self, rank: int, world: int) -> "Transformer":
         """Rank `rank` of `world`'s copy of its weights (see the module docstring)."""
+        if self.weights_int8:
+            _check_float(self.layers[0].qkv)
         s, d = self.spec, self.spec.head_dim
         h0, h1 = split_range(s.num_heads, world, rank)
         g0, g1 = split_range(s.num_kv_heads, world, rank)
         q_span, kv_span = (h0 * d, h1 * d), (g0 * d, g1 * d)
         layers = []
         for L in self.layers:
-            new = Layer(ln_attn=_clone(L.ln_attn), ln_mlp=_clone(L.ln_mlp), o=_rows(L.o, [q_span]), attn_scale=L.attn_scale)
-            if L.qkv is not None:  # fused [q | k | v] columns
-                k0, v0 = s.num_heads * d, (s.num_heads + s.num_kv_heads) * d
-                new.qkv = _cols(L.qkv, [q_span, (k0 + kv_span[0], k0 + kv_span[1]), (v0 + kv_span[0], v0 + kv_span[1])])
-            else:
-                new.q, new.k, new.v = _cols(L.q, [q_span]), _cols(L.k, [kv_span]), _cols(L.v, [kv_span])
-            inner = (L.fc if L.fc is not None else L.up).w.shape[1]
-            f_span = [split_range(inner, world, rank)]
-            if L.fc is not None:
-                new.fc = _cols(L.fc, f_span)
-            else:
-                new.gate, new.up = _cols(L.gate, f_span), _cols(L.up, f_span)
-            new.down = _rows(L.down, f_span)
-            layers.append(new)
+            k0, v0 = s.num_heads * d, (s.num_heads + s.num_kv_heads) * d  # fused [q | k | v] columns
+            inner = L.down.w.shape[0]
+            f_lo, f_hi = split_range(inner, world, rank)
+            layers.append(Layer(
+                ln_attn=_clone(L.ln_attn), ln_mlp=_clone(L.ln_mlp),
+                qkv=_cols(L.qkv, [q_span, (k0 + kv_span[0], k0 + kv_span[1]), (v0 + kv_span[0], v0 + kv_span[1])]),
+                o=_rows(L.o, [q_span]), down=_rows(L.down, [(f_lo, f_hi)]),
+                fc=None if L.fc is None else _cols(L.fc, [(f_lo, f_hi)]),
+                # fused [gate | up] columns: this rank's span of each
+                gate_up=None if L.gate_up is None else _cols(L.gate_up, [(f_lo, f_hi), (inner + f_lo, inner + f_hi)]),
+                attn_scale=L.attn_scale,
+            ))
         v0, v1 = split_range(self.wte.shape[0], world, rank)
         wte = _copy(self.wte[v0:v1])
         p0, wpe = 0, None
@@ -444,6 +496,25 @@ class Transformer:
             act=self.act, inv_freq=_copy(self.inv_freq), rope_scaling=self.rope_scaling,
             max_positions=self.max_positions, device=self.device, heads=self.heads, kv_heads=self.kv_heads,
         )
+
+    # ---- int8 -------------------------------------------------------------------------------
+    def quantize_int8(self) -> None:
+        """Every projection of the layers and the LM head to int8 weights, in place (a
+        tensor-parallel share quantizes its own slices). Embeddings, norms, biases and the
+        KV cache stay float32, the compute dtype."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise ValueError(f"int8 weights need float32 compute on the CPU, not {self.dtype} on {self.device}")
+        for layer in self.layers:
+            for name in ("qkv", "o", "down", "fc", "gate_up"):
+                proj = getattr(layer, name)
+                if proj is not None:
+                    setattr(layer, name, proj.quantized_int8())
+        if self.lm_head is not None:
+            self.lm_head = self.lm_head.quantized_int8()
+
+    @property
+    def weights_int8(self) -> bool:
+        return bool(self.layers) and self.layers[0].qkv.packed is not None
 
     # ---- memory -------------------------------------------------------------------------
     def allocate_kv(self, num_slots: int) -> KVPool:
@@ -486,10 +557,7 @@ class Transformer:
         """x [B, T, C] -> [B, T, heads*D], before the out-projection."""
         bsz, width, _ = x.shape
         d = self.spec.head_dim
-        if layer.qkv is not None:  # GPT-2 fused [q | k | v]
-            q, k, v = layer.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        else:
-            q, k, v = layer.q(x), layer.k(x), layer.v(x)
+        q, k, v = layer.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = q.view(bsz, width, self.heads, d)  # [B, T, H, D]
         k = k.view(bsz, width, self.kv_heads, d)  # [B, T, Hkv, D]
         v = v.view(bsz, width, self.kv_heads, d)
@@ -502,7 +570,8 @@ class Transformer:
         """x [B, T, C] -> [B, T, F], everything before the down projection."""
         if layer.fc is not None:
             return self.act(layer.fc(x))
-        return self.act(layer.gate(x)) * layer.up(x)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [B, T, F] each
+        return self.act(gate) * up
 
     def run_layers(self, plan: StepPlan, x: torch.Tensor, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor:
         """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP."""

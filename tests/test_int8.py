@@ -1,0 +1,163 @@
+"""int8 weights (`dtype: int8`) and `dtype: auto`: the torch runtime's precision settings.
+
+int8 is PyTorch's dynamic quantized linear (per-output-channel int8 weights, activations
+quantized per call). Checked against transformers' float32 greedy generate(): the int8
+runner's greedy choice after every reference prefix (teacher forcing) must agree on at
+least 98% of the generated tokens. Tiny seeded models here; SmolLM2's real weights
+under the `slow` mark (32 prompts x 128 tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.genrepo import add_generation_model, tiny
+from tritonlm.engine.loader import build_engine
+from tritonlm.engine.precision import native_bf16, resolve_precision
+from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.engine.settings import EngineSettings, SettingsError
+from tritonlm.perf.agreement import positional_agreement, reference_continuations, teacher_forced_agreement
+
+# prompts built here and used nowhere else (not the ones the quantization was tried on)
+TOPICS = ["a lighthouse keeper", "volcanoes", "the first computer", "a chess match", "winter in Norway",
+          "a broken clock", "honey bees", "the moon landing"]
+FORMS = ["Tell me about {}.", "Here is a poem about {}:", "Three questions on {}:", "{} -- a summary:"]
+PROMPTS = [f.format(t) for t in TOPICS for f in FORMS]  # 32
+
+
+def int8_runner(model) -> TorchRunner:
+    return TorchRunner(model, int8=True)
+
+
+def tiny_model(arch: str):
+    """(model, prompt ids): tiny-gpt2, or test_runners' tiny grouped-query Llama (ids folded into its vocabulary)."""
+    _, tok = tiny()
+    if arch == "gpt2":
+        model = tiny()[0]
+    else:
+        from tests.test_runners import VOCAB, tiny_llama
+
+        model = tiny_llama()
+    vocab = model.config.vocab_size
+    return model, [[t % vocab for t in tok(p).input_ids] for p in PROMPTS[:16]]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_int8_rows_are_batch_invariant_and_close_to_float32(arch):
+    """Both architectures (GPT-2's Conv1D layout; Llama's fused q|k|v and gate|up). Every
+    token's activations are quantized alone, so a row's logits are bitwise the same alone
+    and in a batch; they stay near float32's (a wrong layout or scale would be off by
+    100%); the projections and LM head really are int8; KV cache and logits float32."""
+    model, prompts = tiny_model(arch)
+    rows = prompts[:4]
+    fp32_runner, int8_runner_ = TorchRunner(model), int8_runner(model)
+    fp32 = logits_of(fp32_runner, rows)
+    int8 = logits_of(int8_runner_, rows)
+    for b, row in enumerate(rows):
+        alone = logits_of(int8_runner_, [row])[0]
+        assert torch.equal(alone, int8[b, :len(row)]), f"row {b} changed with its batch"
+    rel = ((int8 - fp32).abs().max() / fp32.abs().max()).item()
+    print(f"{arch}: int8 max logit error {rel:.4f} of the largest logit")
+    assert rel < 0.2
+    t = int8_runner_.transformer
+    assert t.weights_int8 and t.layers[0].qkv.w is None and t.lm_head.w is None
+    assert int8_runner_.spec.dtype == torch.float32 and int8.dtype == torch.float32
+    assert t.weight_bytes() < fp32_runner.transformer.weight_bytes()
+
+
+def logits_of(runner, rows: list[list[int]]) -> torch.Tensor:
+    """Every position's logits [B, T, V] of rows read in one pass."""
+    from tritonlm.engine.batch import StepBatch
+    from tritonlm.engine.kv_cache import KVCacheManager
+
+    cache = KVCacheManager(runner.spec, 64 * 16 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv)
+    for b, r in enumerate(rows):
+        cache.allocate(b, len(r))
+    batch = StepBatch.build(rows, [0] * len(rows), [cache.slots(b, len(r)) for b, r in enumerate(rows)], all_logits=True)
+    return runner.forward(batch, cache.pool)
+
+
+def test_int8_greedy_agrees_with_float32_transformers_on_the_tiny_model():
+    """tiny-gpt2 (the serving tests' model). Random tiny weights give small logit margins,
+    so int8 flips more near-ties than on trained weights: 0.97 here (0.975 measured);
+    the 0.98 criterion is asserted on SmolLM2's real weights below."""
+    model, prompts = tiny_model("gpt2")
+    reference = reference_continuations(model, prompts, 32)
+    fp32 = teacher_forced_agreement(TorchRunner(model), prompts, reference)
+    int8 = teacher_forced_agreement(int8_runner(model), prompts, reference)
+    print(f"tiny-gpt2: teacher-forced greedy agreement fp32 {fp32.fraction:.4f}, int8 {int8.fraction:.4f} "
+          f"({int8.agreed}/{int8.total})")
+    assert fp32.fraction == 1.0  # the reference is reproduced exactly in float32
+    assert int8.fraction >= 0.97
+
+
+def test_int8_engine_generates_through_the_settings(tmp_path):
+    """`dtype: int8` in config.pbtxt: the engine loads int8 weights; with continuous batching
+    and its KV cache it produces exactly the greedy text of the int8 weights recomputing each
+    sequence alone, and frees its cache."""
+    from tests.test_engine import Collector, drain
+
+    folder = add_generation_model(tmp_path, "tiny8", dtype="int8")
+    engine = build_engine(EngineSettings.from_params({"task": "generate", "max_context": "256", "dtype": "int8"}, folder))
+    assert engine.runner.transformer.weights_int8
+    model, tok = tiny()
+    prompts = PROMPTS[16:24]
+    col = Collector()
+    rids = [col.request(engine, p, max_tokens=16, end_id=-1) for p in prompts]
+    drain(engine)
+    alone = int8_runner(model)
+    for p, rid in zip(prompts, rids):
+        seq = tok(p).input_ids
+        for _ in range(16):  # no cache, batch of one: the whole sequence every step
+            seq.append(int(logits_of(alone, [seq])[0, -1].argmax()))
+        assert col.ids(rid) == seq[-16:], p
+    reference = reference_continuations(model, [tok(p).input_ids for p in prompts], 16)
+    free = positional_agreement([col.ids(r) for r in rids], reference)
+    print(f"int8 engine, free-running: {free.agreed}/{free.total} tokens equal float32 transformers")
+    assert engine.cache.used_bytes == 0 and engine.cache.live_sequences() == 0
+
+
+def test_int8_refuses_what_it_cannot_serve(tmp_path):
+    folder = add_generation_model(tmp_path, "tiny8", dtype="int8")
+    cuda = EngineSettings.from_params({"task": "generate", "dtype": "int8", "device": "cuda"}, folder)
+    with pytest.raises(SettingsError, match=r"^dtype: int8 weights run on the CPU only"):
+        build_engine(cuda)
+    with pytest.raises(SettingsError, match=r"^dtype: int8 needs runtime 'torch'"):
+        EngineSettings.from_params({"dtype": "int8", "runtime": "onnx", "onnx_model": "1/hf/config.json"}, folder)
+    with pytest.raises(SettingsError, match=r"^dtype: int8 needs runtime 'torch' without model parallelism"):
+        EngineSettings.from_params({"dtype": "int8", "tensor_parallel_size": "2"}, folder)
+    with pytest.raises(SettingsError, match=r"^dtype: 'int4'; use one of float32, bfloat16, float16, int8, auto"):
+        EngineSettings.from_params({"dtype": "int4"}, folder)
+    with pytest.raises(ValueError, match="int8 weights need float32 compute on the CPU"):
+        TorchRunner(tiny()[0], dtype=torch.bfloat16, int8=True)
+    model = TorchRunner(tiny()[0], int8=True).transformer
+    with pytest.raises(ValueError, match="int8 weights cannot be sliced"):
+        model.tensor_slice(0, 2)
+
+
+def test_auto_picks_bf16_only_where_the_device_multiplies_it_natively(tmp_path):
+    native, found = native_bf16("cpu")
+    flags = open("/proc/cpuinfo").read().split() if __import__("os").path.exists("/proc/cpuinfo") else []
+    assert native == ("avx512_bf16" in flags or "amx_bf16" in flags), found  # the probe matches the CPU's flags
+    p = resolve_precision("auto", "cpu")
+    assert (p.name, p.compute) == (("bfloat16", torch.bfloat16) if native else ("float32", torch.float32))
+    assert p.reason.startswith("auto: ") and found in p.reason
+    folder = add_generation_model(tmp_path, "tinyauto", dtype="auto")
+    engine = build_engine(EngineSettings.from_params({"task": "generate", "max_context": "256", "dtype": "auto"}, folder))
+    assert engine.runner.spec.dtype == p.compute
+    # the default stays float32: greedy parity with transformers float32
+    assert EngineSettings.from_params({"task": "generate"}, folder).dtype == "float32"
+    assert resolve_precision("float32", "cpu").compute == torch.float32
+
+
+@pytest.mark.slow
+def test_smollm2_int8_agrees_with_float32_on_98_percent_of_tokens():
+    from tritonlm.models.loading import load_model
+
+    model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
+    prompts = [tok(p).input_ids for p in PROMPTS]  # 32 prompts
+    reference = reference_continuations(model, prompts, 128)
+    int8 = teacher_forced_agreement(int8_runner(model), prompts, reference)
+    print(f"SmolLM2-135M int8: {int8.agreed}/{int8.total} = {int8.fraction:.4f} of 32 x 128 greedy tokens agree")
+    assert int8.total == 32 * 128
+    assert int8.fraction >= 0.98

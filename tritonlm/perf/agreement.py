@@ -1,0 +1,77 @@
+"""How often a runner's greedy choice equals transformers' float32 greedy choice.
+
+Reference: transformers' own `generate()` (greedy, float32, the independent reference)
+continues each prompt by `max_tokens`. The runner under test then reads each reference
+sequence in one pass (teacher forcing) and predicts every continuation token; agreement
+is the fraction of those predictions equal to the reference token. Teacher forcing
+counts each disagreement once, where free-running text would differ from the first one
+on; that fraction is reported too (tokens equal at the same position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.kv_cache import KVCacheManager
+
+
+@dataclass(frozen=True)
+class Agreement:
+    agreed: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        return self.agreed / self.total if self.total else 1.0
+
+
+def reference_continuations(model, prompt_ids: list[list[int]], max_tokens: int, batch: int = 32) -> list[list[int]]:
+    """transformers' float32 greedy continuation of each prompt, exactly max_tokens long.
+    Prompts go `batch` at a time, left-padded with an attention mask (positions follow the
+    mask, as transformers generates for a padded batch)."""
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(prompt_ids), batch):
+            group = prompt_ids[i:i + batch]
+            width = max(len(ids) for ids in group)
+            input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids in group])
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in group])
+            seq = model.generate(
+                input_ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                do_sample=False, pad_token_id=0, eos_token_id=None,
+            )
+            out.extend(seq[:, width:].tolist())
+    return out
+
+
+def teacher_forced_agreement(
+    runner, prompt_ids: list[list[int]], continuations: list[list[int]], batch: int = 8
+) -> Agreement:
+    """The runner's argmax after every reference prefix, against the reference's next token
+    (`batch` sequences per forward pass)."""
+    agreed = total = 0
+    block = 16
+    for i in range(0, len(prompt_ids), batch):
+        rows = [ids + cont for ids, cont in zip(prompt_ids[i:i + batch], continuations[i:i + batch])]
+        blocks = sum(len(r) // block + 2 for r in rows) + 1
+        cache = KVCacheManager(runner.spec, blocks * block * runner.spec.bytes_per_token, block,
+                               allocate_kv=runner.allocate_kv)
+        for b, row in enumerate(rows):
+            cache.allocate(b, len(row))
+        step = StepBatch.build([r[:-1] for r in rows], [0] * len(rows),
+                               [cache.slots(b, len(r) - 1) for b, r in enumerate(rows)], all_logits=True)
+        logits = runner.forward(step, cache.pool)  # [B, T, V]
+        for b, (ids, cont) in enumerate(zip(prompt_ids[i:i + batch], continuations[i:i + batch])):
+            predicted = logits[b, len(ids) - 1:len(ids) - 1 + len(cont)].argmax(-1).tolist()  # the token after each prefix
+            agreed += sum(p == c for p, c in zip(predicted, cont))
+            total += len(cont)
+    return Agreement(agreed, total)
+
+
+def positional_agreement(generated: list[list[int]], continuations: list[list[int]]) -> Agreement:
+    """Free-running outputs against the reference, position by position."""
+    agreed = sum(a == b for g, c in zip(generated, continuations) for a, b in zip(g, c))
+    return Agreement(agreed, sum(len(c) for c in continuations))
