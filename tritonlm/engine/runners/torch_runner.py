@@ -28,12 +28,13 @@ class TorchRunner:
         """int8: weights of every projection and the LM head in int8 (CPU, float32 compute)."""
         self.device = torch.device(device)
         self.transformer = Transformer.from_hf(model, self.device, dtype)  # ValueError for other architectures
-        if int8:
-            self.transformer.quantize_int8()
         self.spec = self.transformer.spec
         self.dtype = self.spec.dtype
         self.config = model.config
         self.max_positions = self.transformer.max_positions  # GPT-2: a hard limit; RoPE: none (None)
+        if int8:
+            self._calibrate()
+            self.transformer.quantize_int8()
 
     @classmethod
     def from_pretrained(
@@ -47,6 +48,22 @@ class TorchRunner:
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), **kwargs)
         model.eval()
         return cls(model, device=device, dtype=dtype, int8=int8)
+
+    def _calibrate(self, rows: int = 8, length: int = 64, seed: int = 0) -> None:
+        """One float pass over seeded random tokens, recording each projection's input range
+        per channel for SmoothQuant (Transformer.quantize_int8). LLMs' outlier channels are
+        properties of the weights, present whatever the text, so no dataset is needed."""
+        from tritonlm.engine.kv_cache import KVCacheManager
+
+        ids = torch.randint(0, self.spec.vocab_size, (rows, length), generator=torch.Generator().manual_seed(seed))
+        length = min(length, self.max_positions or length)
+        cache = KVCacheManager(self.spec, (rows * (length // 16 + 2) + 1) * 16 * self.spec.bytes_per_token, 16,
+                               allocate_kv=self.allocate_kv)
+        for b in range(rows):
+            cache.allocate(b, length)
+        self.transformer.observe_activations(True)
+        self.forward(StepBatch.build(ids[:, :length].tolist(), [0] * rows, [cache.slots(b, length) for b in range(rows)]),
+                     cache.pool)
 
     def allocate_kv(self, num_slots: int) -> KVPool:
         return KVPool.for_spec(self.spec, num_slots, self.device)

@@ -62,10 +62,16 @@ class Proj:
     packed: object | None = None  # torch.ops.quantized LinearPackedParams (int8 [out, in] + scales)
     packed_bytes: int = 0
     pin: torch.Tensor | None = None  # [1, in] = (1, -1, 0, ...): see matmul
+    smooth: torch.Tensor | None = None  # [in] int8: 1/s of SmoothQuant's per-input-channel migration
+    observed: torch.Tensor | None = None  # [in] calibration: max |x| seen per input channel
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], no bias
         if self.packed is None:
+            if self.observed is not None:
+                torch.maximum(self.observed, x.detach().abs().reshape(-1, x.shape[-1]).amax(0), out=self.observed)
             return x @ self.w
+        if self.smooth is not None:
+            x = x * self.smooth
         # The kernel quantizes its whole input with one range (min..max of the tensor), so
         # one row's outliers would coarsen every other row's, and a request's output would
         # depend on what shares its batch. Each row is scaled to max |x| = 1 and a pinned
@@ -80,10 +86,22 @@ class Proj:
         y = self.matmul(x)
         return y if self.b is None else y + self.b
 
-    def quantized_int8(self) -> "Proj":
+    def quantized_int8(self, alpha: float = 0.5) -> "Proj":
         """This projection with int8 weights, one scale per output channel (symmetric:
-        scale = max |w| of the channel / 127). Float32 activations only."""
-        w = self.w.t().float().contiguous()  # [out, in]
+        scale = max |w| of the channel / 127). Float32 activations only.
+
+        With calibration (`observed`), SmoothQuant first: LLMs' activations have a few
+        input channels hundreds of times larger than the rest, which per-token int8 would
+        flatten to zero; dividing channel c by s_c = max|x_c|^alpha / max|w_c|^(1-alpha)
+        and multiplying the weight's row c by it leaves x @ w unchanged and moves the
+        outliers' range into the weights, which are quantized per output channel."""
+        w = self.w.float()  # [in, out]
+        smooth = None
+        if self.observed is not None:
+            s = self.observed.clamp(min=1e-5).pow(alpha) / w.abs().amax(dim=1).clamp(min=1e-5).pow(1 - alpha)  # [in]
+            s = s.clamp(min=1e-5)
+            w, smooth = w * s.unsqueeze(1), 1.0 / s
+        w = w.t().contiguous()  # [out, in]
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()  # [out]
         zero = torch.zeros(w.shape[0], dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensor creation warns of deprecation; the kernel needs it
@@ -92,7 +110,7 @@ class Proj:
             packed = torch.ops.quantized.linear_prepack(q, None)
         pin = torch.zeros(1, w.shape[1])
         pin[0, 0], pin[0, 1] = 1.0, -1.0
-        return Proj(None, _copy(self.b), packed=packed, packed_bytes=w.numel() + 8 * w.shape[0], pin=pin)
+        return Proj(None, _copy(self.b), packed=packed, packed_bytes=w.numel() + 8 * w.shape[0], pin=pin, smooth=smooth)
 
 
 @dataclass
@@ -498,19 +516,31 @@ class Transformer:
         )
 
     # ---- int8 -------------------------------------------------------------------------------
-    def quantize_int8(self) -> None:
+    def quantize_int8(self, alpha: float = 0.5) -> None:
         """Every projection of the layers and the LM head to int8 weights, in place (a
         tensor-parallel share quantizes its own slices). Embeddings, norms, biases and the
-        KV cache stay float32, the compute dtype."""
+        KV cache stay float32, the compute dtype. Projections whose inputs were observed
+        (observe_activations, then a forward pass) are smoothed first (Proj.quantized_int8)."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError(f"int8 weights need float32 compute on the CPU, not {self.dtype} on {self.device}")
         for layer in self.layers:
             for name in ("qkv", "o", "down", "fc", "gate_up"):
                 proj = getattr(layer, name)
                 if proj is not None:
-                    setattr(layer, name, proj.quantized_int8())
+                    setattr(layer, name, proj.quantized_int8(alpha))
         if self.lm_head is not None:
-            self.lm_head = self.lm_head.quantized_int8()
+            head, self.lm_head = self.lm_head, self.lm_head.quantized_int8(alpha)
+            head.observed = None  # a tied head is a view of wte: nothing of it may stay in observe mode
+
+    def projections(self) -> list[Proj]:
+        """Every projection that int8 quantizes: the layers' and the LM head."""
+        out = [getattr(L, n) for L in self.layers for n in ("qkv", "o", "down", "fc", "gate_up") if getattr(L, n) is not None]
+        return out + ([self.lm_head] if self.lm_head is not None else [])
+
+    def observe_activations(self, on: bool) -> None:
+        """Start (zeroed) or stop recording each projection's max |input| per channel."""
+        for p in self.projections():
+            p.observed = torch.zeros(p.w.shape[0], device=self.device) if on else None
 
     @property
     def weights_int8(self) -> bool:
