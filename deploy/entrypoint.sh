@@ -42,12 +42,19 @@ case "$MODE" in
   *) exec "$@" ;;  # anything else: run it (a shell, tritonlm ...)
 esac
 
+# The drain deadline reaches the backend through a file (tritonlm/glue/drain.py): at the
+# deadline, what still runs ends with finish_reason "cancelled" and its final response.
+# Triton's own exit timeout comes GRACE seconds later, the kill 3 s after that.
+GRACE=5
+export TRITONLM_DRAIN_FILE
+TRITONLM_DRAIN_FILE=$(mktemp -d /tmp/tritonlm-drain-XXXXXX)/deadline
+
 # Model control none: the repository loads at start and the load/unload API is off (the pod
 # listens on every interface). --exit-timeout-secs: Triton's own drain on SIGTERM.
 tritonserver --model-repository="$REPO" --model-control-mode=none \
   --http-address="$HOST" --grpc-address="$HOST" --metrics-address="$HOST" \
   --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT" --allow-cpu-metrics=true \
-  --exit-timeout-secs="$DRAIN" &
+  --exit-timeout-secs="$((DRAIN + GRACE))" &
 TRITON=$!
 FRONTEND=""
 if [ "$OPENAI_PORT" != 0 ]; then
@@ -59,11 +66,13 @@ STOPPING=0
 drain() {
   STOPPING=1
   echo "SIGTERM: draining (readiness off, new requests refused, in-flight requests get up to ${DRAIN} s)"
+  # written beside, then renamed: the backend never reads half a number
+  echo "$(( $(date +%s) + DRAIN ))" >"$TRITONLM_DRAIN_FILE.tmp" && mv "$TRITONLM_DRAIN_FILE.tmp" "$TRITONLM_DRAIN_FILE"
   kill -TERM "$TRITON" 2>/dev/null || true
   # Triton aborts on its own exit timeout and can hang there: kill it shortly after the deadline
   (
     trap 'kill "$SLEEP" 2>/dev/null; exit 0' TERM  # cancelled: tritonserver exited in time
-    sleep $((DRAIN + 3)) & SLEEP=$!
+    sleep $((DRAIN + GRACE + 3)) & SLEEP=$!
     wait "$SLEEP"
     kill -KILL "$TRITON" 2>/dev/null || true
   ) &
@@ -79,6 +88,7 @@ while kill -0 "$TRITON" 2>/dev/null; do
 done
 if [ -n "$TIMER" ]; then kill "$TIMER" 2>/dev/null || true; fi
 if [ -n "$FRONTEND" ]; then kill -TERM "$FRONTEND" 2>/dev/null || true; wait "$FRONTEND" 2>/dev/null || true; fi
+rm -rf "$(dirname "$TRITONLM_DRAIN_FILE")"
 if [ "$STOPPING" = 1 ]; then
   echo "tritonserver stopped (code $CODE)"
   exit 0
