@@ -39,7 +39,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
-from tritonlm.export.repository import write_generate_config  # noqa: E402
+from tritonlm.export.repository import write_generation_model  # noqa: E402
 from tritonlm.perf.serverstats import engine_gauges  # noqa: E402
 from tritonlm.server import TritonServer, free_ports  # noqa: E402
 
@@ -90,14 +90,7 @@ def write_repo(repo: Path, max_num_seqs: int, max_queue_size: int) -> None:
     from tritonlm.models.builtin import build_tiny
 
     model, tok = build_tiny("tiny-gpt2")
-    hf = repo / MODEL / "1" / "hf"
-    hf.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(hf)
-    tok.save_pretrained(hf)
-    write_generate_config(
-        repo / MODEL, MODEL, max_context=model.config.n_positions,
-        extra_parameters={"max_num_seqs": str(max_num_seqs), "max_queue_size": str(max_queue_size)},
-    )
+    write_generation_model(repo, MODEL, model, tok, max_num_seqs=max_num_seqs, max_queue_size=max_queue_size)
 
 
 def gauges(server: TritonServer) -> dict[str, float]:

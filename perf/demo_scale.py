@@ -125,15 +125,10 @@ def nginx_binary() -> str:
 
 def build_repo(repo: Path) -> None:
     """repo/tiny: the seeded tiny-gpt2, served by the tritonlm backend."""
-    from tritonlm.export.repository import write_generate_config
+    from tritonlm.export.repository import write_generation_model
     from tritonlm.models.builtin import build_tiny
 
-    model, tok = build_tiny("tiny-gpt2")
-    hf = repo / MODEL / "1" / "hf"
-    hf.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(hf)
-    tok.save_pretrained(hf)
-    write_generate_config(repo / MODEL, MODEL, max_context=model.config.n_positions)
+    write_generation_model(repo, MODEL, *build_tiny("tiny-gpt2"))
 
 
 def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, str]:

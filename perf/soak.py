@@ -44,7 +44,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
-from tritonlm.export.repository import write_generate_config  # noqa: E402
+from tritonlm.export.repository import write_generation_model  # noqa: E402
 from tritonlm.perf.machine import describe_cpu  # noqa: E402
 from tritonlm.perf.serverstats import engine_gauges, process_tree_rss  # noqa: E402
 from tritonlm.server import TritonServer, free_ports  # noqa: E402
@@ -63,11 +63,7 @@ def write_repo(repo: Path):
     from tritonlm.models.builtin import build_tiny
 
     model, tok = build_tiny("tiny-gpt2")
-    hf = repo / MODEL / "1" / "hf"
-    hf.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(hf)
-    tok.save_pretrained(hf)
-    write_generate_config(repo / MODEL, MODEL, max_context=model.config.n_positions)
+    write_generation_model(repo, MODEL, model, tok)
     return tok
 
 

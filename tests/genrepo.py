@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from tritonlm.export.repository import write_generate_config
+from tritonlm.export.repository import write_generation_model
 from tritonlm.models.builtin import build_tiny
 
 
@@ -18,17 +18,7 @@ def tiny(name: str = "tiny-gpt2"):
 def add_generation_model(repo: Path, name: str, builtin: str = "tiny-gpt2", **parameters) -> Path:
     """repo/name/{config.pbtxt, 1/hf/} for a built-in tiny model; parameters go to config.pbtxt."""
     model, tok = tiny(builtin)
-    hf = repo / name / "1" / "hf"
-    hf.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(hf)
-    tok.save_pretrained(hf)
-    write_generate_config(
-        repo / name,
-        name,
-        max_context=model.config.n_positions,
-        extra_parameters={k: str(v) for k, v in parameters.items()},
-    )
-    return repo / name
+    return write_generation_model(repo, name, model, tok, **parameters)
 
 
 def hf_greedy(prompt: str, max_tokens: int, builtin: str = "tiny-gpt2", **kwargs) -> list[int]:

@@ -86,10 +86,10 @@ def test_artifact_matches_transformers_on_fresh_inputs(exported, model, fmt):
     elif fmt == "onnx-fp16":
         assert report.max_rel_diff < 5e-2
     else:
-        # the export-time int8 tolerance accepts any logit scale; here the scale is bounded:
-        # measured 0.019-0.020 relative, top-1 0.96-1.0 over 73 positions (tiny-gpt2, 4 seeds)
+        # tighter than the export-time int8 tolerance (which must also hold SmolLM2):
+        # blockwise int8 weights on tiny-gpt2 measured MEASURED_TINY
         assert report.max_rel_diff < 0.05, report.summary()
-        assert report.top1_agreement_tie_aware >= 0.9, report.summary()
+        assert report.top1_agreement_tie_aware >= 0.95, report.summary()
         assert report.nonfinite == 0
 
 
@@ -154,7 +154,7 @@ def test_verifier_rejects_an_artifact_that_ignores_the_mask(exported, model):
 def test_int8_quantizes_a_tied_lm_head(tmp_path):
     """With tied embeddings the dynamo graph computes the LM head as MatMul(h, Transpose(wte));
     unless that Transpose is folded into a stored weight, the quantizer leaves the largest
-    matrix float32 and int8 gives no speed-up."""
+    matrix float32 and int8 gives no size or speed gain."""
     import onnx
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -167,14 +167,20 @@ def test_int8_quantizes_a_tied_lm_head(tmp_path):
     src = export_decoder_onnx(tied, tmp_path / "fp32.onnx")
     dst = quantize_int8(src, tmp_path / "int8.onnx")
     graph = onnx.load(str(dst)).graph
-    inits = {t.name for t in graph.initializer}
+    inits = {t.name: t for t in graph.initializer}
     ops = [n.op_type for n in graph.node]
-    assert ops.count("MatMulInteger") == 4 * cfg.n_layer + 1  # qkv, attn out, mlp in/out, LM head
+    assert ops.count("MatMulNBits") == 4 * cfg.n_layer + 1  # qkv, attn out, mlp in/out, LM head
     assert not [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and any(i in inits for i in n.input)]
     assert not [n.name for n in graph.node if n.op_type == "Transpose" and n.input[0] in inits]
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: a.i for a in node.attribute}
+            assert attrs["bits"] == 8 and attrs["block_size"] == 32
+            assert inits[node.input[1]].data_type == onnx.TensorProto.UINT8  # stored as bytes, not floats
     report = verify_decoder(onnx_decoder_fn(dst), tied, "onnx-int8", seed=4)
     assert report.nonfinite == 0
-    assert report.max_rel_diff < 0.1, report.summary()  # a wrong scale on the quantized LM head shows here
+    assert report.max_rel_diff < 0.05, report.summary()  # a wrong scale on the quantized LM head shows here
+    assert report.failure() is None, report.summary()
 
 
 # ---- model repository -------------------------------------------------------------------------

@@ -45,8 +45,8 @@ def triton_repo(exported):
 
 def test_export_verifies_and_keeps_the_real_weights(exported, smollm2):
     repo, result = exported
-    (a,) = result.artifacts
-    assert a.top1_agreement == 1.0
+    (fp32,) = result.artifacts
+    assert fp32.fmt == "onnx" and fp32.top1_agreement == 1.0
     assert sorted(p.name for p in repo.iterdir()) == [NAME, f"{NAME}_onnx"]
     from transformers import AutoModelForCausalLM
 
@@ -79,3 +79,19 @@ def test_greedy_equals_transformers_generate(triton_server, smollm2):
         assert result.text == expected, prompt
         assert result.num_output_tokens == len(ref_ids)
     assert "Paris" in generate_grpc(triton_server.grpc_url, NAME, PROMPTS[0], max_tokens=8, exclude_input_in_output=True).text
+
+
+def test_onnx_int8_export_passes_its_check(tmp_path, smollm2):
+    """onnx-int8 for a Llama-family model: blockwise int8 weights (per-tensor dynamic int8
+    measured 0.42 top-1 here and was refused); the export itself refuses < 0.95. Its own
+    export, so a failure here does not take the other real-weight tests with it."""
+    from tritonlm.export.pipeline import ExportOptions, export
+
+    model, _ = smollm2
+    spec = ModelSpec.from_hf_config(model.config)
+    result = export(ExportOptions(model="smollm2-135m", repo=tmp_path, formats=["onnx-int8"], max_context=256,
+                                  kv_cache_bytes=6 * 272 * spec.bytes_per_token), out=print)
+    (int8,) = result.artifacts
+    assert int8.fmt == "onnx-int8" and int8.top1_agreement >= 0.95
+    fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert int8.size_bytes < 0.65 * fp32_bytes

@@ -230,3 +230,18 @@ def write_generate_config(model_dir: Path, name: str | None = None, **kwargs) ->
     generate_config_text (max_context is required). Returns the path written."""
     model_dir = Path(model_dir)
     return write_config(model_dir, generate_config_text(name or model_dir.name, **kwargs))
+
+
+def write_generation_model(repo: Path, name: str, model, tokenizer, max_context: int | None = None,
+                           **parameters) -> Path:
+    """repo/name/{config.pbtxt, 1/hf/} for a loaded model and tokenizer (tests, benchmarks,
+    demos); parameters go to config.pbtxt as strings. max_context defaults to the model's."""
+    hf = Path(repo) / name / "1" / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    if max_context is None:
+        max_context = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    write_generate_config(Path(repo) / name, name, max_context=max_context,
+                          extra_parameters={k: str(v) for k, v in parameters.items()})
+    return Path(repo) / name

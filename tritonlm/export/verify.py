@@ -41,9 +41,12 @@ TOLERANCES = {
     "onnx": Tolerance(max_rel_diff=1e-4, min_top1=1.0),
     "torchscript": Tolerance(max_rel_diff=1e-4, min_top1=1.0),
     "onnx-fp16": Tolerance(max_rel_diff=5e-2, min_top1=0.95),
-    # int8: a bounded logit scale (tiny models measure 0.02; a wrong quantization scale gives
-    # errors of the order of the logits themselves), top-1 checked with a tight tie margin
-    "onnx-int8": Tolerance(max_rel_diff=0.25, min_top1=0.85),
+    # int8 (blockwise weights, see onnx_export.quantize_int8): a bounded logit scale (SmolLM2
+    # measures 0.06, tiny models less; a wrong quantization scale gives errors of the order of
+    # the logits themselves, SmolLM2 with per-tensor int8 0.5-1.0) and top-1 as fp16's, with a
+    # tight tie margin. One threshold for every family: per-tensor int8 passed GPT-2 at 0.85
+    # and failed Llama, so a per-family threshold would have hidden the real defect.
+    "onnx-int8": Tolerance(max_rel_diff=0.15, min_top1=0.95),
 }
 
 
