@@ -79,6 +79,30 @@ def test_batch_of_mixed_prompts_equals_hf_generate_token_for_token():
     assert engine.cache.used_bytes == 0 and engine.cache.live_sequences() == 0
 
 
+def test_simultaneous_prompts_prefill_together_and_equal_hf_generate():
+    """Prompts arriving together share prefill passes (chunks of similar width): fewer
+    passes than prompts, every text still transformers' own."""
+    from tritonlm.engine.executor import group_by_width
+
+    engine = make_engine(max_num_batched_tokens=512)
+    passes = []
+    real_forward = engine.runner.forward
+    engine.runner.forward = lambda batch, pool: passes.append(len(batch.num_new)) or real_forward(batch, pool)
+    prompts = [f"Story number {i}: once upon a time" for i in range(12)] + PROMPTS
+    col = Collector()
+    rids = [col.request(engine, p, max_tokens=6) for p in prompts]
+    engine.step()  # admission and the prefill passes
+    assert len(passes) < len(prompts) and max(passes) > 1, passes
+    drain(engine)
+    for p, rid in zip(prompts, rids):
+        assert col.ids(rid) == hf_greedy(p, 6), p
+    widths = lambda *ns: [[len(t) for _, t in g] for g in group_by_width([(i, [0] * n) for i, n in enumerate(ns)])]
+    assert widths(23, 23, 23) == [[23, 23, 23]]
+    assert widths(100, 1) == [[1], [100]]  # one short prompt is not padded to a long one
+    assert widths(6, 8, 10, 12, 40, 41, 55) == [[6, 8, 10], [12], [40, 41, 55]]
+    assert widths() == []
+
+
 def test_same_text_alone_in_a_batch_of_16_and_when_joining_a_running_batch():
     prompt = "Once upon a time"
     alone = Collector()

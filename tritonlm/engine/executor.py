@@ -6,9 +6,10 @@ Kinds of rows in one step:
     decode        1 pending token -> logits of the last position
     prefill       a chunk of the prompt; a token only after the prompt's last chunk
     speculating   1 pending token + K guesses -> logits of all K+1 positions, verified
-Speculating rows and decodes share one pass (all logits when anyone speculates); each
-prefill chunk runs in a pass of its own, so no decoding row is padded to a chunk's width
-and no prompt-long logits are ever made.
+Speculating rows and decodes share one pass (all logits when anyone speculates). Prefill
+chunks run in passes of their own, so no decoding row is padded to a chunk's width and no
+prompt-long logits are ever made; chunks of similar width share a pass
+(`group_by_width`): 32 prompts arriving together take a few passes, not 32.
 """
 
 from __future__ import annotations
@@ -55,6 +56,27 @@ class StepOutput:
     seconds: float
 
 
+PREFILL_PADDING = 0.25  # padded positions a shared prefill pass may add, as a share of the useful ones
+
+
+def group_by_width(chunks: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
+    """Prefill chunks packed into passes: shortest first, a chunk joins the current pass
+    while the padded batch (rows x widest chunk) stays within PREFILL_PADDING of the
+    tokens it really holds. One pass per chunk wastes the per-pass cost (every layer's
+    weights read again); one pass for all pads short prompts to the longest."""
+    groups: list[list[tuple[Sequence, list[int]]]] = []
+    useful = 0
+    for chunk in sorted(chunks, key=lambda c: len(c[1])):
+        width = len(chunk[1])  # the widest so far: sorted ascending
+        if groups and (len(groups[-1]) + 1) * width <= (useful + width) * (1 + PREFILL_PADDING):
+            groups[-1].append(chunk)
+            useful += width
+        else:
+            groups.append([chunk])
+            useful = width
+    return groups
+
+
 class ModelExecutor:
     def __init__(self, runner, scheduler: Scheduler, drafter: Drafter | None = None):
         self.runner = runner
@@ -77,11 +99,10 @@ class ModelExecutor:
             return ForwardResult(plan, self._pass(plain, all_logits=False), {}, {}, time.perf_counter() - t0)
         decode = [(seq, toks) for seq, toks in plain if not seq.in_prefill]
         rows = self._pass(verify + decode, all_logits=bool(verify))
-        # each prefill chunk in a pass of its own: in one padded batch, every decoding row
-        # would be computed at the chunk's width (B x T positions for B + T useful ones)
-        for seq, toks in plain:
-            if seq.in_prefill:
-                rows += self._pass([(seq, toks)], all_logits=False)
+        # prefill chunks apart from the decodes: in one padded batch, every decoding row would
+        # be computed at a chunk's width (B x T positions for B + T useful ones)
+        for group in group_by_width([(seq, toks) for seq, toks in plain if seq.in_prefill]):
+            rows += self._pass(group, all_logits=False)
         return ForwardResult(plan, rows, proposals, len_before, time.perf_counter() - t0)
 
     def _speculation(self, plan: Plan) -> dict[int, int]:
