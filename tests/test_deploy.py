@@ -117,11 +117,10 @@ def test_entrypoint_serves_and_drains_on_sigterm(tmp_path):
     the backend directory the container has at /opt/tritonserver/backends): ready, a stream
     in flight at SIGTERM finishes whole, readiness goes off, exit 0."""
     import threading
-    import time
     import urllib.request
 
     from tests.genrepo import add_generation_model
-    from tests.waiting import wait_until
+    from tests.waiting import wait_for_requests, wait_until
     from tritonlm.backend_setup import prepare_backend_dir
     from tritonlm.client.generate import generate_grpc
     from tritonlm.paths import server_env, triton_install
@@ -160,7 +159,8 @@ def test_entrypoint_serves_and_drains_on_sigterm(tmp_path):
             for i in range(len(prompts))]
         for t in threads:
             t.start()
-        time.sleep(0.2)
+        # every request inside the engine before the signal (one sent after it is refused, rightly)
+        assert wait_for_requests(metrics, "tiny", len(prompts), 30), "".join(out)
         proc.send_signal(15)
         assert wait_until(lambda: not ready(http, "/v2/health/ready"), 5)
         for t in threads:

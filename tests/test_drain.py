@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.genrepo import add_generation_model
-from tests.waiting import wait_until
+from tests.waiting import wait_for_requests, wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.paths import REPO_ROOT
 from tritonlm.server import free_ports
@@ -123,7 +123,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(slow_repo):
 
         results: dict = {}
         threads = run_streams(serve.grpc, TOKENS, results)
-        time.sleep(0.5)
+        wait_for_requests(serve.metrics, "slow", STREAMS, 10)  # all sent before the signal
         assert len(results) < STREAMS  # streams are in flight when the signal comes
         t_term = time.monotonic()
         serve.proc.send_signal(signal.SIGTERM)
@@ -167,7 +167,7 @@ def test_drain_deadline_cancels_what_is_left_with_a_final_response_and_exits_0(s
         serve.wait_ready()
         results: dict = {}
         threads = run_streams(serve.grpc, 900, results, timeout_s=60)  # far longer than the deadline
-        time.sleep(0.5)
+        assert wait_for_requests(serve.metrics, "slow", STREAMS, 30)  # all sent before the signal
         t_term = time.monotonic()
         serve.proc.send_signal(signal.SIGTERM)
         assert serve.proc.wait(30) == 0, serve.output
