@@ -333,6 +333,22 @@ def run_clients(one_request, make_conn, clients: int, per_client: int) -> tuple[
     return records, wall
 
 
+def sweep(rows: list[dict], skipped: list[str], pair: str, engine: str, weights: str, levels: list[int],
+          per_client: int, max_tokens: int, one_request, make_conn) -> bool:
+    """One server at every concurrency level: a row per level appended to rows; False (and
+    the reason in skipped) when a level fails, which ends the sweep."""
+    for c in levels:
+        print(f"[{pair}] {engine} {weights}: {c} clients x {per_client} x {max_tokens} tokens ...", flush=True)
+        try:
+            recs, wall = run_clients(one_request, make_conn, c, per_client)
+        except RuntimeError as e:
+            print(f"ERROR {pair}: {engine} at {c} clients: {e}", flush=True)
+            skipped.append(f"{pair}: {engine} at {c} clients failed: {e}")
+            return False
+        rows.append({"pair": pair, "engine": engine, "weights": weights, "clients": c, **summarize(recs, wall)})
+    return True
+
+
 def summarize(records: list[dict], wall: float) -> dict:
     tokens = sum(r["tokens"] for r in records)
     return {
@@ -561,17 +577,9 @@ def main() -> int:
                 warm_client = grpcclient.InferenceServerClient(url)
                 tritonlm_stream(warm_client, url, PROMPTS[0], 16)  # warm-up
                 warm_client.close()
-                for c in levels:
-                    print(f"[{pair}] tritonlm {dtype}: {c} clients x {per_client} x {max_tokens} tokens ...", flush=True)
-                    try:
-                        recs, wall = run_clients(lambda conn, i: tritonlm_stream(conn, url, PROMPTS[i], max_tokens),
-                                                 lambda: grpcclient.InferenceServerClient(url), c, per_client)
-                    except RuntimeError as e:
-                        print(f"ERROR {pair}: tritonlm at {c} clients: {e}", flush=True)
-                        skipped.append(f"{pair}: tritonlm at {c} clients failed: {e}")
-                        failed = True
-                        break
-                    rows.append({"pair": pair, "engine": "tritonlm", "weights": dtype, "clients": c, **summarize(recs, wall)})
+                failed |= not sweep(rows, skipped, pair, "tritonlm", dtype, levels, per_client, max_tokens,
+                                    lambda conn, i: tritonlm_stream(conn, url, PROMPTS[i], max_tokens),
+                                    lambda: grpcclient.InferenceServerClient(url))
         finally:
             server.stop()
         if not served_ok:
@@ -600,17 +608,8 @@ def main() -> int:
             if settings.get("n_ctx"):
                 print(f"[{pair}] llama-server context per slot: {settings['n_ctx']}", flush=True)
             llama_stream(port, prompt_ids[0], 16)  # warm-up
-            for c in levels:
-                print(f"[{pair}] llama-server {quant}: {c} clients x {per_client} x {max_tokens} tokens ...", flush=True)
-                try:
-                    recs, wall = run_clients(lambda _conn, i: llama_stream(port, prompt_ids[i], max_tokens), lambda: None,
-                                             c, per_client)
-                except RuntimeError as e:
-                    print(f"ERROR {pair}: llama-server at {c} clients: {e}", flush=True)
-                    skipped.append(f"{pair}: llama-server at {c} clients failed: {e}")
-                    failed = True
-                    break
-                rows.append({"pair": pair, "engine": "llama-server", "weights": quant, "clients": c, **summarize(recs, wall)})
+            failed |= not sweep(rows, skipped, pair, "llama-server", quant, levels, per_client, max_tokens,
+                                lambda _conn, i: llama_stream(port, prompt_ids[i], max_tokens), lambda: None)
         finally:
             peer.stop()
         # -- tritonlm's engine in this process (no server), at the top concurrency
