@@ -1,8 +1,8 @@
 """Precision settings side by side on SmolLM2-135M (real weights): speed and agreement.
 
 For each `dtype` (float32, bfloat16, int8, and what `auto` picks here) in one run, plus
-float32 with the weights laid out as nn.Linear holds them (`x @ w.t()` through a view: the
-layout before the runner transposed them once at load) to show what that change buys:
+float32 with plain [in, out] weights (`x @ w`, the layout before the runner reordered them
+into oneDNN's blocked layout at load) to show what that change buys:
     step_ms   median decode step of the torch runner, batch B, context --context
     tok_s     B / step_ms
     vs_fp32   float32's step time / this one's (higher is faster)
@@ -32,6 +32,7 @@ from tritonlm.engine.batch import StepBatch  # noqa: E402
 from tritonlm.engine.kv_cache import KVCacheManager  # noqa: E402
 from tritonlm.engine.precision import resolve_precision  # noqa: E402
 from tritonlm.engine.runners.torch_runner import TorchRunner  # noqa: E402
+from tritonlm.engine.runners.transformer import Transformer  # noqa: E402
 from tritonlm.perf.agreement import reference_continuations, teacher_forced_agreement  # noqa: E402
 from tritonlm.perf.machine import describe_cpu  # noqa: E402
 
@@ -81,13 +82,12 @@ def main() -> int:
     print(f"reference: transformers float32 greedy, {len(prompts)} x {args.tokens} tokens ({time.perf_counter() - t0:.0f} s)")
     auto = resolve_precision("auto", "cpu")
     print(f"dtype auto here: {auto.name} ({auto.reason})")
-    settings = [("float32", {}), ("float32-view", {}), ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True})]
+    settings = [("float32", {}), ("float32-plain", {}), ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True})]
     rows = []
     for name, kwargs in settings:
         runner = TorchRunner(model, **kwargs)
-        if name == "float32-view":
-            for proj in runner.transformer.projections():
-                proj.w = proj.w.t().contiguous().t()  # same values, [out, in] storage read through a view
+        if name == "float32-plain":
+            runner.transformer = Transformer.from_hf(model)  # the same weights, [in, out], not blocked
         agree = teacher_forced_agreement(runner, prompts, reference)
         for batch in map(int, args.batches.split(",")):
             ms = step_ms(runner, batch, args.context, args.reps)

@@ -96,6 +96,26 @@ def test_sample_row_draws_follow_the_reference_distribution():
         assert chi_square_p_value(counts, ref) > 0.001, (t, k, p)
 
 
+def test_greedy_picks_the_first_maximum_even_with_nan_and_inf():
+    """Greedy takes one pass over the logits when nothing processes them; rows holding NaN
+    or +inf must still get what the full path (NaN never wins, +inf clamped) picks."""
+    params = SamplingParams(max_tokens=4)  # greedy, nothing else
+    row = RowState.make(params, [0], None)
+    base = torch.tensor([0.5, 2.0, -1.0, 2.0, 1.0])
+    assert sample_row(base, row)[0] == 1  # ties: the first maximum, like torch.argmax
+    nan = base.clone()
+    nan[0] = float("nan")
+    assert sample_row(nan, row)[0] == 1
+    inf = base.clone()
+    inf[4] = float("inf")
+    assert sample_row(inf, row)[0] == 4
+    assert sample_row(torch.tensor([float("-inf"), 3.0]), row)[0] == 1
+    with pytest.raises(ValueError, match="no finite value"):
+        sample_row(torch.full((5,), float("nan")), row)
+    banned = RowState.make(SamplingParams(max_tokens=4, bad_words=[[1]]), [0], None)
+    assert sample_row(base, banned)[0] == 3  # a ban goes through the full path
+
+
 # ---- through the engine ---------------------------------------------------------------
 
 PROMPT = "Once upon a time"

@@ -8,6 +8,7 @@ gives the same text whatever else shares the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,14 @@ def next_token_distribution(logits: torch.Tensor, row: RowState) -> torch.Tensor
 
 def sample_row(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
     """[V] raw logits -> (token, its log-probability under the processed distribution)."""
+    p = row.params
+    if p.greedy and p.repetition_penalty == 1.0 and not p.return_log_probs and not banned_tokens(row):
+        # Plain greedy, the common case: one pass over V instead of five. argmax ranks NaN
+        # above everything, so a finite winner means no NaN and no +inf in the row, and the
+        # full path below would pick the same token; otherwise it decides.
+        token = int(torch.argmax(logits))
+        if math.isfinite(float(logits[token])):
+            return token, 0.0
     processed = process_logits(logits, row)
     if not bool(torch.isfinite(processed).any()):
         raise ValueError("the model's logits hold no finite value for this sequence")

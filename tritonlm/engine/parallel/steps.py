@@ -79,6 +79,7 @@ def load_shard(
     width = full.lm_head.w.shape[1]
     del full
     gc.collect()
+    share.block_weights()  # CPU float: the same blocked weights as TorchRunner's
     return share, width
 
 

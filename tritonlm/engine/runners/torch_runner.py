@@ -35,6 +35,7 @@ class TorchRunner:
         if int8:
             self._calibrate()
             self.transformer.quantize_int8()
+        self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
 
     @classmethod
     def from_pretrained(
