@@ -12,9 +12,11 @@ Workload, the same for both: a fixed list of 40 different prompts (the same toke
 both servers), 1 / 8 / 32 concurrent streaming clients, each sending --requests requests
 back to back, 128 new tokens each, greedy, end token ignored, no prefix / prompt caching
 (tritonlm: `enable_prefix_caching: false`; llama-server: `cache_prompt: false`).
-tritonlm: `tritonserver` with the tritonlm backend (what `tritonlm serve` runs), gRPC
-streams through tritonclient. llama-server: `/completion` with `stream: true`
-(server-sent events) over http.client, `--parallel 32 -c 16384 -t 2` (512 tokens of
+tritonlm: `tritonserver` with the tritonlm backend (what `tritonlm serve` runs), Triton's
+`generate_stream` (server-sent events) over http.client, the same client code path as
+llama-server's (`--tritonlm-client grpc`: tritonclient's gRPC streams instead, which cost
+the client process ~3 s more CPU per 8192 tokens on this 2-core host). llama-server:
+`/completion` with `stream: true` (server-sent events) over http.client, `--parallel 32 -c 16384 -t 2` (512 tokens of
 context per slot; tritonlm gets max_context 512 and the same 16384-token KV room).
 One server at a time; each warmed with one request first. Also tritonlm's engine
 in-process (no server, same settings, same closed-loop clients) at the top concurrency:
@@ -286,6 +288,40 @@ def record(t0: float, first: float | None, last: float | None, tokens: int, prom
     return {"ttft": ttft, "itl": itl, "tokens": tokens, "prompt_tokens": prompt_tokens}
 
 
+def tritonlm_sse(url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed request to Triton's generate_stream (server-sent events) over http.client,
+    the same client code path as llama_stream: one connection per request, a JSON body, SSE
+    lines read as they come; tokens and prompt length from the final event."""
+    host, port = url.rsplit(":", 1)
+    body = json.dumps({"text_input": prompt, "max_tokens": max_tokens, "end_id": -1, "stream": True,
+                       "exclude_input_in_output": True})
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    try:
+        conn.request("POST", f"/v2/models/{MODEL}/generate_stream", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"tritonserver generate_stream: HTTP {resp.status}: {resp.read()[:300]!r}")
+        first = last = None
+        tokens = prompt_tokens = 0
+        while line := resp.readline():
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"tritonserver: {event['error']}")
+            now = time.perf_counter()  # every event is one engine step's new token(s) for this request
+            first = first if first is not None else now
+            last = now
+            if "num_output_tokens" in event:  # the final event
+                tokens, prompt_tokens = int(event["num_output_tokens"]), int(event["num_input_tokens"])
+                break
+        return record(t0, first, last, tokens, prompt_tokens)
+    finally:
+        conn.close()
+
+
 def tritonlm_stream(client, url: str, prompt: str, max_tokens: int) -> dict:
     """One streamed request over tritonclient's gRPC stream; tokens from the final response."""
     from tritonlm.client.generate import generate_grpc
@@ -496,6 +532,9 @@ def main() -> int:
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t (default 2)")
     ap.add_argument("--build-jobs", type=int, default=2, help="cmake --build -j when llama.cpp must be built")
     ap.add_argument("--no-inprocess", action="store_true", help="skip tritonlm's in-process engine run")
+    ap.add_argument("--tritonlm-client", choices=("sse", "grpc"), default="sse",
+                    help="sse: Triton's generate_stream over http.client, llama-server's client style (default); "
+                         "grpc: tritonclient's gRPC stream")
     ap.add_argument("--quick", action="store_true", help="smoke run: levels 1,8, 1 request per client, 32 tokens")
     args = ap.parse_args()
     levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
@@ -570,7 +609,12 @@ def main() -> int:
                 skipped.append(msg)
                 failed = failed or dtype == "float32"
                 served_ok = False
-            if served_ok:
+            if served_ok and args.tritonlm_client == "sse":
+                url = server.http_url
+                tritonlm_sse(url, PROMPTS[0], 16)  # warm-up
+                failed |= not sweep(rows, skipped, pair, "tritonlm", dtype, levels, per_client, max_tokens,
+                                    lambda _conn, i: tritonlm_sse(url, PROMPTS[i], max_tokens), lambda: None)
+            elif served_ok:
                 import tritonclient.grpc as grpcclient
 
                 url = server.grpc_url

@@ -55,6 +55,12 @@ def test_int8_rows_are_batch_invariant_and_close_to_float32(arch):
     for b, row in enumerate(rows):
         alone = logits_of(int8_runner_, [row])[0]
         assert torch.equal(alone, int8[b, :len(row)]), f"row {b} changed with its batch"
+    layer = int8_runner_.transformer.layers[0]
+    # SmoothQuant's division is folded into the norms (and `up`) where it can be: only `o`
+    # (and GPT-2's down, after a GELU) divide at run time
+    folded = ["qkv", "gate_up", "down"] if arch == "llama" else ["qkv", "fc"]
+    assert all(getattr(layer, n).smooth is None for n in folded) and int8_runner_.transformer.lm_head.smooth is None
+    assert layer.o.smooth is not None
     rel = ((int8 - fp32).abs().max() / fp32.abs().max()).item()
     print(f"{arch}: int8 max logit error {rel:.4f} of the largest logit")
     assert rel < 0.2

@@ -424,3 +424,45 @@ def test_onnx_fp16_artifact(hf_models, onnx_paths, tmp_path):
     out = step(runner, mgr, [(1, 8, seq[8:10])], all_logits=True)
     close(out[0], ref[8:10], atol=0.1)
     assert out[0].argmax(-1).tolist() == ref[8:10].argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------------------- blocked weights
+
+
+def test_blocked_row_buckets_are_few_cover_every_count_and_waste_little():
+    from tritonlm.engine.runners.transformer import blocked_rows
+
+    padded = [blocked_rows(m) for m in range(1, 8193)]
+    assert all(p >= m for m, p in zip(range(1, 8193), padded))
+    assert padded[:8] == list(range(1, 9))  # single rows and small batches exactly
+    assert len(set(padded)) <= 70  # a bounded set of matmul shapes (oneDNN keeps kernels per shape)
+    assert max(p / m for m, p in zip(range(9, 8193), padded[8:])) <= 1.9
+    assert all(p / m <= 1.25 for m, p in zip(range(65, 8193), padded[64:]))
+
+
+@pytest.mark.parametrize("widths", [[1] * 9, [7, 3], [70, 5, 33]])
+def test_blocked_weights_give_the_plain_matmul_logits(widths):
+    """The default CPU float path (oneDNN-blocked weights, rows padded to a bucket) against
+    the same weights multiplied plainly, x @ w [in, out], for row counts inside and across
+    buckets; a blocked projection refuses to be sliced, naming why."""
+    from tritonlm.engine.runners.transformer import Transformer
+
+    model = tiny_llama(tie_word_embeddings=False)
+    runner = TorchRunner(model)
+    assert runner.transformer.layers[0].qkv.blocked is not None and runner.transformer.lm_head.blocked is not None
+    plain = TorchRunner(model)
+    plain.transformer = Transformer.from_hf(model)  # not blocked
+    gen = torch.Generator().manual_seed(sum(widths))
+    rows = [torch.randint(0, VOCAB, (w,), generator=gen).tolist() for w in widths]
+    outs = []
+    for r in (runner, plain):
+        cache = KVCacheManager(r.spec, (sum(w // 16 + 2 for w in widths) + 1) * 16 * r.spec.bytes_per_token, 16,
+                               allocate_kv=r.allocate_kv)
+        for b, w in enumerate(widths):
+            cache.allocate(b, w)
+        outs.append(r.forward(StepBatch.build(rows, [0] * len(rows), [cache.slots(b, w) for b, w in enumerate(widths)],
+                                              all_logits=True), cache.pool))
+    for b, w in enumerate(widths):
+        close(outs[0][b, :w], outs[1][b, :w], atol=1e-5)
+    with pytest.raises(ValueError, match="blocked weights cannot be sliced"):
+        runner.transformer.tensor_slice(0, 2)

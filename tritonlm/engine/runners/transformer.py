@@ -543,8 +543,8 @@ class Transformer:
     # ---- shares of it -------------------------------------------------------------------
     def tensor_slice(self, rank: int, world: int) -> "Transformer":
         """Rank `rank` of `world`'s copy of its weights (see the module docstring)."""
-        if self.weights_int8:
-            _check_float(self.layers[0].qkv)
+        if self.layers:
+            _check_float(self.layers[0].qkv)  # int8 or blocked weights: refused, saying which
         s, d = self.spec, self.spec.head_dim
         h0, h1 = split_range(s.num_heads, world, rank)
         g0, g1 = split_range(s.num_kv_heads, world, rank)
