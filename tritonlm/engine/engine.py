@@ -15,6 +15,7 @@ import threading
 import time
 
 from tritonlm.engine.client_io import CancellationPoller, EventDispatcher
+from tritonlm.engine.compute_thread import ComputeThread
 from tritonlm.engine.executor import ModelExecutor
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.output import EngineObserver, EngineStats, OutputProcessor
@@ -63,6 +64,7 @@ class Engine:
         self._stop_reason = ""
         self._stop_finish: str | None = None  # shutdown(finish_reason=...): how pending requests end
         self._thread: threading.Thread | None = None
+        self.compute: ComputeThread | None = None  # build_engine's: the thread that loaded the model runs the loop
         self._last_expiry_check = 0.0
         self._dispatcher: EventDispatcher | None = None
         self._poller: CancellationPoller | None = None
@@ -128,8 +130,12 @@ class Engine:
         self._dispatcher = EventDispatcher()
         self.output.deliver = self._dispatcher.submit
         self._poller = CancellationPoller(self._live, self.cancel)
-        self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
-        self._thread.start()
+        if self.compute is not None:
+            self._thread = self.compute.thread
+            self.compute.run_last(self._loop)
+        else:
+            self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
+            self._thread.start()
         return self
 
     def _live(self) -> tuple[list[Sequence], list[Sequence]]:
@@ -154,6 +160,8 @@ class Engine:
             if self._poller is not None:
                 self._poller.close()
             if self._thread is None:
+                if self.compute is not None:
+                    self.compute.stop()
                 self._fail_pending()
                 return
             self._thread.join(timeout=30)
