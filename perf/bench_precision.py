@@ -17,7 +17,6 @@ Prints the CPU it ran on; writes results/bench_precision/bench_precision.csv and
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from tritonlm.engine.runners.torch_runner import TorchRunner  # noqa: E402
 from tritonlm.engine.runners.transformer import Transformer  # noqa: E402
 from tritonlm.perf.agreement import reference_continuations, teacher_forced_agreement  # noqa: E402
 from tritonlm.perf.machine import describe_cpu  # noqa: E402
+from tritonlm.perf.report import write_csv  # noqa: E402
 
 SUBJECTS = ["a harbour town", "black holes", "the printing press", "a jazz trio", "desert plants",
             "a lost passport", "solar panels", "ancient Egypt"]
@@ -105,10 +105,7 @@ def main() -> int:
               f"{r['agree']:>7.4f}{mark}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "bench_precision.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "bench_precision.csv", rows)
     try:
         import matplotlib
 
