@@ -28,7 +28,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests.genrepo import add_generation_model, hf_greedy, tiny
-from tritonlm.client.generate import GenerateError, _grpc_inputs, generate_grpc, generate_http, generate_stream_http
+from tritonlm.client.generate import GenerateError, GenerateResult, _absorb, _grpc_inputs, generate_grpc, generate_http, generate_stream_http
 from tritonlm.engine.request import InvalidRequestError
 from tritonlm.export.repository import write_generate_config
 from tritonlm.models.builtin import tiny_tokenizer
@@ -471,13 +471,29 @@ def test_metrics_count_exactly_what_was_served(triton_server):
 
 
 # ---- bad input next to good traffic --------------------------------------------------------
+# On the "long" model: its good streams last seconds (1000 tokens), so the bad request is
+# answered while they are surely mid-stream, however fast the engine or slow the machine.
 
-GOOD = [("Hi", 200), ("The capital of France is", 180)]
+GOOD = ["Hi", "The capital of France is"]
+GOOD_TOKENS = 1000
+CTX = LONG_CONTEXT
+PROMPT_BYTES = 32 * LONG_CONTEXT  # max_prompt_bytes' default: 32 bytes per token of context
 
 
 @pytest.fixture(scope="module")
-def good_expected():
-    return {p: decode(hf_greedy(p, n)) for p, n in GOOD}
+def good_expected(triton_repo):
+    """transformers' greedy text of the long model's weights, never stopping on EOS (end_id -1)."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(triton_repo / "long" / "1" / "hf").eval()
+    model.generation_config.eos_token_id = None
+    tok = tiny_tokenizer()
+    expected = {}
+    for p in GOOD:
+        ids = tok(p, return_tensors="pt")
+        out = model.generate(**ids, max_new_tokens=GOOD_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id)
+        expected[p] = decode(out[0, ids.input_ids.shape[1]:].tolist())
+    return expected
 
 
 def T(name, values, dtype):
@@ -489,10 +505,10 @@ BAD_INPUTS = {
     "missing_text_input": ([T("max_tokens", [4], "INT32")], r"text_input: missing; send the prompt as a BYTES tensor of shape \[1\]"),
     "empty_text_input": ([T("text_input", [""], "BYTES")], r"text_input: empty prompt; send some text"),
     "non_utf8_text_input": ([T("text_input", [b"ok \xff\xfe"], "BYTES")], r"text_input: not valid UTF-8 .*; send UTF-8 text"),
-    "prompt_longer_than_context": ([T("text_input", ["word " * 300], "BYTES")], r"text_input: the prompt has \d+ tokens; the model's context is 256 tokens, so prompts must have at most 255"),
+    "prompt_longer_than_context": ([T("text_input", ["word " * (CTX + 100)], "BYTES")], rf"text_input: the prompt has \d+ tokens; the model's context is {CTX} tokens, so prompts must have at most {CTX - 1}"),
     "max_tokens_zero": ([TEXT, T("max_tokens", [0], "INT32")], r"max_tokens: must be >= 1, got 0"),
     "max_tokens_negative": ([TEXT, T("max_tokens", [-5], "INT32")], r"max_tokens: must be >= 1, got -5"),
-    "max_tokens_beyond_context": ([TEXT, T("max_tokens", [300], "INT32")], r"max_tokens: 300 new tokens after a \d+-token prompt exceed the context of 256 tokens; ask for at most \d+"),
+    "max_tokens_beyond_context": ([TEXT, T("max_tokens", [CTX + 50], "INT32")], rf"max_tokens: {CTX + 50} new tokens after a \d+-token prompt exceed the context of {CTX} tokens; ask for at most \d+"),
     "temperature_negative": ([TEXT, T("temperature", [-0.5], "FP32")], r"temperature: must be >= 0 \(0 = greedy\), got -0.5"),
     "top_p_zero": ([TEXT, T("top_p", [0.0], "FP32")], r"top_p: must be in \(0, 1\], got 0.0"),
     "top_p_above_one": ([TEXT, T("top_p", [1.5], "FP32")], r"top_p: must be in \(0, 1\], got 1.5"),
@@ -500,8 +516,8 @@ BAD_INPUTS = {
     "top_k_negative": ([TEXT, T("top_k", [-2], "INT32")], r"top_k: must be >= 0 \(0 = off\), got -2"),
     "min_tokens_negative": ([TEXT, T("min_tokens", [-1], "INT32")], r"min_tokens: must be >= 0, got -1"),
     "end_id_outside_vocabulary": ([TEXT, T("end_id", [99_999], "INT32")], r"end_id: must be -1 \(never stop on a token\) or a token id in \[0, 512\), got 99999"),
-    # bounds (RequestLimits from the model's settings: max_context 256 -> 8192 prompt bytes)
-    "prompt_over_max_prompt_bytes": ([T("text_input", ["x" * 9000], "BYTES")], r"text_input: 9000 bytes; the limit is 8192 \(max_prompt_bytes\)"),
+    # bounds (RequestLimits from the model's settings: max_context 1024 -> 32768 prompt bytes)
+    "prompt_over_max_prompt_bytes": ([T("text_input", ["x" * (PROMPT_BYTES + 100)], "BYTES")], rf"text_input: {PROMPT_BYTES + 100} bytes; the limit is {PROMPT_BYTES} \(max_prompt_bytes\)"),
     "too_many_stop_words": ([TEXT, T("stop_words", [f"w{i}" for i in range(65)], "BYTES")], r"stop_words: 65 entries; the limit is 64 \(max_words\)"),
     "stop_words_packed_with_commas": ([TEXT, T("stop_words", [",".join(f"w{i}" for i in range(65))], "BYTES")], r"stop_words: 65 words; the limit is 64 \(max_words\)"),
     "bad_word_too_long": ([TEXT, T("bad_words", ["b" * 300], "BYTES")], r"bad_words: an entry of 300 bytes; the limit is 256 \(max_word_bytes\)"),
@@ -509,40 +525,58 @@ BAD_INPUTS = {
     "repetition_penalty_that_overflows": ([TEXT, T("repetition_penalty", [1e-30], "FP32"), T("temperature", [1.0], "FP32")], r"repetition_penalty: must be in \[0\.01, 100\] \(1 = off\)"),
     # datatypes and shapes that contradict config.pbtxt: Triton refuses them before the model
     # runs, and its message names the input and the datatype/shape the model expects
-    "max_tokens_as_fp32": ([TEXT, T("max_tokens", [4.0], "FP32")], r"input 'max_tokens' data-type is 'FP32', but model 'tiny' expects 'INT32'"),
-    "max_tokens_as_bytes": ([TEXT, T("max_tokens", ["4"], "BYTES")], r"input 'max_tokens' data-type is 'BYTES', but model 'tiny' expects 'INT32'"),
-    "stop_words_as_int32": ([TEXT, T("stop_words", [1, 2], "INT32")], r"input 'stop_words' data-type is 'INT32', but model 'tiny' expects 'BYTES'"),
+    "max_tokens_as_fp32": ([TEXT, T("max_tokens", [4.0], "FP32")], r"input 'max_tokens' data-type is 'FP32', but model 'long' expects 'INT32'"),
+    "max_tokens_as_bytes": ([TEXT, T("max_tokens", ["4"], "BYTES")], r"input 'max_tokens' data-type is 'BYTES', but model 'long' expects 'INT32'"),
+    "stop_words_as_int32": ([TEXT, T("stop_words", [1, 2], "INT32")], r"input 'stop_words' data-type is 'INT32', but model 'long' expects 'BYTES'"),
     "stop_words_not_utf8": ([TEXT, T("stop_words", [b"\xff"], "BYTES")], r"stop_words: not valid UTF-8 .*; send UTF-8 text"),
-    "stream_as_int32": ([TEXT, T("stream", [1], "INT32")], r"input 'stream' data-type is 'INT32', but model 'tiny' expects 'BOOL'"),
-    "text_input_two_elements": ([T("text_input", ["a", "b"], "BYTES")], r"unexpected shape for input 'text_input' for model 'tiny'\. Expected \[1\], got \[2\]"),
-    "batch_of_three_prompts": ([T("text_input", ["a", "b", "c"], "BYTES")], r"unexpected shape for input 'text_input' for model 'tiny'\. Expected \[1\], got \[3\]"),
-    "max_tokens_two_values": ([TEXT, T("max_tokens", [4, 5], "INT32")], r"unexpected shape for input 'max_tokens' for model 'tiny'\. Expected \[1\], got \[2\]"),
-    "unknown_input": ([TEXT, T("max_token", [4], "INT32")], r"unexpected inference input 'max_token' for model 'tiny'"),
+    "stream_as_int32": ([TEXT, T("stream", [1], "INT32")], r"input 'stream' data-type is 'INT32', but model 'long' expects 'BOOL'"),
+    "text_input_two_elements": ([T("text_input", ["a", "b"], "BYTES")], r"unexpected shape for input 'text_input' for model 'long'\. Expected \[1\], got \[2\]"),
+    "batch_of_three_prompts": ([T("text_input", ["a", "b", "c"], "BYTES")], r"unexpected shape for input 'text_input' for model 'long'\. Expected \[1\], got \[3\]"),
+    "max_tokens_two_values": ([TEXT, T("max_tokens", [4, 5], "INT32")], r"unexpected shape for input 'max_tokens' for model 'long'\. Expected \[1\], got \[2\]"),
+    "unknown_input": ([TEXT, T("max_token", [4], "INT32")], r"unexpected inference input 'max_token' for model 'long'"),
 }
+
+
+def pieces_of(stream: Stream, into: GenerateResult) -> bool:
+    """Move the pieces a good stream has received so far into `into`; True once it has finished."""
+    while True:
+        try:
+            result, error = stream.responses.get_nowait()
+        except queue.Empty:
+            return False
+        assert error is None, error
+        if _absorb(into, result):
+            return True
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_is_refused_naming_it_while_good_requests_run(triton_server, good_expected, case):
     inputs, pattern = BAD_INPUTS[case]
-    started = [threading.Event() for _ in GOOD]
-    with cf.ThreadPoolExecutor(len(GOOD)) as pool:
-        good = [
-            pool.submit(gen, triton_server, p, max_tokens=n, stream=True, on_piece=lambda _, e=e: e.set())
-            for (p, n), e in zip(GOOD, started)
-        ]
-        for e in started:
-            assert e.wait(30), "a good request did not start streaming"
-        stream = Stream(triton_server)
-        try:
-            stream.send("tiny", [tensor(*t) for t in inputs])
-            message = stream.error_of_next(timeout_s=30)
-            overlapped = not all(f.done() for f in good)
-        finally:
-            stream.close()
-        results = [f.result(timeout=60) for f in good]
+    good = [Stream(triton_server) for _ in GOOD]
+    got = [GenerateResult() for _ in GOOD]
+    bad = Stream(triton_server)
+    try:
+        for s, p in zip(good, GOOD):
+            s.send("long", _grpc_inputs(p, {"max_tokens": GOOD_TOKENS, "end_id": -1, "stream": True}))
+        for s, r in zip(good, got):  # both good requests are streaming
+            result, error = s.next()
+            assert error is None and not _absorb(r, result)
+        bad.send("long", [tensor(*t) for t in inputs])
+        message = bad.error_of_next(timeout_s=30)
+        finished = [pieces_of(s, r) for s, r in zip(good, got)]
+        assert finished == [False, False], "a good request ended before the bad one was answered"
+        before = [len(r.pieces) for r in got]
+        for s, r in zip(good, got):  # and they go on after the error: one more piece each
+            result, error = s.next()
+            assert error is None
+            _absorb(r, result)
+    finally:
+        for s in good + [bad]:
+            s.close()
     assert re.search(pattern, message), message
-    assert [r.text for r in results] == [good_expected[p] for p, _ in GOOD]
-    assert overlapped  # the error came back while good requests were still generating
+    assert all(len(r.pieces) > n for r, n in zip(got, before))
+    for p, r in zip(GOOD, got):  # what they had streamed until cancelled is transformers' text
+        assert r.text and good_expected[p].startswith(r.text), (p, r.text[:80])
 
 
 def test_bad_input_is_refused_by_the_protocol_layer_too():
