@@ -14,6 +14,7 @@ from tests.genrepo import add_generation_model, tiny
 from tritonlm.engine.loader import build_engine
 from tritonlm.engine.precision import native_bf16, resolve_precision
 from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.engine.runners.transformer import Transformer
 from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.perf.agreement import positional_agreement, reference_continuations, teacher_forced_agreement
 
@@ -68,6 +69,32 @@ def test_int8_rows_are_batch_invariant_and_close_to_float32(arch):
     assert t.weights_int8 and t.layers[0].qkv.w is None and t.lm_head.w is None
     assert int8_runner_.spec.dtype == torch.float32 and int8.dtype == torch.float32
     assert t.weight_bytes() < fp32_runner.transformer.weight_bytes()
+
+
+def test_residual_rotation_keeps_the_function_and_only_applies_to_rmsnorm_models():
+    """rotate_residual (what int8 does first on Llama-family models) turns the residual
+    stream into x @ Q: every logit stays the float32 model's (to rounding), the embedding
+    and every weight that reads or writes the stream really changed, the norms' weights
+    are folded (1), and GPT-2 (LayerNorm, learned positions) is left as it was."""
+    model, prompts = tiny_model("llama")
+    plain, rotated = TorchRunner(model), TorchRunner(model)
+    fresh = Transformer.from_hf(model, "cpu", torch.float32)  # plain weights (a runner's are blocked)
+    before = fresh.wte
+    assert fresh.rotate_residual()
+    rotated.transformer = fresh
+    rows = prompts[:3]
+    a, b = logits_of(plain, rows), logits_of(rotated, rows)
+    print(f"rotation: max |logit difference| {(a - b).abs().max().item():.2e} of max |logit| {a.abs().max().item():.2f}")
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    original = Transformer.from_hf(model, "cpu", torch.float32)
+    assert not torch.allclose(fresh.wte, before, atol=1e-3)
+    for name in ("qkv", "gate_up", "o", "down"):
+        assert not torch.allclose(getattr(fresh.layers[0], name).w, getattr(original.layers[0], name).w, atol=1e-3), name
+    assert all(torch.equal(n.w, torch.ones_like(n.w)) for L in fresh.layers for n in (L.ln_attn, L.ln_mlp))
+    assert torch.equal(fresh.ln_f.w, torch.ones_like(fresh.ln_f.w))
+    gpt2 = Transformer.from_hf(tiny()[0], "cpu", torch.float32)
+    wte = gpt2.wte
+    assert not gpt2.rotate_residual() and gpt2.wte is wte
 
 
 def logits_of(runner, rows: list[list[int]]) -> torch.Tensor:
@@ -157,10 +184,12 @@ def test_auto_picks_bf16_only_where_the_device_multiplies_it_natively(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_int8_greedy_agreement_with_float32():
-    """SmolLM2's real weights, 32 prompts x 128 tokens. Measured 0.93 (perf/bench_precision.py
-    on other prompts: 0.931; bfloat16 0.981 there). Issue 12 asks for 0.98: not reached by
-    dynamic int8 activations (per-token; per-32-channel groups measured 0.96), so this
-    asserts what int8 delivers, with room for another CPU's rounding."""
+    """SmolLM2's real weights, 32 prompts x 128 tokens. Measured 0.959 here (the residual
+    rotation and SmoothQuant alpha 0.3 were chosen on other prompts; 0.93 before them).
+    Issue 12 asks for 0.98, which int8 activations do not reach on this check: bfloat16
+    itself measures 0.977-0.981, and even Q8_0's layout (blocks of 32 weights and
+    activations per scale, simulated) measured 0.976 (docs/architecture.md, "int8").
+    Asserts what int8 delivers, with room for another CPU's rounding."""
     from tritonlm.models.loading import load_model
 
     model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
@@ -169,4 +198,4 @@ def test_smollm2_int8_greedy_agreement_with_float32():
     int8 = teacher_forced_agreement(int8_runner(model), prompts, reference)
     print(f"SmolLM2-135M int8: {int8.agreed}/{int8.total} = {int8.fraction:.4f} of 32 x 128 greedy tokens agree")
     assert int8.total == 32 * 128
-    assert int8.fraction >= 0.90
+    assert int8.fraction >= 0.945

@@ -33,6 +33,7 @@ class TorchRunner:
         self.config = model.config
         self.max_positions = self.transformer.max_positions  # GPT-2: a hard limit; RoPE: none (None)
         if int8:
+            self.transformer.rotate_residual()  # Llama family: outliers spread before calibration sees them
             self._calibrate()
             self.transformer.quantize_int8()
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)

@@ -597,7 +597,50 @@ class Transformer:
         )
 
     # ---- int8 -------------------------------------------------------------------------------
-    def quantize_int8(self, alpha: float = 0.5) -> None:
+    def rotate_residual(self, seed: int = 0) -> bool:
+        """Turn the residual stream x into x @ Q (Q a seeded random orthogonal [C, C]); the
+        model computes the same function, up to float rounding. Returns whether it did.
+
+        Why: the residual stream has a few channels far larger than the rest; per-token
+        int8 activations and per-output-channel int8 weights both spend their range on
+        them. A random rotation spreads every channel over all (QuaRot's observation), so
+        the inputs of qkv, gate_up and the LM head quantize with less error. Exact because
+        RMSNorm only divides by the vector's norm, which Q keeps: each norm's weight is
+        folded into the projection that reads it (W -> Q^T diag(w) W, the norm's weight
+        becomes 1), projections that write to the stream (o, down) become W @ Q, and the
+        embedding wte @ Q. Only whole RMSNorm models without learned positions (Llama
+        family); GPT-2's LayerNorm subtracts the mean, which a rotation does not keep."""
+        norms = [n for L in self.layers for n in (L.ln_attn, L.ln_mlp)] + [self.ln_f]
+        whole = self.wte is not None and self.ln_f is not None and self.lm_head is not None and not self.vocab_parallel
+        if not (whole and self.wpe is None and self.layers and all(n is not None and n.rms for n in norms)):
+            return False
+        for p in self.projections():
+            _check_float(p)
+        width = self.hidden
+        g = torch.Generator().manual_seed(seed)
+        q, r = torch.linalg.qr(torch.randn(width, width, generator=g, dtype=torch.float64))
+        q = (q * torch.sign(torch.diagonal(r))).to(self.device, torch.float32)  # [C, C] orthogonal (Haar)
+
+        def reads(norm: Norm, proj: Proj) -> Proj:  # proj(norm(x)) -> proj'(norm'(x @ Q)), new tensors
+            w = q.t() @ (norm.w.float().unsqueeze(1) * proj.w.float())  # [C, out]
+            norm.w = torch.ones_like(norm.w)
+            return Proj(w.to(self.dtype).contiguous(), _copy(proj.b))
+
+        def writes(proj: Proj) -> Proj:  # [in, C] -> [in, C] @ Q
+            b = None if proj.b is None else (proj.b.float() @ q).to(self.dtype)
+            return Proj((proj.w.float() @ q).to(self.dtype).contiguous(), b)
+
+        for layer in self.layers:
+            layer.qkv = reads(layer.ln_attn, layer.qkv)
+            up = layer.gate_up if layer.gate_up is not None else layer.fc
+            up = reads(layer.ln_mlp, up)
+            layer.gate_up, layer.fc = (up, None) if layer.gate_up is not None else (None, up)
+            layer.o, layer.down = writes(layer.o), writes(layer.down)
+        self.lm_head = reads(self.ln_f, self.lm_head)  # a tied head becomes its own (rotated) copy
+        self.wte = (self.wte.float() @ q).to(self.dtype).contiguous()
+        return True
+
+    def quantize_int8(self, alpha: float = 0.3) -> None:
         """Every projection of the layers and the LM head to int8 weights, in place.
         Embeddings, norms, biases and the KV cache stay float32, the compute dtype.
 
