@@ -189,6 +189,8 @@ class Norm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
         if not self.rms:
             return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
+        if x.dtype == torch.float32 and self.w.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.w, self.eps)  # one kernel, not six (same math in float32)
         # RMSNorm as HF computes it: in float32, back to the input dtype, then the weight
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -745,13 +747,13 @@ class Transformer:
         """x [B, T, C] -> [B, T, heads*D], before the out-projection."""
         bsz, width, _ = x.shape
         d = self.spec.head_dim
-        q, k, v = layer.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = q.view(bsz, width, self.heads, d)  # [B, T, H, D]
-        k = k.view(bsz, width, self.kv_heads, d)  # [B, T, Hkv, D]
-        v = v.view(bsz, width, self.kv_heads, d)
-        if ctx.rope is not None:
-            cos, sin = ctx.rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = layer.qkv(x)  # [B, T, (H + 2 Hkv) D]
+        qk_width = (self.heads + self.kv_heads) * d
+        qk = qkv[..., :qk_width].view(bsz, width, self.heads + self.kv_heads, d)  # [B, T, H + Hkv, D]
+        if ctx.rope is not None:  # q and k rotated in one pass (half the small ops of two)
+            qk = apply_rope(qk, *ctx.rope)
+        q, k = qk.split([self.heads, self.kv_heads], dim=2)  # [B, T, H, D], [B, T, Hkv, D]
+        v = qkv[..., qk_width:].view(bsz, width, self.kv_heads, d)  # [B, T, Hkv, D]
         return paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)
 
     def mlp_inner(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
