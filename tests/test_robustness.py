@@ -90,7 +90,8 @@ def add_draft_with_other_tokenizer(repo: Path, name: str) -> Path:
 def triton_repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("robustrepo")
     add_generation_model(repo, "tiny", max_num_batched_tokens=64)
-    add_long_model(repo, "long")
+    # asked for cancellation every 20 ms (the default is 100): the cancel test bounds the steps it takes
+    add_long_model(repo, "long", cancellation_check_period_ms=20)
     # one running sequence, one waiting, the next is told "busy"; waiting too long ends a request
     add_long_model(repo, "long_queue", weights_of="long", max_num_seqs=1, max_queue_size=1, queue_timeout_s=QUEUE_TIMEOUT_S)
     # models that must refuse to load (loaded one by one through the model-control API)
@@ -624,6 +625,7 @@ def test_a_wrong_config_refuses_to_load_naming_the_field_and_the_fix(triton_serv
         ({"max_queue_size": "0"}, r"max_queue_size: must be >= 1, got 0"),
         ({"queue_timeout_s": "-1"}, r"queue_timeout_s: must be >= 0 seconds \(0: wait as long as it takes\), got -1.0"),
         ({"max_num_seqs": "many"}, r"max_num_seqs: 'many' is not an integer"),
+        ({"cancellation_check_period_ms": "0"}, r"cancellation_check_period_ms: must be >= 1, got 0"),
         ({"kv_cache_bytes": "lots"}, r"kv_cache_bytes: 'lots' is not a size \(examples: .*\)"),
     ],
 )

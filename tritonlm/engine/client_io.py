@@ -59,7 +59,7 @@ class CancellationPoller:
         self,
         live: Callable[[], tuple[list[Sequence], list[Sequence]]],
         cancel: Callable[[int], None],
-        interval_s: float = 0.02,
+        interval_s: float = 0.1,
         waiting_per_sweep: int = 64,
     ):
         """live() -> (running, waiting) sequences; cancel(request_id) tells the engine."""

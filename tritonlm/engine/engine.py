@@ -41,6 +41,7 @@ class Engine:
         max_context: int,
         use_kv_cache: bool = True,
         queue_timeout_s: float = 0.0,
+        cancellation_check_s: float = 0.1,
         observer: EngineObserver | None = None,
         drafter: Drafter | None = None,
         num_draft_tokens: int = 4,
@@ -51,6 +52,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.queue_timeout_s = queue_timeout_s
+        self.cancellation_check_s = cancellation_check_s
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens if drafter is not None and use_kv_cache else 0
         self.eos_id = tokenizer.eos_token_id
@@ -129,7 +131,7 @@ class Engine:
         more threads (client_io), so client round trips never stall a step."""
         self._dispatcher = EventDispatcher()
         self.output.deliver = self._dispatcher.submit
-        self._poller = CancellationPoller(self._live, self.cancel)
+        self._poller = CancellationPoller(self._live, self.cancel, interval_s=self.cancellation_check_s)
         if self.compute is not None:
             self._thread = self.compute.thread
             self.compute.run_last(self._loop)

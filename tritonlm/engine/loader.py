@@ -132,6 +132,7 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
         max_context=max_context,
         use_kv_cache=settings.use_kv_cache,
         queue_timeout_s=settings.queue_timeout_s,
+        cancellation_check_s=settings.cancellation_check_period_ms / 1000,
         observer=observer,
         drafter=build_drafter(settings, runner, cache, tokenizer, max_context),
         num_draft_tokens=settings.num_draft_tokens,

@@ -68,6 +68,9 @@ class EngineSettings:
     max_num_batched_tokens: int = 512
     max_queue_size: int = 1024
     queue_timeout_s: float = 0.0  # 0: wait as long as it takes
+    # how often every live request is asked whether its client cancelled: each ask is a
+    # round trip to tritonserver, and TensorRT-LLM's backend polls every 100 ms too
+    cancellation_check_period_ms: int = 100
     default_max_tokens: int = 16
     # request bounds, checked before tokenizing (tritonlm.protocol.RequestLimits)
     max_prompt_bytes: int = 0  # 0: 32 bytes per token of max_context
@@ -174,6 +177,7 @@ class EngineSettings:
             # every request passes through the queue on its way into the batch: 0 would refuse all
             max_queue_size=get_int("max_queue_size", 1024, 1),
             queue_timeout_s=get_float("queue_timeout_s", 0.0) or 0.0,
+            cancellation_check_period_ms=get_int("cancellation_check_period_ms", 100, 1),
             default_max_tokens=get_int("default_max_tokens", 16, 1),
             max_prompt_bytes=get_int("max_prompt_bytes", 0, 0),
             max_words=get_int("max_words", 64, 0),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 from pathlib import Path
 
@@ -39,6 +40,11 @@ class Handler:
                 f"model '{self.name}': the generation model must be decoupled "
                 "(add model_transaction_policy { decoupled: true } to config.pbtxt)"
             )
+        # The engine thread drops the GIL inside every torch op and needs it back after
+        # each (thousands per step); when the response thread holds it, Python makes the
+        # engine wait up to the switch interval, 5 ms by default. This process serves only
+        # this model: 0.5 ms. Measured at 32 int8 streams: served / in-process 0.77 -> 0.87.
+        sys.setswitchinterval(0.0005)
         model_dir = Path(args["model_repository"])
         self.settings = instance_device(EngineSettings.from_params(params, model_dir), args)
         self.metrics = TritonMetrics(self.name, args.get("model_version", "1"), args.get("model_instance_name", ""))
