@@ -634,9 +634,10 @@ class Transformer:
 
         for layer in self.layers:
             layer.qkv = reads(layer.ln_attn, layer.qkv)
-            up = layer.gate_up if layer.gate_up is not None else layer.fc
-            up = reads(layer.ln_mlp, up)
-            layer.gate_up, layer.fc = (up, None) if layer.gate_up is not None else (None, up)
+            if layer.gate_up is not None:
+                layer.gate_up = reads(layer.ln_mlp, layer.gate_up)
+            else:
+                layer.fc = reads(layer.ln_mlp, layer.fc)
             layer.o, layer.down = writes(layer.o), writes(layer.down)
         self.lm_head = reads(self.ln_f, self.lm_head)  # a tied head becomes its own (rotated) copy
         self.wte = (self.wte.float() @ q).to(self.dtype).contiguous()
