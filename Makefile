@@ -32,6 +32,7 @@ $(STAMP): pyproject.toml scripts/setup_system.sh
 	$(PIP) install --quiet --disable-pip-version-check -e ".[test]"
 	bash scripts/setup_system.sh $(PY)
 	$(VENV)/bin/tritonlm setup-backend
+	$(PY) -m tritonlm.engine.kernels
 	@touch $(STAMP)
 
 serve: setup

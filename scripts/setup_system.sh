@@ -3,21 +3,25 @@
 #   libb64-0d  libb64.so.0d, which perf_analyzer links
 #   nginx      the load balancer of the replica demo (perf/demo_scale.py, tests/test_scale.py);
 #              run as the current user with its own config, never as the system service
-# Idempotent: does nothing (and asks apt nothing) when both are already there.
+#   g++        compiles tritonlm's paged-attention kernel for the host at first load
+#              (tritonlm/engine/kernels; without it decode falls back to the slower torch path)
+# Idempotent: does nothing (and asks apt nothing) when all are already there.
 set -euo pipefail
 PY=${1:-.venv/bin/python}
 
 have_libb64() { ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d'; }
 # /usr/sbin is not on every user's PATH: look there too
 have_nginx() { command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; }
+have_gxx() { command -v g++ >/dev/null 2>&1; }
 
 missing=()
 have_libb64 || missing+=(libb64-0d)
 have_nginx || missing+=(nginx)
+have_gxx || missing+=(g++)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
-echo "installing Debian's ${missing[*]} (perf_analyzer needs libb64.so.0d; the replica demo needs nginx)"
+echo "installing Debian's ${missing[*]} (perf_analyzer needs libb64.so.0d; the replica demo nginx; the attention kernel g++)"
 SUDO=""
 if [ "$(id -u)" != 0 ]; then
   if command -v sudo >/dev/null; then SUDO="sudo"; else
@@ -43,3 +47,4 @@ $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2
 }
 have_libb64 || { echo "error: libb64.so.0d still missing after apt-get install libb64-0d" >&2; exit 1; }
 have_nginx || { echo "error: nginx still missing after apt-get install nginx" >&2; exit 1; }
+have_gxx || { echo "error: g++ still missing after apt-get install g++" >&2; exit 1; }

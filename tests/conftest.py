@@ -53,3 +53,11 @@ def pytest_runtest_makereport(item, call):
         item.module_node = item.getparent(pytest.Module)
         if item.module_node is not None:
             item.module_node._tritonlm_failed = True
+
+
+def pytest_sessionstart(session):
+    """Build the paged-attention kernel (tritonlm/engine/kernels) here, once, before any
+    test's tritonserver loads models: each of those would otherwise wait for the first."""
+    from tritonlm.engine.kernels import paged_attention_available
+
+    paged_attention_available()

@@ -413,3 +413,28 @@ def test_bfloat16_engine_halves_the_kv_bytes_and_mostly_agrees_with_fp32(tmp_pat
         EngineSettings.from_params({"dtype": "bfloat16", "runtime": "onnx", "onnx_model": "1/hf/config.json"}, folder)
     with pytest.raises(SettingsError, match="dtype: 'int3'"):
         EngineSettings.from_params({"dtype": "int3"}, folder)
+    # the paged-attention kernel is float32: asked for by name it refuses, auto falls back
+    assert engine.runner.attention == "gather"
+    with pytest.raises(SettingsError, match=r"^attention_backend: 'paged' cannot run here: the kernel runs float32 on the CPU"):
+        build_engine(EngineSettings.from_params({**params, "attention_backend": "paged"}, folder))
+
+
+def test_engine_output_is_the_same_with_either_attention_backend(tmp_path):
+    """The paged-attention kernel (the default on a float32 CPU) and the gathered copy
+    give the same greedy tokens, equal to transformers' own generate()."""
+    from tests.genrepo import add_generation_model
+    from tritonlm.engine.loader import build_engine
+    from tritonlm.engine.settings import EngineSettings
+
+    folder = add_generation_model(tmp_path, "tiny")
+    texts = {}
+    for backend in ("paged", "gather"):
+        engine = build_engine(EngineSettings.from_params(
+            {"task": "generate", "max_context": "256", "attention_backend": backend}, folder))
+        assert engine.runner.attention == backend
+        col = Collector()
+        rids = [col.request(engine, p, max_tokens=12) for p in PROMPTS]
+        drain(engine)
+        texts[backend] = [col.ids(r) for r in rids]
+        engine.shutdown()
+    assert texts["paged"] == texts["gather"] == [hf_greedy(p, 12) for p in PROMPTS]

@@ -626,6 +626,9 @@ def test_a_wrong_config_refuses_to_load_naming_the_field_and_the_fix(triton_serv
         ({"queue_timeout_s": "-1"}, r"queue_timeout_s: must be >= 0 seconds \(0: wait as long as it takes\), got -1.0"),
         ({"max_num_seqs": "many"}, r"max_num_seqs: 'many' is not an integer"),
         ({"cancellation_check_period_ms": "0"}, r"cancellation_check_period_ms: must be >= 1, got 0"),
+        ({"attention_backend": "flash"}, r"attention_backend: 'flash'; use one of auto, paged, gather"),
+        ({"attention_backend": "paged", "tensor_parallel_size": "2"},
+         r"attention_backend: 'paged' is the torch runtime's kernel without model parallelism"),
         ({"kv_cache_bytes": "lots"}, r"kv_cache_bytes: 'lots' is not a size \(examples: .*\)"),
     ],
 )

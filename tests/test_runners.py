@@ -57,15 +57,18 @@ def onnx_paths(hf_models, tmp_path_factory):
     return {arch: export_decoder_onnx(model, out / f"{arch}.onnx") for arch, model in hf_models.items()}
 
 
-CASES = [("gpt2", "torch"), ("gpt2", "onnx"), ("gpt2", "onnx-iobinding"), ("llama", "torch"), ("llama", "onnx")]
+# torch: decode steps through the paged-attention kernel; torch-gather: the gathered copy + SDPA
+CASES = [("gpt2", "torch"), ("gpt2", "torch-gather"), ("gpt2", "onnx"), ("gpt2", "onnx-iobinding"),
+         ("llama", "torch"), ("llama", "torch-gather"), ("llama", "onnx")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{k}" for a, k in CASES])
 def case(request, hf_models):
     arch, kind = request.param
     model = hf_models[arch]
-    if kind == "torch":
-        runner = load_runner("torch", model)
+    if kind.startswith("torch"):
+        runner = load_runner("torch", model, attention="gather" if kind == "torch-gather" else "auto")
+        assert runner.attention == kind.removeprefix("torch-").replace("torch", "paged"), runner.attention_why
     else:
         from tritonlm.engine.runners.onnx_runner import OnnxRunner
 
@@ -466,3 +469,74 @@ def test_blocked_weights_give_the_plain_matmul_logits(widths):
         close(outs[0][b, :w], outs[1][b, :w], atol=1e-5)
     with pytest.raises(ValueError, match="blocked weights cannot be sliced"):
         runner.transformer.tensor_slice(0, 2)
+
+
+# ---------------------------------------------------------------------------- paged-attention kernel
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, width",
+    [(9, 3, 64, 1), (4, 2, 16, 1), (8, 8, 128, 4), (6, 2, 24, 3), (4, 1, 64, 8)],
+    ids=["gqa-d64-decode", "gqa-d16", "mha-d128-verify4", "gqa-d24-generic", "mqa-d64-verify8"],
+)
+def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim, width):
+    """The C++ kernel reads K/V through the slot table; the torch path gathers them and runs
+    SDPA with the key mask. Same outputs on scattered slots, rows of different lengths and
+    padded rows (num_new < width), and the same K/V written to the pool."""
+    from tritonlm.engine.kernels import paged_attention_available
+    from tritonlm.engine.kv_cache import KVPool
+    from tritonlm.engine.runners.base import kv_rows, plan_step
+    from tritonlm.engine.runners.transformer import StepContext, paged_attention
+
+    assert paged_attention_available() == (True, "built for this CPU")
+    g = torch.Generator().manual_seed(heads * 100 + head_dim + width)
+    bsz, slots = 5, 400
+    past = [0, 37, 120, 5, 64][:bsz]
+    new = [min(width, n) for n in (width, 1, width, max(1, width - 1), 1)]
+    perm = (torch.randperm(slots - 1, generator=g) + 1).tolist()  # scattered, never the scratch slot 0
+    rows, at = [], 0
+    for p, n in zip(past, new):
+        rows.append(perm[at:at + p + n])
+        at += p + n
+    batch = StepBatch.build([[0] * n for n in new], past, rows)
+    plan = plan_step(batch, torch.device("cpu"))
+    q = torch.randn(bsz, width, heads, head_dim, generator=g)
+    k = torch.randn(bsz, width, kv_heads, head_dim, generator=g)
+    v = torch.randn(bsz, width, kv_heads, head_dim, generator=g)
+    pools = [KVPool.allocate(slots, 1, kv_heads, head_dim, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for pool in pools:  # the same random past in both
+        pool.k[0].copy_(torch.randn(slots, kv_heads, head_dim, generator=torch.Generator().manual_seed(1)))
+        pool.v[0].copy_(torch.randn(slots, kv_heads, head_dim, generator=torch.Generator().manual_seed(2)))
+    scale = head_dim**-0.5
+    gather_ctx = StepContext(plan=plan, mask=plan.key_mask().unsqueeze(1), rows=kv_rows(plan.slot_table, kv_heads),
+                             k_buf=None, v_buf=None, rope=None)
+    kernel_ctx = StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=None, kernel=True,
+                             slot_table=plan.slot_table.contiguous())
+    want = paged_attention(q, k, v, pools[0].k[0], pools[0].v[0], gather_ctx, scale)  # [B, T, H*D]
+    got = paged_attention(q, k, v, pools[1].k[0], pools[1].v[0], kernel_ctx, scale)
+    valid = plan.valid.unsqueeze(-1)  # padded rows' outputs are don't-care
+    diff = ((got - want) * valid).abs().max().item()
+    assert diff < 2e-6, f"kernel vs gather path: max abs diff {diff:.3g}"
+    assert torch.equal(pools[0].k[0], pools[1].k[0]) and torch.equal(pools[0].v[0], pools[1].v[0])
+
+
+def test_paged_attention_kernel_refuses_bad_tensors_naming_them():
+    from tritonlm.engine.kernels import paged_attention_available
+
+    assert paged_attention_available()[0]
+    q, cache = torch.randn(1, 1, 2, 8), torch.randn(4, 1, 8)
+    slots, pos = torch.tensor([[1, 2]]), torch.tensor([[1]])
+    op = torch.ops.tritonlm.paged_attention
+    with pytest.raises(RuntimeError, match="float32 only"):
+        op(q.double(), cache, cache, slots, pos, 1.0)
+    with pytest.raises(RuntimeError, match=r"slot 9 outside the pool \[0, 4\)"):
+        op(q, cache, cache, torch.tensor([[1, 9]]), pos, 1.0)
+    with pytest.raises(RuntimeError, match=r"position 2 outside the slot table \[0, 2\)"):
+        op(q, cache, cache, slots, torch.tensor([[2]]), 1.0)
+
+
+def test_attention_backend_falls_back_where_the_kernel_cannot_run(hf_models):
+    half = load_runner("torch", hf_models["llama"], dtype=torch.bfloat16)
+    assert half.attention == "gather" and "float32 on the CPU" in half.attention_why
+    with pytest.raises(ValueError, match="attention: 'flash'"):
+        load_runner("torch", hf_models["llama"], attention="flash")

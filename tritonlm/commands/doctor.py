@@ -56,6 +56,14 @@ def checks() -> list[tuple[str, bool, str]]:
     except ImportError:
         pass
     try:
+        from tritonlm.engine.kernels import paged_attention_available
+
+        ok, why = paged_attention_available()
+        rows.append(("paged-attention kernel", ok, why if ok else f"{why}: install g++ (or `make setup`); "
+                     "decode falls back to the slower gather path"))
+    except ImportError:
+        pass
+    try:
         import onnxruntime as ort
 
         rows.append(("ONNX Runtime providers", True, ", ".join(ort.get_available_providers())))

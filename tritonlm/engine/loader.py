@@ -38,9 +38,9 @@ def resolve_settings_precision(settings: EngineSettings) -> Precision:
     return precision
 
 
-def _torch_precision_kwargs(settings: EngineSettings) -> dict:
+def _torch_runner_kwargs(settings: EngineSettings) -> dict:
     precision = resolve_settings_precision(settings)
-    return {"dtype": precision.compute, "int8": precision.int8_weights}
+    return {"dtype": precision.compute, "int8": precision.int8_weights, "attention": settings.attention_backend}
 
 
 def build_engine(settings: EngineSettings, observer: EngineObserver | None = None, runner=None, tokenizer=None) -> Engine:
@@ -68,10 +68,22 @@ def _load_and_build(settings: EngineSettings, observer: EngineObserver | None, r
     if runner is None:
         runner = load_model_runner(settings)
     try:
+        check_attention_backend(settings, runner)
         return _build_engine(settings, observer, runner, tokenizer)
     except BaseException:
         runner.close()
         raise
+
+
+def check_attention_backend(settings: EngineSettings, runner) -> None:
+    """`attention_backend: paged` refuses to load where the kernel cannot run (the runner
+    says why); `auto` logs which path decode steps take."""
+    if not hasattr(runner, "attention"):  # ONNX Runtime and parallel ranks: their own attention
+        return
+    used, why = runner.attention, runner.attention_why
+    if settings.attention_backend == "paged" and used != "paged":
+        raise SettingsError(f"attention_backend: 'paged' cannot run here: {why}; use 'auto' or 'gather'")
+    log.info("attention: %s%s", used, f" ({why})" if why else "")
 
 
 def load_model_runner(settings: EngineSettings):
@@ -83,7 +95,7 @@ def load_model_runner(settings: EngineSettings):
     return _load_runner_or_explain(
         "hf_dir" if settings.runtime == "torch" else "onnx_model",
         settings.runtime, settings.hf_dir, onnx_path=settings.onnx_model, device=settings.device,
-        **(_torch_precision_kwargs(settings) if settings.runtime == "torch" else {}),
+        **(_torch_runner_kwargs(settings) if settings.runtime == "torch" else {}),
     )
 
 
@@ -170,7 +182,7 @@ def build_drafter(
     if target_tokenizer is not None:
         check_same_tokenizer(target_tokenizer, load_tokenizer(settings.draft_model, "draft_model"), settings.draft_model)
     draft = _load_runner_or_explain(
-        "draft_model", "torch", settings.draft_model, device=settings.device, **_torch_precision_kwargs(settings)
+        "draft_model", "torch", settings.draft_model, device=settings.device, **_torch_runner_kwargs(settings)
     )
     if draft.spec.vocab_size != target_runner.spec.vocab_size:
         raise SettingsError(

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tritonlm.engine.precision import DTYPE_NAMES
 
+ATTENTION_BACKENDS = ("auto", "paged", "gather")
+
 
 class SettingsError(ValueError):
     """A config.pbtxt parameter is wrong; the message names it and says what is allowed."""
@@ -80,6 +82,10 @@ class EngineSettings:
     use_kv_cache: bool = True  # False only for benchmarks: recompute the whole sequence every step
     enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes across requests
     num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    # torch runtime: how decode steps read the paged KV cache. "paged": tritonlm's C++
+    # kernel reads it in place (CPU, float32; compiled for the host at first load);
+    # "gather": copy each sequence's K/V, then torch's SDPA; "auto": paged where it can run
+    attention_backend: str = "auto"
     # speculative decoding
     draft_model: Path | None = None
     speculative: str = "off"  # "off" | "draft" | "prompt_lookup"
@@ -153,6 +159,9 @@ class EngineSettings:
         dtype = params.get("dtype", "float32") or "float32"
         if dtype not in DTYPE_NAMES:
             raise SettingsError(f"dtype: {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+        attention_backend = params.get("attention_backend", "auto") or "auto"
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise SettingsError(f"attention_backend: {attention_backend!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
         speculative = params.get("speculative", "") or ("draft" if params.get("draft_model") else "off")
         if speculative not in ("off", "draft", "prompt_lookup"):
             raise SettingsError(f"speculative: {speculative!r}; use 'off', 'draft' or 'prompt_lookup'")
@@ -186,6 +195,7 @@ class EngineSettings:
             use_kv_cache=get_bool("use_kv_cache", True),
             enable_prefix_caching=get_bool("enable_prefix_caching", True),
             num_threads=get_int("num_threads", 0, 0),
+            attention_backend=attention_backend,
             draft_model=get_path("draft_model", None),
             speculative=speculative,
             num_draft_tokens=get_int("num_draft_tokens", 4, 1),
@@ -208,6 +218,11 @@ class EngineSettings:
             raise SettingsError(
                 f"dtype: {s.dtype} needs runtime 'torch' without model parallelism "
                 "(an ONNX artifact has its own precision: export onnx-fp16 for half precision)"
+            )
+        if s.attention_backend == "paged" and (s.runtime != "torch" or s.is_parallel):
+            raise SettingsError(
+                "attention_backend: 'paged' is the torch runtime's kernel without model parallelism; "
+                "use 'auto' or 'gather' here"
             )
         if s.queue_timeout_s < 0:
             raise SettingsError(f"queue_timeout_s: must be >= 0 seconds (0: wait as long as it takes), got {s.queue_timeout_s}")

@@ -28,6 +28,7 @@ def load_runner(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     int8: bool = False,
+    attention: str = "auto",
 ) -> Runner:
     """Build a runner.
 
@@ -39,13 +40,15 @@ def load_runner(
     dtype            torch: compute dtype (default: the model's); onnx: KV dtype (default: the
                      artifact's declared past dtype)
     int8             torch only: int8 weights (CPU, float32 compute; see Transformer.quantize_int8)
+    attention        torch only: "auto" | "paged" | "gather", how decode steps read the KV
+                     pool (TorchRunner; the runner's `attention` says what it uses)
     """
     if kind == "torch":
         from tritonlm.engine.runners.torch_runner import TorchRunner
 
         if isinstance(hf_dir_or_model, (str, Path)):
-            return TorchRunner.from_pretrained(hf_dir_or_model, device=device, dtype=dtype, int8=int8)
-        return TorchRunner(hf_dir_or_model, device=device, dtype=dtype, int8=int8)
+            return TorchRunner.from_pretrained(hf_dir_or_model, device=device, dtype=dtype, int8=int8, attention=attention)
+        return TorchRunner(hf_dir_or_model, device=device, dtype=dtype, int8=int8, attention=attention)
     if kind == "onnx":
         if int8:
             raise ValueError("int8 weights are a torch runtime option; for ONNX export the onnx-int8 artifact")

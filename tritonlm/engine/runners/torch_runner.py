@@ -2,9 +2,11 @@
 
 A thin wrapper: the weights and the layer functions are runners.transformer.Transformer
 (the same code the tensor/pipeline-parallel ranks run on their shares). Per layer,
-attention writes the new keys/values into the pool in place, gathers each sequence's
-keys through its slot table into [B, Hkv, L, D] and runs scaled_dot_product_attention
-with a boolean mask (key exists AND causal); see transformer.py.
+attention writes the new keys/values into the pool in place, then either reads them in
+place through the slot table (tritonlm's C++ paged-attention kernel: decode-width steps,
+CPU, float32) or gathers each sequence's keys into [B, Hkv, L, D] and runs
+scaled_dot_product_attention with a boolean mask (key exists AND causal); see
+transformer.py.
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ class TorchRunner:
     """forward(batch, pool) -> float32 logits; see runners.base for the contract."""
 
     def __init__(
-        self, model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, int8: bool = False
+        self, model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, int8: bool = False,
+        attention: str = "auto",
     ):
-        """int8: weights of every projection and the LM head in int8 (CPU, float32 compute)."""
+        """int8: weights of every projection and the LM head in int8 (CPU, float32 compute).
+        attention: "auto" / "paged" use the paged-attention kernel where it can run (see
+        `self.attention` and `self.attention_why`; "paged" does not raise, the loader
+        refuses it); "gather" never does."""
+        if attention not in ("auto", "paged", "gather"):
+            raise ValueError(f"attention: {attention!r}; use 'auto', 'paged' or 'gather'")
         self.device = torch.device(device)
         self.transformer = Transformer.from_hf(model, self.device, dtype)  # ValueError for other architectures
         self.spec = self.transformer.spec
@@ -37,11 +45,14 @@ class TorchRunner:
             self._calibrate()
             self.transformer.quantize_int8()
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
-
+        self.attention, self.attention_why = "gather", "set in the config"
+        if attention != "gather":
+            on, self.attention_why = self.transformer.use_paged_kernel()
+            self.attention = "paged" if on else "gather"
     @classmethod
     def from_pretrained(
         cls, hf_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-        int8: bool = False, **kwargs
+        int8: bool = False, attention: str = "auto", **kwargs
     ) -> "TorchRunner":
         from transformers import AutoModelForCausalLM
 
@@ -49,7 +60,7 @@ class TorchRunner:
             kwargs["dtype"] = dtype
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), **kwargs)
         model.eval()
-        return cls(model, device=device, dtype=dtype, int8=int8)
+        return cls(model, device=device, dtype=dtype, int8=int8, attention=attention)
 
     def _calibrate(self, rows: int = 8, length: int = 64, seed: int = 0) -> None:
         """One float pass over seeded random tokens, recording each projection's input range

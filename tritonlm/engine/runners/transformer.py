@@ -354,16 +354,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------- attention
 
 
+# The paged-attention kernel reads every key once per query row in plain loops: for
+# decode steps (T = 1) and speculative verification (T = K + 1) that beats copying K/V;
+# a long prefill chunk is matmul work that SDPA's blocked kernel does better.
+PAGED_KERNEL_MAX_WIDTH = 8
+
+
 @dataclass
 class StepContext:
-    """What every layer of one step shares."""
+    """What every layer of one step shares. With the paged-attention kernel (`kernel`),
+    only plan and rope are used; otherwise the gather path's index, buffers and mask."""
 
     plan: StepPlan
-    mask: torch.Tensor  # [B, 1, T, L] bool
-    rows: torch.Tensor  # [B*Hkv*L] gather index (kv_rows)
-    k_buf: torch.Tensor  # [B, Hkv, L, D] workspace for the gathered keys, reused by every layer
-    v_buf: torch.Tensor  # [B, Hkv, L, D]
+    mask: torch.Tensor | None  # [B, 1, T, L] bool
+    rows: torch.Tensor | None  # [B*Hkv*L] gather index (kv_rows)
+    k_buf: torch.Tensor | None  # [B, Hkv, L, D] workspace for the gathered keys, reused by every layer
+    v_buf: torch.Tensor | None  # [B, Hkv, L, D]
     rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [B, T, 1, D] (Llama)
+    kernel: bool = False  # torch.ops.tritonlm.paged_attention reads the pool directly
+    slot_table: torch.Tensor | None = None  # [B, L] int64 contiguous, for the kernel
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
@@ -383,6 +392,9 @@ def paged_attention(
     bsz = q.shape[0]
     write_kv(k_cache, ctx.plan.write_slots, k)
     write_kv(v_cache, ctx.plan.write_slots, v)
+    if ctx.kernel:  # keys and values read in place through the slot table: no gathered copy
+        out = torch.ops.tritonlm.paged_attention(q.contiguous(), k_cache, v_cache, ctx.slot_table, ctx.plan.positions, scale)
+        return out.view(bsz, q.shape[1], -1)  # [B, T, H, D] -> [B, T, H*D]
     keys = gather_kv(k_cache, ctx.rows, bsz, out=ctx.k_buf).to(q.dtype)  # [B, Hkv, L, D]
     values = gather_kv(v_cache, ctx.rows, bsz, out=ctx.v_buf).to(q.dtype)  # [B, Hkv, L, D]
     _, width, heads, dim = q.shape
@@ -455,6 +467,7 @@ class Transformer:
     vocab_lo: int = 0
     pos_lo: int = 0
     head_widths: list[int] = field(default_factory=list)  # TP: LM head columns of every rank, for the gather
+    paged_kernel: bool = False  # decode-width steps use torch.ops.tritonlm.paged_attention (use_paged_kernel)
     workspace: Workspace = field(default_factory=Workspace, repr=False)  # gathered K/V, reused step to step
 
     @property
@@ -730,11 +743,24 @@ class Transformer:
             x = x + self._lookup(self.wpe, plan.positions, self.pos_lo)
         return x
 
+    def use_paged_kernel(self) -> tuple[bool, str]:
+        """Turn on the C++ paged-attention kernel for decode-width steps when it can run
+        here: float32 K/V on the CPU, and the kernel builds. Returns (on, why)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return False, f"the kernel runs float32 on the CPU; this model computes {self.dtype} on {self.device}"
+        from tritonlm.engine.kernels import paged_attention_available
+
+        self.paged_kernel, why = paged_attention_available()
+        return self.paged_kernel, why
+
     def _context(self, plan: StepPlan, pool: KVPool) -> StepContext:
-        shape = (plan.batch_size, self.kv_heads, plan.max_total, self.spec.head_dim)  # [B, Hkv, L, D]
         rope = None
         if self.inv_freq is not None:
             rope = rope_cos_sin(plan.positions, self.inv_freq, self.rope_scaling, self.dtype)
+        if self.paged_kernel and plan.width <= PAGED_KERNEL_MAX_WIDTH and pool.k[0].dtype == torch.float32:
+            return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, kernel=True,
+                               slot_table=plan.slot_table.contiguous())
+        shape = (plan.batch_size, self.kv_heads, plan.max_total, self.spec.head_dim)  # [B, Hkv, L, D]
         return StepContext(
             plan=plan,
             mask=plan.key_mask().unsqueeze(1),

@@ -1,0 +1,94 @@
+"""tritonlm's own C++ kernels, compiled for this host on first use.
+
+    paged_attention_available() -> (bool, why)   builds and loads once per process
+    torch.ops.tritonlm.paged_attention(q, k_cache, v_cache, slot_table, positions, scale)
+
+The source ships with the package (paged_attention.cpp); torch.utils.cpp_extension
+compiles it with the host's compiler (g++ and ninja, ~10 s) into torch's extension
+cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), under a name that
+hashes the source, the torch version and the CPU's model and flags: it is compiled for
+this CPU (-march=native), so a cache shared with a different CPU builds its own copy,
+and a later load reuses the build. Concurrent processes (Triton model instances)
+wait on torch's build lock. When anything is missing (no compiler, a non-x86 CPU, a
+failed build), the reason is returned and the caller runs its torch path instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_lock = threading.Lock()
+_state: tuple[bool, str] | None = None  # (available, why), once per process
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's model and flags: what -march=native compiles for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a Triton stub's PATH may not hold the venv's bin, where
+    the `ninja` package (a dependency) puts it."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _build() -> tuple[bool, str]:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"the kernel is built for x86-64 CPUs; this one is {platform.machine()}"
+    try:
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+
+        _put_ninja_on_path()
+        verify_ninja_availability()
+    except Exception as e:  # noqa: BLE001 - any reason not to build is reported, not raised
+        return False, f"cannot build C++ extensions here ({e})"
+    digest = hashlib.sha256(
+        _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_fingerprint().encode()
+    ).hexdigest()[:12]
+    try:
+        # -fopenmp: at::parallel_for runs on torch's own OpenMP team (the process already
+        # has torch's libgomp loaded; the extension links to it by its soname)
+        load(
+            name=f"tritonlm_paged_attention_{digest}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001
+        return False, f"building the C++ kernel failed ({str(e).strip().splitlines()[-1] if str(e).strip() else e!r})"
+    return True, "built for this CPU"
+
+
+def paged_attention_available() -> tuple[bool, str]:
+    """(can torch.ops.tritonlm.paged_attention run, why); built on the first call only."""
+    global _state
+    with _lock:
+        if _state is None:
+            _state = _build()
+            (log.info if _state[0] else log.warning)("paged-attention kernel: %s", _state[1])
+        return _state
+

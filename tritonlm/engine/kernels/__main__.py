@@ -1,0 +1,10 @@
+"""`python -m tritonlm.engine.kernels`: build the kernels now (`make setup` does, once,
+before any server would race to) and say whether they load."""
+
+import sys
+
+from tritonlm.engine.kernels import paged_attention_available
+
+ok, why = paged_attention_available()
+print(f"paged-attention kernel: {'ok' if ok else 'unavailable'} ({why})")
+sys.exit(0)  # unavailable is not a setup failure: decode runs on the torch path
