@@ -2,7 +2,9 @@
 
 For each `dtype` (float32, bfloat16, int8, and what `auto` picks here) in one run, plus
 float32 with plain [in, out] weights (`x @ w`, the layout before the runner reordered them
-into oneDNN's blocked layout at load) to show what that change buys:
+into oneDNN's blocked layout at load), and float32 / int8 with `attention_backend: gather`
+(each row's K/V copied, then SDPA; the default reads them in place with the paged-attention
+kernel), to show what those changes buy:
     step_ms   median decode step of the torch runner, batch B, context --context
     tok_s     B / step_ms
     vs_fp32   float32's step time / this one's (higher is faster)
@@ -82,27 +84,31 @@ def main() -> int:
     print(f"reference: transformers float32 greedy, {len(prompts)} x {args.tokens} tokens ({time.perf_counter() - t0:.0f} s)")
     auto = resolve_precision("auto", "cpu")
     print(f"dtype auto here: {auto.name} ({auto.reason})")
-    settings = [("float32", {}), ("float32-plain", {}), ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True})]
+    settings = [("float32", {}), ("float32-gather", {"attention": "gather"}), ("float32-plain", {}),
+                ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True}),
+                ("int8-gather", {"int8": True, "attention": "gather"})]
     rows = []
     for name, kwargs in settings:
         runner = TorchRunner(model, **kwargs)
         if name == "float32-plain":
             runner.transformer = Transformer.from_hf(model)  # the same weights, [in, out], not blocked
+            runner.transformer.use_paged_kernel()
         agree = teacher_forced_agreement(runner, prompts, reference)
         for batch in map(int, args.batches.split(",")):
             ms = step_ms(runner, batch, args.context, args.reps)
-            rows.append({"dtype": name, "auto_picks": name == auto.name, "batch": batch, "context": args.context,
+            rows.append({"dtype": name, "attention": runner.attention, "auto_picks": name == auto.name, "batch": batch,
+                         "context": args.context,
                          "step_ms": round(ms, 2), "tok_s": round(batch / ms * 1000, 1),
                          "agree": round(agree.fraction, 4), "agreed": agree.agreed, "total": agree.total, "cpu": cpu})
         del runner
     fp32 = {r["batch"]: r["step_ms"] for r in rows if r["dtype"] == "float32"}
     for r in rows:
         r["vs_fp32"] = round(fp32[r["batch"]] / r["step_ms"], 2)
-    print(f"\n{'dtype':<13} {'batch':>5} {'step_ms':>9} {'tok_s':>8} {'vs_fp32':>8} {'agree':>7}")
+    print(f"\n{'dtype':<15} {'attention':<9} {'batch':>5} {'step_ms':>9} {'tok_s':>8} {'vs_fp32':>8} {'agree':>7}")
     for r in rows:
         mark = " (auto)" if r["auto_picks"] else ""
-        print(f"{r['dtype']:<13} {r['batch']:>5} {r['step_ms']:>9.1f} {r['tok_s']:>8.1f} {r['vs_fp32']:>8.2f} "
-              f"{r['agree']:>7.4f}{mark}")
+        print(f"{r['dtype']:<15} {r['attention']:<9} {r['batch']:>5} {r['step_ms']:>9.1f} {r['tok_s']:>8.1f} "
+              f"{r['vs_fp32']:>8.2f} {r['agree']:>7.4f}{mark}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "bench_precision.csv", rows)
