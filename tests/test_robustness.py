@@ -628,7 +628,8 @@ def test_a_wrong_config_refuses_to_load_naming_the_field_and_the_fix(triton_serv
         ({"cancellation_check_period_ms": "0"}, r"cancellation_check_period_ms: must be >= 1, got 0"),
         ({"attention_backend": "flash"}, r"attention_backend: 'flash'; use one of auto, paged, gather"),
         ({"attention_backend": "paged", "tensor_parallel_size": "2"},
-         r"attention_backend: 'paged' is the torch runtime's kernel without model parallelism"),
+         r"attention_backend: 'paged' \(refuse to load without the kernel\) is checked for the torch runtime "
+         r"without model parallelism; use 'auto' \(model-parallel ranks use the kernel where it runs\) or 'gather'"),
         ({"kv_cache_bytes": "lots"}, r"kv_cache_bytes: 'lots' is not a size \(examples: .*\)"),
     ],
 )

@@ -221,8 +221,8 @@ class EngineSettings:
             )
         if s.attention_backend == "paged" and (s.runtime != "torch" or s.is_parallel):
             raise SettingsError(
-                "attention_backend: 'paged' is the torch runtime's kernel without model parallelism; "
-                "use 'auto' or 'gather' here"
+                "attention_backend: 'paged' (refuse to load without the kernel) is checked for the torch runtime "
+                "without model parallelism; use 'auto' (model-parallel ranks use the kernel where it runs) or 'gather'"
             )
         if s.queue_timeout_s < 0:
             raise SettingsError(f"queue_timeout_s: must be >= 0 seconds (0: wait as long as it takes), got {s.queue_timeout_s}")

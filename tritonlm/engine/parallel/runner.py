@@ -72,6 +72,7 @@ class ParallelConfig:
     num_threads: int = 0  # torch threads per worker; 0: cpu_count // size (at least 1)
     micro_batches: int = 0  # pipeline: micro-batches per step; 0: one per stage
     name: str = "model"  # the Triton model name (logs, worker command lines)
+    attention: str = "auto"  # attention_backend: every rank's decode steps ("gather": never the kernel)
 
     @property
     def field(self) -> str:
@@ -91,6 +92,7 @@ class ParallelConfig:
             num_threads=settings.num_threads,
             micro_batches=settings.pipeline_micro_batches,
             name=Path(settings.model_dir).name,
+            attention=settings.attention_backend,
         )
 
 
@@ -237,10 +239,11 @@ class ParallelRunner:
             self._spawn(rank)
             self._workers[-1].conn.send_bytes(pack(
                 "init", mode=self.mode, hf_dir=cfg.hf_dir, device=self.devices[rank], dtype=dtype,
-                threads=threads, timeout_s=cfg.timeout_s,
+                threads=threads, timeout_s=cfg.timeout_s, attention=cfg.attention,
             ))
         # rank 0's own share loads while the workers load theirs
-        self.model, self.logits_width = load_shard(self.mode, cfg.hf_dir, 0, self.world, self.devices[0], cfg.dtype)
+        self.model, self.logits_width = load_shard(self.mode, cfg.hf_dir, 0, self.world, self.devices[0], cfg.dtype,
+                                                       cfg.attention)
         self.pool: KVPool | None = None  # rank 0's share of the KV cache (allocate_kv)
         self.spec: ModelSpec = self.model.spec
         self.max_positions = self.model.max_positions

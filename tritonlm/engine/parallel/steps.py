@@ -65,9 +65,11 @@ def run_pp_step(
 
 
 def load_shard(
-    mode: str, hf_dir: str, rank: int, world: int, device: str, dtype: torch.dtype | None
+    mode: str, hf_dir: str, rank: int, world: int, device: str, dtype: torch.dtype | None, attention: str = "auto"
 ) -> tuple[Transformer, int]:
-    """(this rank's share of the model, the logits width). The full model is freed before returning."""
+    """(this rank's share of the model, the logits width). The full model is freed before
+    returning. attention "auto" / "paged": decode steps use the paged-attention kernel
+    where it runs (CPU, float32), as TorchRunner's do; "gather": never."""
     import gc
 
     from transformers import AutoModelForCausalLM
@@ -80,6 +82,8 @@ def load_shard(
     del full
     gc.collect()
     share.block_weights()  # CPU float: the same blocked weights as TorchRunner's
+    if attention != "gather":
+        share.use_paged_kernel()
     return share, width
 
 

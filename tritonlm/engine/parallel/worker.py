@@ -75,7 +75,8 @@ def serve(conn, args) -> int:
         torch.cuda.set_device(torch.device(device))
     try:
         dtype = getattr(torch, cfg["dtype"]) if cfg["dtype"] else None
-        model, width = load_shard(cfg["mode"], cfg["hf_dir"], args.rank, args.world, device, dtype)
+        model, width = load_shard(cfg["mode"], cfg["hf_dir"], args.rank, args.world, device, dtype,
+                                  cfg.get("attention", "auto"))
     except Exception:
         conn.send_bytes(pack("error", message=traceback.format_exc()))
         return 1
