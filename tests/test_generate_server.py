@@ -62,6 +62,14 @@ def test_greedy_over_grpc_equals_hf_generate(triton_server):
             assert result.num_input_tokens == len(tiny()[1](prompt).input_ids)
 
 
+def test_what_each_model_resolved_at_load_is_in_the_server_log(triton_server):
+    """tritonlm's load-time decisions go to Triton's own log (pb_utils.Logger), not nowhere."""
+    log = triton_server.log_text()
+    assert re.search(r'I\d{4} .*"tritonlm\.engine\.loader: precision: float32 on cpu \(set in the config\)"', log), log[-3000:]
+    assert '"tritonlm.engine.loader: attention: paged (built for this CPU)"' in log, log[-3000:]
+    assert re.search(r'"tritonlm\.engine\.loader: KV cache: 1024 bytes/token, budget \d+ bytes', log), log[-3000:]
+
+
 def test_onnx_runtime_gives_the_same_greedy_tokens(triton_server):
     prompts = PROMPTS[:4]
     with cf.ThreadPoolExecutor(4) as pool:

@@ -23,6 +23,9 @@ def model_parameters(config: dict[str, Any]) -> dict[str, str]:
 
 
 def make_handler(config: dict[str, Any], args: dict[str, str]):
+    from tritonlm.glue.logs import route_logging_to_triton
+
+    route_logging_to_triton()
     params = model_parameters(config)
     task = params.get("task", "")
     if task not in TASKS:
