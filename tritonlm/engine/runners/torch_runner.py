@@ -45,10 +45,11 @@ class TorchRunner:
             self._calibrate()
             self.transformer.quantize_int8()
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
-        self.attention, self.attention_why = "gather", "set in the config"
+        self.attention, self.attention_why = "gather", "asked for"
         if attention != "gather":
             on, self.attention_why = self.transformer.use_paged_kernel()
             self.attention = "paged" if on else "gather"
+
     @classmethod
     def from_pretrained(
         cls, hf_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
