@@ -540,3 +540,22 @@ def test_attention_backend_falls_back_where_the_kernel_cannot_run(hf_models):
     assert half.attention == "gather" and "float32 on the CPU" in half.attention_why
     with pytest.raises(ValueError, match="attention: 'flash'"):
         load_runner("torch", hf_models["llama"], attention="flash")
+
+
+def test_a_kernel_build_lock_left_by_a_dead_process_is_removed_a_fresh_one_kept(tmp_path):
+    """torch's build lock would make every later model load wait forever after a process
+    died mid-build; one older than any build is removed, a live build's is left alone."""
+    import os
+    import time
+
+    from tritonlm.engine.kernels import STALE_LOCK_S, _remove_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    _remove_stale_lock(lock)
+    assert lock.exists()  # a build in progress
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    _remove_stale_lock(lock)
+    assert not lock.exists()
+    _remove_stale_lock(lock)  # nothing there: no error

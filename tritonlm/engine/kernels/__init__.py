@@ -5,12 +5,14 @@
 
 The source ships with the package (paged_attention.cpp); torch.utils.cpp_extension
 compiles it with the host's compiler (g++ and ninja, ~10 s) into torch's extension
-cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), under a name that
-hashes the source, the torch version and the CPU's model and flags: it is compiled for
-this CPU (-march=native), so a cache shared with a different CPU builds its own copy,
-and a later load reuses the build. Concurrent processes (Triton model instances)
-wait on torch's build lock. When anything is missing (no compiler, a non-x86 CPU, a
-failed build), the reason is returned and the caller runs its torch path instead.
+cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; ours under tritonlm/),
+under a name that hashes the source, the torch version and the CPU's model and flags:
+it is compiled for this CPU (-march=native), so a cache shared with a different CPU
+builds its own copy, and a later load reuses the build. Concurrent processes (Triton
+model instances) wait on torch's build lock; a lock left by a process killed mid-build
+would make every later load wait forever, so one older than STALE_LOCK_S is removed.
+When anything is missing (no compiler, a non-x86 CPU, a failed build), the reason is
+returned and the caller runs its torch path instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import platform
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
+STALE_LOCK_S = 600.0  # a build takes ~10 s; a lock this old belongs to a process that died
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # (available, why), once per process
 
@@ -54,6 +58,16 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 def _build() -> tuple[bool, str]:
     if platform.machine() not in ("x86_64", "AMD64"):
         return False, f"the kernel is built for x86-64 CPUs; this one is {platform.machine()}"
@@ -67,11 +81,18 @@ def _build() -> tuple[bool, str]:
     digest = hashlib.sha256(
         _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_fingerprint().encode()
     ).hexdigest()[:12]
+    name = f"tritonlm_paged_attention_{digest}"
     try:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        build_dir = Path(get_default_build_root()) / "tritonlm" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_lock(build_dir / "lock")
         # -fopenmp: at::parallel_for runs on torch's own OpenMP team (the process already
         # has torch's libgomp loaded; the extension links to it by its soname)
         load(
-            name=f"tritonlm_paged_attention_{digest}",
+            name=name,
+            build_directory=str(build_dir),
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
