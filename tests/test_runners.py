@@ -455,6 +455,7 @@ def test_blocked_weights_give_the_plain_matmul_logits(widths):
     assert runner.transformer.layers[0].qkv.blocked is not None and runner.transformer.lm_head.blocked is not None
     plain = TorchRunner(model)
     plain.transformer = Transformer.from_hf(model)  # not blocked
+    plain.transformer.use_paged_kernel()  # the same C++ ops as the blocked runner: only the matmuls differ
     gen = torch.Generator().manual_seed(sum(widths))
     rows = [torch.randint(0, VOCAB, (w,), generator=gen).tolist() for w in widths]
     outs = []
@@ -475,20 +476,22 @@ def test_blocked_weights_give_the_plain_matmul_logits(widths):
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, head_dim, width",
-    [(9, 3, 64, 1), (4, 2, 16, 1), (8, 8, 128, 4), (6, 2, 24, 3), (4, 1, 64, 8)],
-    ids=["gqa-d64-decode", "gqa-d16", "mha-d128-verify4", "gqa-d24-generic", "mqa-d64-verify8"],
+    "heads, kv_heads, head_dim, width, rotary",
+    [(9, 3, 64, 1, True), (4, 2, 16, 1, False), (8, 8, 128, 4, True), (6, 2, 24, 3, True), (4, 1, 64, 8, False)],
+    ids=["gqa-d64-decode-rope", "gqa-d16", "mha-d128-verify4-rope", "gqa-d24-generic-rope", "mqa-d64-verify8"],
 )
-def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim, width):
-    """The C++ kernel reads K/V through the slot table; the torch path gathers them and runs
-    SDPA with the key mask. Same outputs on scattered slots, rows of different lengths and
-    padded rows (num_new < width), and the same K/V written to the pool."""
-    from tritonlm.engine.kernels import paged_attention_available
+def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim, width, rotary):
+    """The C++ op takes the fused [q | k | v] projection: it applies RoPE, writes the new K/V
+    into the pool and reads every row's K/V through the slot table. The torch path rotates
+    with apply_rope, writes with index_copy_, gathers and runs SDPA with the key mask. Same
+    outputs on scattered slots, rows of different lengths and padded rows (num_new < width),
+    and the same K/V in the pool."""
+    from tritonlm.engine.kernels import kernels_available
     from tritonlm.engine.kv_cache import KVPool
     from tritonlm.engine.runners.base import kv_rows, plan_step
-    from tritonlm.engine.runners.transformer import StepContext, paged_attention
+    from tritonlm.engine.runners.transformer import StepContext, apply_rope, paged_attention, rope_cos_sin
 
-    assert paged_attention_available() == (True, "built for this CPU")
+    assert kernels_available() == (True, "built for this CPU")
     g = torch.Generator().manual_seed(heads * 100 + head_dim + width)
     bsz, slots = 5, 400
     past = [0, 37, 120, 5, 64][:bsz]
@@ -500,9 +503,13 @@ def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim
         at += p + n
     batch = StepBatch.build([[0] * n for n in new], past, rows)
     plan = plan_step(batch, torch.device("cpu"))
-    q = torch.randn(bsz, width, heads, head_dim, generator=g)
-    k = torch.randn(bsz, width, kv_heads, head_dim, generator=g)
-    v = torch.randn(bsz, width, kv_heads, head_dim, generator=g)
+    qkv = torch.randn(bsz, width, (heads + 2 * kv_heads) * head_dim, generator=g)  # [B, T, (H + 2 Hkv) D]
+    q, k, v = qkv.view(bsz, width, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=2)
+    cos = sin = None
+    if rotary:
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        cos, sin = rope_cos_sin(plan.positions, inv_freq, 1.0, torch.float32)  # [B, T, 1, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     pools = [KVPool.allocate(slots, 1, kv_heads, head_dim, torch.float32, torch.device("cpu")) for _ in range(2)]
     for pool in pools:  # the same random past in both
         pool.k[0].copy_(torch.randn(slots, kv_heads, head_dim, generator=torch.Generator().manual_seed(1)))
@@ -510,29 +517,96 @@ def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim
     scale = head_dim**-0.5
     gather_ctx = StepContext(plan=plan, mask=plan.key_mask().unsqueeze(1), rows=kv_rows(plan.slot_table, kv_heads),
                              k_buf=None, v_buf=None, rope=None)
-    kernel_ctx = StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=None, kernel=True,
-                             slot_table=plan.slot_table.contiguous())
     want = paged_attention(q, k, v, pools[0].k[0], pools[0].v[0], gather_ctx, scale)  # [B, T, H*D]
-    got = paged_attention(q, k, v, pools[1].k[0], pools[1].v[0], kernel_ctx, scale)
+    got = torch.ops.tritonlm.paged_attention_qkv(qkv, pools[1].k[0], pools[1].v[0], plan.write_slots,
+                                                 plan.slot_table.contiguous(), plan.positions, cos, sin, heads, scale)
     valid = plan.valid.unsqueeze(-1)  # padded rows' outputs are don't-care
     diff = ((got - want) * valid).abs().max().item()
     assert diff < 2e-6, f"kernel vs gather path: max abs diff {diff:.3g}"
-    assert torch.equal(pools[0].k[0], pools[1].k[0]) and torch.equal(pools[0].v[0], pools[1].v[0])
+    written = plan.write_slots[plan.valid]  # the new tokens' slots: RoPE's products may round differently (FMA)
+    assert (pools[0].k[0][written] - pools[1].k[0][written]).abs().max().item() < 1e-6
+    others = torch.ones(slots, dtype=torch.bool)
+    others[written] = False
+    others[SCRATCH_SLOT] = False  # padding rows write there
+    assert torch.equal(pools[0].k[0][others], pools[1].k[0][others])
+    real = torch.arange(slots) != SCRATCH_SLOT
+    assert torch.equal(pools[0].v[0][real], pools[1].v[0][real])  # values are copied as they are
 
 
 def test_paged_attention_kernel_refuses_bad_tensors_naming_them():
-    from tritonlm.engine.kernels import paged_attention_available
+    from tritonlm.engine.kernels import kernels_available
 
-    assert paged_attention_available()[0]
-    q, cache = torch.randn(1, 1, 2, 8), torch.randn(4, 1, 8)
-    slots, pos = torch.tensor([[1, 2]]), torch.tensor([[1]])
-    op = torch.ops.tritonlm.paged_attention
+    assert kernels_available()[0]
+    qkv, cache = torch.randn(1, 1, 4 * 8), torch.randn(4, 1, 8)  # 2 query heads, 1 kv head of 8
+    slots, pos, write = torch.tensor([[1, 2]]), torch.tensor([[1]]), torch.tensor([[2]])
+    op = torch.ops.tritonlm.paged_attention_qkv
     with pytest.raises(RuntimeError, match="float32 only"):
-        op(q.double(), cache, cache, slots, pos, 1.0)
+        op(qkv.double(), cache, cache, write, slots, pos, None, None, 2, 1.0)
     with pytest.raises(RuntimeError, match=r"slot 9 outside the pool \[0, 4\)"):
-        op(q, cache, cache, torch.tensor([[1, 9]]), pos, 1.0)
+        op(qkv, cache, cache, write, torch.tensor([[1, 9]]), pos, None, None, 2, 1.0)
+    with pytest.raises(RuntimeError, match=r"write slot 7 outside the pool \[0, 4\)"):
+        op(qkv, cache, cache, torch.tensor([[7]]), slots, pos, None, None, 2, 1.0)
     with pytest.raises(RuntimeError, match=r"position 2 outside the slot table \[0, 2\)"):
-        op(q, cache, cache, slots, torch.tensor([[2]]), 1.0)
+        op(qkv, cache, cache, write, slots, torch.tensor([[2]]), None, None, 2, 1.0)
+    with pytest.raises(RuntimeError, match="qkv's last dim is 32; 3 query heads and 1 kv heads of 8 need 40"):
+        op(qkv, cache, cache, write, slots, pos, None, None, 3, 1.0)
+    with pytest.raises(RuntimeError, match="cos and sin must be float32, contiguous, B \\* T \\* D values"):
+        op(qkv, cache, cache, write, slots, pos, torch.ones(1, 1, 4), torch.ones(1, 1, 4), 2, 1.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 40), (700, 96)], ids=["decode-row", "tail-lanes", "many-rows"])
+def test_fused_norm_and_activation_ops_equal_the_torch_math(shape):
+    """rms_norm / add_rms_norm against transformers' LlamaRMSNorm math in float32, silu_mul
+    against F.silu(gate) * up, scale_rows_into against int8's torch prep: one row, widths that are not a multiple of the
+    vector width (the scalar tail), and enough rows to be split over threads."""
+    from tritonlm.engine.kernels import kernels_available
+
+    assert kernels_available()[0]
+    g = torch.Generator().manual_seed(sum(shape))
+    x, delta = torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g)
+    w, eps = torch.randn(shape[-1], generator=g), 1e-5
+
+    def hf_rms(t):  # LlamaRMSNorm.forward, float32
+        return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+    ops = torch.ops.tritonlm
+    torch.testing.assert_close(ops.rms_norm(x, w, eps), hf_rms(x), rtol=1e-5, atol=1e-5)
+    total, normed = ops.add_rms_norm(x, delta, w, eps)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, hf_rms(x + delta), rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    # int8 linear's input rows: x * smooth scaled to max |.| = 1, the same bits as the torch math
+    smooth, out = torch.rand(shape[-1], generator=g) + 0.5, torch.empty(x.numel() // shape[-1], shape[-1])
+    for s in (None, smooth):
+        flat = x.reshape(-1, shape[-1]) * (1.0 if s is None else s)
+        scale = ops.scale_rows_into(x, s, out)
+        assert torch.equal(scale, flat.abs().amax(-1, keepdim=True)) and torch.equal(out, flat / scale)
+    big = torch.tensor([[-100.0, -30.0, 0.0, 30.0, 100.0, 1e4, -1e4, 1.0]])  # e^-x at its clamps
+    torch.testing.assert_close(ops.silu_mul(torch.cat([big, torch.ones_like(big)], -1)),
+                               torch.nn.functional.silu(big), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_ops_refuse_bad_tensors_naming_them():
+    from tritonlm.engine.kernels import kernels_available
+
+    assert kernels_available()[0]
+    ops, x = torch.ops.tritonlm, torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="rms_norm: x must be a contiguous float32 CPU tensor"):
+        ops.rms_norm(x.double(), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="rms_norm: w has 4 values; x's rows have 8"):
+        ops.rms_norm(x, torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match=r"add_rms_norm: delta \[2, 4\] must have x's shape \[2, 8\]"):
+        ops.add_rms_norm(x, torch.randn(2, 4), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match=r"silu_mul: gate_up's last dim \(7\) must be even"):
+        ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="silu_mul: gate_up must be a contiguous float32 CPU tensor"):
+        ops.silu_mul(torch.randn(8, 2).t())
+    with pytest.raises(RuntimeError, match=r"scale_rows_into: out must be \[2, 8\], not \[3, 8\]"):
+        ops.scale_rows_into(x, None, torch.empty(3, 8))
+    with pytest.raises(RuntimeError, match="scale_rows_into: smooth has 4 values; x's rows have 8"):
+        ops.scale_rows_into(x, torch.ones(4), torch.empty(2, 8))
 
 
 def test_attention_backend_falls_back_where_the_kernel_cannot_run(hf_models):

@@ -56,10 +56,10 @@ def checks() -> list[tuple[str, bool, str]]:
     except ImportError:
         pass
     try:
-        from tritonlm.engine.kernels import paged_attention_available
+        from tritonlm.engine.kernels import kernels_available
 
-        ok, why = paged_attention_available()
-        rows.append(("paged-attention kernel", ok, why if ok else f"{why}: install g++ (or `make setup`); "
+        ok, why = kernels_available()
+        rows.append(("C++ kernels (paged attention, fused ops)", ok, why if ok else f"{why}: install g++ (or `make setup`); "
                      "decode falls back to the slower gather path"))
     except ImportError:
         pass

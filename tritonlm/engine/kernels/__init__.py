@@ -1,12 +1,17 @@
 """tritonlm's own C++ kernels, compiled for this host on first use.
 
-    paged_attention_available() -> (bool, why)   builds and loads once per process
-    torch.ops.tritonlm.paged_attention(q, k_cache, v_cache, slot_table, positions, scale)
+    kernels_available() -> (bool, why)   builds and loads once per process; then
+    torch.ops.tritonlm.paged_attention_qkv(qkv, k_cache, v_cache, write_slots, slot_table,
+                                           positions, cos, sin, heads, scale)
+        a decode step's attention: RoPE, the new K/V into the pool, attention read
+        through the slot table (paged_attention.cpp)
+    torch.ops.tritonlm.rms_norm(x, w, eps), .add_rms_norm(x, delta, w, eps), .silu_mul(gate_up)
+        a layer's element-wise steps fused (decode_ops.cpp)
 
-The source ships with the package (paged_attention.cpp); torch.utils.cpp_extension
-compiles it with the host's compiler (g++ and ninja, ~10 s) into torch's extension
-cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; ours under tritonlm/),
-under a name that hashes the source, the torch version and the CPU's model and flags:
+The sources ship with the package; torch.utils.cpp_extension compiles them with the
+host's compiler (g++ and ninja, ~15 s) into one extension in torch's extension cache
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; ours under tritonlm/),
+under a name that hashes the sources, the torch version and the CPU's model and flags:
 it is compiled for this CPU (-march=native), so a cache shared with a different CPU
 builds its own copy, and a later load reuses the build. Concurrent processes (Triton
 model instances) wait on torch's build lock; a lock left by a process killed mid-build
@@ -30,7 +35,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "decode_ops.cpp"]
+_HEADERS = [_HERE / "simd_math.h"]
 STALE_LOCK_S = 600.0  # a build takes ~10 s; a lock this old belongs to a process that died
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # (available, why), once per process
@@ -79,7 +86,7 @@ def _build() -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001 - any reason not to build is reported, not raised
         return False, f"cannot build C++ extensions here ({e})"
     digest = hashlib.sha256(
-        _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_fingerprint().encode()
+        b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode() + _cpu_fingerprint().encode()
     ).hexdigest()[:12]
     name = f"tritonlm_paged_attention_{digest}"
     try:
@@ -93,23 +100,23 @@ def _build() -> tuple[bool, str]:
         load(
             name=name,
             build_directory=str(build_dir),
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001
-        return False, f"building the C++ kernel failed ({str(e).strip().splitlines()[-1] if str(e).strip() else e!r})"
+        return False, f"building the C++ kernels failed ({str(e).strip().splitlines()[-1] if str(e).strip() else e!r})"
     return True, "built for this CPU"
 
 
-def paged_attention_available() -> tuple[bool, str]:
-    """(can torch.ops.tritonlm.paged_attention run, why); built on the first call only."""
+def kernels_available() -> tuple[bool, str]:
+    """(can tritonlm's C++ ops run, why); built on the first call only."""
     global _state
     with _lock:
         if _state is None:
             _state = _build()
-            (log.info if _state[0] else log.warning)("paged-attention kernel: %s", _state[1])
+            (log.info if _state[0] else log.warning)("C++ kernels: %s", _state[1])
         return _state
 

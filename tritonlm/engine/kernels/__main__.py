@@ -3,8 +3,8 @@ before any server would race to) and say whether they load."""
 
 import sys
 
-from tritonlm.engine.kernels import paged_attention_available
+from tritonlm.engine.kernels import kernels_available
 
-ok, why = paged_attention_available()
-print(f"paged-attention kernel: {'ok' if ok else 'unavailable'} ({why})")
+ok, why = kernels_available()
+print(f"C++ kernels (paged attention, fused norms): {'ok' if ok else 'unavailable'} ({why})")
 sys.exit(0)  # unavailable is not a setup failure: decode runs on the torch path

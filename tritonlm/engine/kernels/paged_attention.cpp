@@ -1,26 +1,31 @@
-// Paged attention for the CPU: attention that reads each sequence's keys and values
-// straight from the paged KV pool through its slot table, with no gathered copy.
+// Paged attention for the CPU: a decode step's attention, from the fused q/k/v projection's
+// output to the attention output, reading each sequence's keys and values straight from
+// the paged KV pool through its slot table, with no gathered copy.
 //
 // The torch path (transformer.paged_attention) copies every row's K and V into a dense
 // [B, Hkv, L, D] buffer per layer (index_select) and runs scaled_dot_product_attention
 // on it: the pool is read once, the copy written once and read again. On the 2-core
 // test host that copy and SDPA were a third of a float32 decode step at batch 32. This
-// kernel reads each key and value row once, for all the query rows that share it.
+// kernel reads each key and value row once, for all the query rows that share it. It also
+// does what the torch path spends ~15 small ops per layer on, which at batch 1 cost more
+// than the attention itself: RoPE on q and k, and writing the new k and v into the pool.
 //
-//   q            [B, T, H, D]  float32, contiguous (the new tokens' queries)
-//   k/v_cache    [S, Hkv, D]   float32, contiguous (one layer of the pool)
+//   qkv          [B, T, (H + 2 Hkv) D]  float32, contiguous: [q | k | v] of the new tokens
+//   k/v_cache    [S, Hkv, D]   float32, contiguous (one layer of the pool), written in place
+//   write_slots  [B, T]        int64: pool slot of new token t of row b (padding: scratch)
 //   slot_table   [B, L]        int64: slot of position j of row b
 //   positions    [B, T]        int64: absolute position of new token t of row b; it sees
 //                              keys 0..positions[b, t] (causal; the key exists)
-//   out          [B, T, H, D]  float32
+//   cos, sin     [B, T, D]     float32 RoPE factors (Llama family), or None (GPT-2)
+//   out          [B, T, H * D] float32
 // Query head h reads kv head h / (H / Hkv) (grouped-query attention). Work is split
 // over (row, kv head) pairs with at::parallel_for: torch's own thread team.
 //
-// Registered as torch.ops.tritonlm.paged_attention.
+// Registered as torch.ops.tritonlm.paged_attention_qkv.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,9 +34,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd_math.h"
 
 namespace {
 
@@ -40,21 +43,7 @@ namespace {
 // with its intrinsics; elsewhere plain loops that the compiler vectorizes as it can.
 template <int N>
 inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  if constexpr (N > 0 && N % 32 == 0) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (int i = 0; i < N; i += 32) {
-      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  }
-#endif
-  const int64_t len = N > 0 ? N : n;
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < len; ++i) s += a[i] * b[i];
-  return s;
+  return tritonlm_simd::dot(a, b, N > 0 ? N : n);  // N known: the compiler unrolls it
 }
 
 template <int N>
@@ -72,46 +61,33 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < len; ++i) y[i] += a * x[i];
 }
 
-// x[i] <- exp(x[i] - m) (every x[i] <= m); returns their sum. exp(x - m) = 2^v with
-// v = (x - m) log2 e = k + f, k = round(v), f in [-0.5, 0.5]; 2^f by its degree-6 Taylor
-// polynomial (relative error ~1e-7, about float32's own rounding). v is clamped at -126:
-// terms below 2^-126 (~1e-38) come out as ~1e-38, far below what a sum that includes
-// exp(0) = 1 can register.
-constexpr float kExpC[7] = {1.0f, 6.9314718055994531e-1f, 2.4022650695910071e-1f, 5.5504108664821580e-2f,
-                            9.6181291076284772e-3f, 1.3333558146428443e-3f, 1.5403530393381606e-4f};
-
-inline float exp_shifted(float x, float m) {
-  const float v = std::max((x - m) * 1.44269504088896341f, -126.f);
-  const float k = std::nearbyint(v), f = v - k;
-  float p = kExpC[6];
-  for (int c = 5; c >= 0; --c) p = p * f + kExpC[c];
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof(two_k));
-  return p * two_k;
-}
-
+// x[i] <- exp(x[i] - m) (every x[i] <= m); returns their sum.
 inline float exp_shifted_sum(float* x, int64_t n, float m) {
   int64_t i = 0;
   float sum = 0.f;
 #if defined(__AVX512F__)
-  const __m512 mv = _mm512_set1_ps(m), log2e = _mm512_set1_ps(1.44269504088896341f), lo = _mm512_set1_ps(-126.f);
+  const __m512 mv = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv), log2e), lo);
-    const __m512 k = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(v, k);
-    __m512 p = _mm512_set1_ps(kExpC[6]);
-    for (int c = 5; c >= 0; --c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpC[c]));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    const __m512 e = tritonlm_simd::exp(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
     _mm512_storeu_ps(x + i, e);
     acc = _mm512_add_ps(acc, e);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = tritonlm_simd::exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float l : lanes) sum += l;
 #endif
   for (; i < n; ++i) {
-    x[i] = exp_shifted(x[i], m);
+    x[i] = tritonlm_simd::exp(x[i] - m);
     sum += x[i];
   }
   return sum;
@@ -178,8 +154,8 @@ inline void weigh_values(float* const* out, const int64_t* nkeys, int64_t nrows,
 }
 
 template <int HD>
-void attend(const float* qp, const float* kp, const float* vp, const int64_t* st, const int64_t* pos, float* op,
-            int64_t B, int64_t T, int64_t H, int64_t D, int64_t Hkv, int64_t L, float sc) {
+void attend(const float* qp, int64_t q_stride, const float* kp, const float* vp, const int64_t* st, const int64_t* pos,
+            float* op, int64_t B, int64_t T, int64_t H, int64_t D, int64_t Hkv, int64_t L, float sc) {
   const int64_t group = H / Hkv;
   const int64_t rows = T * group;  // query rows that read one kv head of one sequence
 
@@ -197,7 +173,7 @@ void attend(const float* qp, const float* kp, const float* vp, const int64_t* st
         n_max = std::max(n_max, n);
         for (int64_t i = 0; i < group; ++i) {
           const int64_t r = t * group + i, h = g * group + i;
-          qrow[r] = qp + ((b * T + t) * H + h) * D;
+          qrow[r] = qp + (b * T + t) * q_stride + h * D;
           orow[r] = op + ((b * T + t) * H + h) * D;
           nkeys[r] = n;
         }
@@ -230,51 +206,103 @@ void attend(const float* qp, const float* kp, const float* vp, const int64_t* st
   });
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& slot_table, const at::Tensor& positions, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_attention: q must be [B, T, H, D], "
-              "k_cache and v_cache [S, Hkv, D]");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "paged_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "paged_attention: float32 only");
-  TORCH_CHECK(slot_table.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
-              "paged_attention: slot_table and positions must be int64");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              slot_table.is_contiguous() && positions.is_contiguous(), "paged_attention: contiguous tensors only");
-  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
-  const int64_t S = k_cache.size(0), Hkv = k_cache.size(1), L = slot_table.size(1);
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D, "paged_attention: cache shape mismatch");
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "paged_attention: query heads must be a multiple of kv heads");
-  TORCH_CHECK(slot_table.size(0) == B && positions.size(0) == B && positions.size(1) == T,
-              "paged_attention: slot_table [B, L] and positions [B, T] must match q");
-  const int64_t group = H / Hkv;
-  const float sc = static_cast<float>(scale);
+// x rotated by half (RoPE, as transformers' rotate_half): out = x * cos + [-x2, x1] * sin.
+inline void rope(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + -x[i + half] * sin[i];
+#pragma omp simd
+  for (int64_t i = half; i < D; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
 
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+at::Tensor paged_attention_qkv(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& write_slots, const at::Tensor& slot_table,
+                               const at::Tensor& positions, const std::optional<at::Tensor>& cos,
+                               const std::optional<at::Tensor>& sin, int64_t heads, double scale) {
+  TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_attention_qkv: qkv must be "
+              "[B, T, (H + 2 Hkv) D], k_cache and v_cache [S, Hkv, D]");
+  TORCH_CHECK(qkv.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_attention_qkv: CPU tensors only");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "paged_attention_qkv: float32 only");
+  TORCH_CHECK(write_slots.scalar_type() == at::kLong && slot_table.scalar_type() == at::kLong &&
+              positions.scalar_type() == at::kLong, "paged_attention_qkv: write_slots, slot_table and positions "
+              "must be int64");
+  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              write_slots.is_contiguous() && slot_table.is_contiguous() && positions.is_contiguous(),
+              "paged_attention_qkv: contiguous tensors only");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_attention_qkv: k_cache and v_cache differ in shape");
+  const int64_t B = qkv.size(0), T = qkv.size(1), S = k_cache.size(0), Hkv = k_cache.size(1), D = k_cache.size(2);
+  const int64_t H = heads, L = slot_table.size(1), W = (H + 2 * Hkv) * D;
+  TORCH_CHECK(Hkv > 0 && H > 0 && H % Hkv == 0, "paged_attention_qkv: query heads (", H,
+              ") must be a multiple of kv heads (", Hkv, ")");
+  TORCH_CHECK(qkv.size(2) == W, "paged_attention_qkv: qkv's last dim is ", qkv.size(2), "; ", H, " query heads and ",
+              Hkv, " kv heads of ", D, " need ", W);
+  TORCH_CHECK(slot_table.size(0) == B && positions.sizes() == write_slots.sizes() && positions.dim() == 2 &&
+              positions.size(0) == B && positions.size(1) == T,
+              "paged_attention_qkv: slot_table [B, L], positions and write_slots [B, T] must match qkv");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "paged_attention_qkv: cos and sin come together");
+  const bool rotary = cos.has_value();
+  if (rotary) {
+    TORCH_CHECK(cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat && cos->is_contiguous() &&
+                sin->is_contiguous() && cos->numel() == B * T * D && sin->numel() == B * T * D && D % 2 == 0,
+                "paged_attention_qkv: cos and sin must be float32, contiguous, B * T * D values each");
+  }
+  const float* xp = qkv.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  const int64_t* ws = write_slots.data_ptr<int64_t>();
   const int64_t* st = slot_table.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * T; ++i)
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < L, "paged_attention: position ", pos[i], " outside the slot table [0, ", L, ")");
+  for (int64_t i = 0; i < B * T; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < L, "paged_attention_qkv: position ", pos[i], " outside the slot table [0, ",
+                L, ")");
+    TORCH_CHECK(ws[i] >= 0 && ws[i] < S, "paged_attention_qkv: write slot ", ws[i], " outside the pool [0, ", S, ")");
+  }
   for (int64_t i = 0; i < B * L; ++i)
-    TORCH_CHECK(st[i] >= 0 && st[i] < S, "paged_attention: slot ", st[i], " outside the pool [0, ", S, ")");
+    TORCH_CHECK(st[i] >= 0 && st[i] < S, "paged_attention_qkv: slot ", st[i], " outside the pool [0, ", S, ")");
 
-  at::Tensor out = at::empty_like(q);
+  // The new tokens: q (rotated) into its own buffer; k (rotated) and v into their pool
+  // slots, before any row reads them (a token attends to itself). One thread: B * T rows
+  // of a few hundred floats, and padding rows all write the scratch slot.
+  at::Tensor q_rot;
+  const float* qp = xp;  // without RoPE the queries are read where they are, in qkv
+  int64_t q_stride = W;
+  if (rotary) {
+    q_rot = at::empty({B, T, H, D}, qkv.options());
+    float* qr = q_rot.data_ptr<float>();
+    const float* cp = cos->data_ptr<float>();
+    const float* sp = sin->data_ptr<float>();
+    for (int64_t i = 0; i < B * T; ++i) {
+      const float* x = xp + i * W;
+      for (int64_t h = 0; h < H; ++h) rope(x + h * D, cp + i * D, sp + i * D, qr + (i * H + h) * D, D);
+      for (int64_t g = 0; g < Hkv; ++g) rope(x + (H + g) * D, cp + i * D, sp + i * D, kp + (ws[i] * Hkv + g) * D, D);
+    }
+    qp = qr;
+    q_stride = H * D;
+  } else {
+    for (int64_t i = 0; i < B * T; ++i)
+      std::memcpy(kp + ws[i] * Hkv * D, xp + i * W + H * D, sizeof(float) * Hkv * D);
+  }
+  for (int64_t i = 0; i < B * T; ++i)
+    std::memcpy(vp + ws[i] * Hkv * D, xp + i * W + (H + Hkv) * D, sizeof(float) * Hkv * D);
+
+  at::Tensor out = at::empty({B, T, H * D}, qkv.options());
   float* op = out.data_ptr<float>();
-  if (D == 64) attend<64>(qp, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc);
-  else if (D == 128) attend<128>(qp, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc);
-  else attend<0>(qp, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc);
+  const float sc = static_cast<float>(scale);
+  if (D == 64) attend<64>(qp, q_stride, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc);
+  else if (D == 128) attend<128>(qp, q_stride, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc);
+  else attend<0>(qp, q_stride, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc);
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(tritonlm, m) {
-  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_table, Tensor positions, float scale) -> Tensor");
+TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
+  m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, "
+        "Tensor slot_table, Tensor positions, Tensor? cos, Tensor? sin, int heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tritonlm, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_qkv", &paged_attention_qkv);
 }

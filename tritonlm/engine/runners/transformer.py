@@ -83,6 +83,7 @@ class Proj:
     pin_width: int = 0  # int8: input features (the pinned row's width, see matmul)
     scratch: torch.Tensor | None = field(default=None, repr=False)  # int8: [rows, in] pinned-row buffer
     smooth: torch.Tensor | None = None  # [in] int8: 1/s of SmoothQuant's migration, when not folded upstream
+    row_op: bool = False  # int8: the input rows are scaled by torch.ops.tritonlm.scale_rows_into (one op)
     observed: torch.Tensor | None = None  # [in] calibration: max |x| seen per input channel
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], no bias
@@ -92,19 +93,23 @@ class Proj:
             if self.observed is not None:
                 torch.maximum(self.observed, x.detach().abs().reshape(-1, x.shape[-1]).amax(0), out=self.observed)
             return x @ self.w
-        if self.smooth is not None:
-            x = x * self.smooth  # SmoothQuant's division where it could not be folded upstream
         # The kernel quantizes its whole input with one range (min..max of the tensor), so
         # one row's outliers would coarsen every other row's, and a request's output would
         # depend on what shares its batch. Each row is scaled to max |x| = 1 and a pinned
         # row (1, -1, 0, ...) fixes the range to [-1, 1]: every token is quantized alone,
         # the same in any batch. The pinned row is row 0 of a reused buffer, the scaled rows
         # are written after it (no concatenation). [M, in] -> [1 + M, in] -> [M, out]
+        # SmoothQuant's division where it could not be folded upstream is applied here too.
         flat = x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
-        scale = flat.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1] (vector_norm(inf): 10x slower)
         buf = self._pinned_buffer(rows)
-        torch.div(flat, scale, out=buf[1 : rows + 1])
+        if self.row_op:
+            scale = torch.ops.tritonlm.scale_rows_into(flat.contiguous(), self.smooth, buf[1 : rows + 1])  # [M, 1]
+        else:
+            if self.smooth is not None:
+                flat = flat * self.smooth
+            scale = flat.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1] (vector_norm(inf): 10x slower)
+            torch.div(flat, scale, out=buf[1 : rows + 1])
         y = torch.ops.quantized.linear_dynamic(buf[: rows + 1], self.packed, _REDUCE_RANGE)
         return (y[1:] * scale).view(*x.shape[:-1], y.shape[-1])
 
@@ -392,9 +397,6 @@ def paged_attention(
     bsz = q.shape[0]
     write_kv(k_cache, ctx.plan.write_slots, k)
     write_kv(v_cache, ctx.plan.write_slots, v)
-    if ctx.kernel:  # keys and values read in place through the slot table: no gathered copy
-        out = torch.ops.tritonlm.paged_attention(q.contiguous(), k_cache, v_cache, ctx.slot_table, ctx.plan.positions, scale)
-        return out.view(bsz, q.shape[1], -1)  # [B, T, H, D] -> [B, T, H*D]
     keys = gather_kv(k_cache, ctx.rows, bsz, out=ctx.k_buf).to(q.dtype)  # [B, Hkv, L, D]
     values = gather_kv(v_cache, ctx.rows, bsz, out=ctx.v_buf).to(q.dtype)  # [B, Hkv, L, D]
     _, width, heads, dim = q.shape
@@ -467,7 +469,9 @@ class Transformer:
     vocab_lo: int = 0
     pos_lo: int = 0
     head_widths: list[int] = field(default_factory=list)  # TP: LM head columns of every rank, for the gather
-    paged_kernel: bool = False  # decode-width steps use torch.ops.tritonlm.paged_attention (use_paged_kernel)
+    # tritonlm's C++ ops (use_paged_kernel): decode-width steps' attention (paged_attention_qkv),
+    # and for float32 RMSNorm / SwiGLU models the fused norms and activation at every width
+    paged_kernel: bool = False
     workspace: Workspace = field(default_factory=Workspace, repr=False)  # gathered K/V, reused step to step
 
     @property
@@ -696,6 +700,8 @@ class Transformer:
             return False
         if self.weights_int8:
             return False
+        if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False  # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: plain x @ w
         for layer in self.layers:
             for name in ("qkv", "o", "down", "fc", "gate_up"):
                 proj = getattr(layer, name)
@@ -744,13 +750,16 @@ class Transformer:
         return x
 
     def use_paged_kernel(self) -> tuple[bool, str]:
-        """Turn on the C++ paged-attention kernel for decode-width steps when it can run
-        here: float32 K/V on the CPU, and the kernel builds. Returns (on, why)."""
+        """Turn on tritonlm's C++ ops (the paged-attention kernel for decode-width steps, the
+        fused norms and activation) when they can run here: float32 on the CPU, and the
+        kernels build. Returns (on, why)."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return False, f"the kernel runs float32 on the CPU; this model computes {self.dtype} on {self.device}"
-        from tritonlm.engine.kernels import paged_attention_available
+        from tritonlm.engine.kernels import kernels_available
 
-        self.paged_kernel, why = paged_attention_available()
+        self.paged_kernel, why = kernels_available()
+        for p in self.projections():
+            p.row_op = self.paged_kernel and p.packed is not None
         return self.paged_kernel, why
 
     def _context(self, plan: StepPlan, pool: KVPool) -> StepContext:
@@ -775,6 +784,11 @@ class Transformer:
         bsz, width, _ = x.shape
         d = self.spec.head_dim
         qkv = layer.qkv(x)  # [B, T, (H + 2 Hkv) D]
+        if ctx.kernel:  # RoPE, the K/V write and attention read in place through the slot table: one op
+            cos, sin = ctx.rope if ctx.rope is not None else (None, None)
+            return torch.ops.tritonlm.paged_attention_qkv(
+                qkv.contiguous(), pool.k[li], pool.v[li], ctx.plan.write_slots, ctx.slot_table, ctx.plan.positions,
+                cos, sin, self.heads, layer.attn_scale)
         qk_width = (self.heads + self.kv_heads) * d
         qk = qkv[..., :qk_width].view(bsz, width, self.heads + self.kv_heads, d)  # [B, T, H + Hkv, D]
         if ctx.rope is not None:  # q and k rotated in one pass (half the small ops of two)
@@ -787,23 +801,44 @@ class Transformer:
         """x [B, T, C] -> [B, T, F], everything before the down projection."""
         if layer.fc is not None:
             return self.act(layer.fc(x))
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [B, T, F] each
+        gate_up = layer.gate_up(x)  # [B, T, 2F]
+        if self.paged_kernel and self.act is F.silu and gate_up.dtype == torch.float32:
+            return torch.ops.tritonlm.silu_mul(gate_up.contiguous())  # one pass, no [B, T, F] temporaries
+        gate, up = gate_up.chunk(2, dim=-1)  # [B, T, F] each
         return self.act(gate) * up
+
+    def _fused_norm(self, norm: Norm, x: torch.Tensor) -> bool:
+        return self.paged_kernel and norm.rms and x.dtype == torch.float32 and norm.w.dtype == torch.float32
+
+    def norm(self, norm: Norm, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
+        if self._fused_norm(norm, x):
+            return torch.ops.tritonlm.rms_norm(x.contiguous(), norm.w, norm.eps)
+        return norm(x)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add and the next norm, one op with the kernels."""
+        if self._fused_norm(norm, x):
+            return torch.ops.tritonlm.add_rms_norm(x.contiguous(), delta.contiguous(), norm.w, norm.eps)
+        x = x + delta
+        return x, norm(x)
 
     def run_layers(self, plan: StepPlan, x: torch.Tensor, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor:
         """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP."""
         ctx = self._context(plan, pool)
+        delta = None  # what the last block adds to the residual stream, added with the next norm
         for li, layer in enumerate(self.layers):
-            x = x + row_parallel(layer.o, self.self_attention(layer.ln_attn(x), layer, li, ctx, pool), comm)
-            x = x + row_parallel(layer.down, self.mlp_inner(layer.ln_mlp(x), layer), comm)
-        return x
+            x, h = (x, self.norm(layer.ln_attn, x)) if delta is None else self.add_norm(x, delta, layer.ln_attn)
+            delta = row_parallel(layer.o, self.self_attention(h, layer, li, ctx, pool), comm)
+            x, h = self.add_norm(x, delta, layer.ln_mlp)
+            delta = row_parallel(layer.down, self.mlp_inner(h, layer), comm)
+        return x if delta is None else x + delta
 
     def head(self, plan: StepPlan, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
         """x [B, T, C] -> float32 logits [B, V'] (last valid token of each row) or [B, T, V']."""
         if not all_logits:
             rows = torch.arange(plan.batch_size, device=x.device)
             x = x[rows, plan.num_new - 1]  # [B, C]: only the rows whose logits are wanted
-        return self.lm_head(self.ln_f(x)).float()
+        return self.lm_head(self.norm(self.ln_f, x)).float()
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, all_logits: bool, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor | None:

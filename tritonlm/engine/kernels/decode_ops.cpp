@@ -1,0 +1,182 @@
+// The small element-wise steps of a decoder layer, each one op instead of several.
+//
+// At batch 1 a decode step of a 135M model on the 2-core test host spent as long on
+// ~2,000 small torch ops (each a dispatch, an allocation and a pass over a few hundred
+// floats) as on its matmuls. These fuse the ones every layer runs:
+//
+//   rms_norm(x, w, eps)                  x [..., C] -> w * x / sqrt(mean(x^2) + eps)
+//   add_rms_norm(x, delta, w, eps)       -> (s = x + delta, rms_norm(s, w, eps)): the
+//                                        residual add and the next layer's norm in one pass
+//   silu_mul(gate_up)                    [..., 2F] -> silu(gate) * up: Llama's MLP activation
+//   scale_rows_into(x, smooth, out)      int8 linear's input: each row of x * smooth scaled to
+//                                        max |.| = 1, into out; returns the scales [rows, 1]
+//
+// float32, CPU, contiguous; the same math as transformers' float32 modules up to the
+// order of a sum and exp's last bit (simd_math.h). Rows are split over torch's thread team
+// only when there are enough of them to pay for waking it.
+// Registered as torch.ops.tritonlm.<name>.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+
+#include "simd_math.h"
+
+namespace {
+
+constexpr int64_t kGrainFloats = 32768;  // floats per task: below this, one thread does it all
+
+void check_float_rows(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() >= 1, op, ": ",
+              name, " must be a contiguous float32 CPU tensor");
+}
+
+// y = w * (x * inv_rms), inv_rms = 1 / sqrt(mean(x^2) + eps), for one row of C
+inline void rms_row(const float* x, const float* w, float eps, float* y, int64_t C) {
+  const float ss = tritonlm_simd::dot(x, x, C);  // fixed order: a row's bits do not depend on its batch
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < C; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  check_float_rows(x, op, "x");
+  check_float_rows(w, op, "w");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), op, ": w has ", w.numel(), " values; x's rows have ",
+              x.size(-1));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_norm(x, w, "rms_norm");
+  const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
+  at::Tensor y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(C, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) rms_row(xp + r * C, wp, static_cast<float>(eps), yp + r * C, C);
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
+                                                double eps) {
+  check_norm(x, w, "add_rms_norm");
+  check_float_rows(delta, "add_rms_norm", "delta");
+  TORCH_CHECK(delta.sizes() == x.sizes(), "add_rms_norm: delta ", delta.sizes(), " must have x's shape ", x.sizes());
+  const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
+  at::Tensor s = at::empty_like(x), y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *sp = s.data_ptr<float>(), *yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(C, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float *xr = xp + r * C, *dr = dp + r * C;
+      float* sr = sp + r * C;
+#pragma omp simd
+      for (int64_t i = 0; i < C; ++i) sr[i] = xr[i] + dr[i];
+      rms_row(sr, wp, static_cast<float>(eps), yp + r * C, C);
+    }
+  });
+  return {s, y};
+}
+
+// silu(g) * u = g / (1 + e^-g) * u
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_float_rows(gate_up, "silu_mul", "gate_up");
+  const int64_t F2 = gate_up.size(-1);
+  TORCH_CHECK(F2 % 2 == 0, "silu_mul: gate_up's last dim (", F2, ") must be even: [gate | up]");
+  const int64_t F = F2 / 2, rows = F ? gate_up.numel() / F2 : 0;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = F;
+  at::Tensor out = at::empty(sizes, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(F, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float *g = gp + r * F2, *u = g + F;
+      float* o = op + r * F;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= F; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 e = tritonlm_simd::exp(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= F; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = tritonlm_simd::exp(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < F; ++i) o[i] = g[i] / (1.f + tritonlm_simd::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// int8 linear's input, one pass: out[r] = x[r] * smooth / scale[r], scale[r] = max |x[r] * smooth|
+// (at least 1e-30), so every row spans [-1, 1] (transformer.Proj.matmul says why). The
+// products are computed as x * smooth would round them; the division as torch.div does.
+at::Tensor scale_rows_into(const at::Tensor& x, const std::optional<at::Tensor>& smooth, const at::Tensor& out) {
+  check_float_rows(x, "scale_rows_into", "x");
+  check_float_rows(out, "scale_rows_into", "out");
+  const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == C && out.size(0) == rows, "scale_rows_into: out must be [", rows, ", ",
+              C, "], not ", out.sizes());
+  const float* sp = nullptr;
+  if (smooth.has_value()) {
+    check_float_rows(*smooth, "scale_rows_into", "smooth");
+    TORCH_CHECK(smooth->numel() == C, "scale_rows_into: smooth has ", smooth->numel(), " values; x's rows have ", C);
+    sp = smooth->data_ptr<float>();
+  }
+  at::Tensor scale = at::empty({rows, 1}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *scp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(C, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* xr = xp + r * C;
+      float* o = op + r * C;
+      float m = 0.f;
+      if (sp) {
+#pragma omp simd
+        for (int64_t i = 0; i < C; ++i) o[i] = xr[i] * sp[i];
+      } else {
+        std::memcpy(o, xr, sizeof(float) * C);
+      }
+#pragma omp simd reduction(max : m)
+      for (int64_t i = 0; i < C; ++i) m = std::max(m, std::fabs(o[i]));  // max is exact in any order
+      m = std::max(m, 1e-30f);
+#pragma omp simd
+      for (int64_t i = 0; i < C; ++i) o[i] = o[i] / m;
+      scp[r] = m;
+    }
+  });
+  return scale;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("scale_rows_into(Tensor x, Tensor? smooth, Tensor(a!) out) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tritonlm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("scale_rows_into", &scale_rows_into);
+}
