@@ -18,7 +18,10 @@ A slice holds copies of its share only, so the full model can be freed after sli
 Per layer, attention writes the new keys/values into the pool in place (`index_copy_`
 on the flat slot index), gathers each sequence's keys through its slot table into
 [B, Hkv, L, D] (one `index_select` into a reused Workspace buffer) and runs
-`scaled_dot_product_attention` with a boolean mask (key exists AND causal). The LM head
+`scaled_dot_product_attention` with a boolean mask (key exists AND causal). With
+tritonlm's C++ ops on (use_paged_kernel: CPU, float32), decode-width steps do RoPE, the
+write and attention in one op reading the pool in place (paged_attention_qkv), and the
+residual add + RMSNorm, SwiGLU and int8's input scaling are one op each. The LM head
 runs only on the rows whose logits are wanted: each row's last valid token, or every
 new token with all_logits.
 
