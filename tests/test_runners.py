@@ -557,7 +557,7 @@ def test_paged_attention_kernel_refuses_bad_tensors_naming_them():
 @pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 40), (700, 96)], ids=["decode-row", "tail-lanes", "many-rows"])
 def test_fused_norm_and_activation_ops_equal_the_torch_math(shape):
     """rms_norm / add_rms_norm against transformers' LlamaRMSNorm math in float32, silu_mul
-    against F.silu(gate) * up, scale_rows_into against int8's torch prep: one row, widths that are not a multiple of the
+    against F.silu(gate) * up, int8_linear against Proj's torch ops: one row, widths that are not a multiple of the
     vector width (the scalar tail), and enough rows to be split over threads."""
     from tritonlm.engine.kernels import kernels_available
 
@@ -577,12 +577,16 @@ def test_fused_norm_and_activation_ops_equal_the_torch_math(shape):
     gate_up = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
-    # int8 linear's input rows: x * smooth scaled to max |.| = 1, the same bits as the torch math
-    smooth, out = torch.rand(shape[-1], generator=g) + 0.5, torch.empty(x.numel() // shape[-1], shape[-1])
-    for s in (None, smooth):
-        flat = x.reshape(-1, shape[-1]) * (1.0 if s is None else s)
-        scale = ops.scale_rows_into(x, s, out)
-        assert torch.equal(scale, flat.abs().amax(-1, keepdim=True)) and torch.equal(out, flat / scale)
+    # int8 linear (row scaling, fbgemm's kernel, rescale, bias in one op): the same bits as Proj's torch ops
+    from tritonlm.engine.runners.transformer import Proj
+
+    width = shape[-1]
+    for s, b in ((None, None), (torch.rand(width, generator=g) + 0.5, torch.randn(24, generator=g))):
+        proj = Proj(torch.randn(width, 24, generator=g), b).quantized_int8(s)  # smooth divides at run time
+        with_bias, without = proj(x), proj.matmul(x)  # torch ops
+        proj.int8_op = True
+        assert proj(x).shape == (*shape[:-1], 24)
+        assert torch.equal(proj(x), with_bias) and torch.equal(proj.matmul(x), without)
     big = torch.tensor([[-100.0, -30.0, 0.0, 30.0, 100.0, 1e4, -1e4, 1.0]])  # e^-x at its clamps
     torch.testing.assert_close(ops.silu_mul(torch.cat([big, torch.ones_like(big)], -1)),
                                torch.nn.functional.silu(big), rtol=1e-5, atol=1e-6)
@@ -603,10 +607,15 @@ def test_fused_ops_refuse_bad_tensors_naming_them():
         ops.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="silu_mul: gate_up must be a contiguous float32 CPU tensor"):
         ops.silu_mul(torch.randn(8, 2).t())
-    with pytest.raises(RuntimeError, match=r"scale_rows_into: out must be \[2, 8\], not \[3, 8\]"):
-        ops.scale_rows_into(x, None, torch.empty(3, 8))
-    with pytest.raises(RuntimeError, match="scale_rows_into: smooth has 4 values; x's rows have 8"):
-        ops.scale_rows_into(x, torch.ones(4), torch.empty(2, 8))
+    from tritonlm.engine.runners.transformer import _REDUCE_RANGE, Proj
+
+    packed = Proj(torch.randn(8, 6), None).quantized_int8().packed
+    with pytest.raises(RuntimeError, match=r"int8_linear: buf must be \[>= 3, 8\] \(the pinned row and x's rows\), not \[2, 8\]"):
+        ops.int8_linear(x, None, None, packed, torch.zeros(2, 8), _REDUCE_RANGE)
+    with pytest.raises(RuntimeError, match="int8_linear: smooth has 4 values; x's rows have 8"):
+        ops.int8_linear(x, torch.ones(4), None, packed, torch.zeros(3, 8), _REDUCE_RANGE)
+    with pytest.raises(RuntimeError, match="int8_linear: bias has 5 values; the weights have 6 outputs"):
+        ops.int8_linear(x, None, torch.ones(5), packed, torch.zeros(3, 8), _REDUCE_RANGE)
 
 
 def test_attention_backend_falls_back_where_the_kernel_cannot_run(hf_models):

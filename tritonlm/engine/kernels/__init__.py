@@ -7,6 +7,8 @@
         through the slot table (paged_attention.cpp)
     torch.ops.tritonlm.rms_norm(x, w, eps), .add_rms_norm(x, delta, w, eps), .silu_mul(gate_up)
         a layer's element-wise steps fused (decode_ops.cpp)
+    torch.ops.tritonlm.int8_linear(x, smooth, bias, packed, buf, reduce_range)
+        an int8 projection, rows quantized alone, in one op (decode_ops.cpp)
 
 The sources ship with the package; torch.utils.cpp_extension compiles them with the
 host's compiler (g++ and ninja, ~15 s) into one extension in torch's extension cache

@@ -8,8 +8,10 @@
 //   add_rms_norm(x, delta, w, eps)       -> (s = x + delta, rms_norm(s, w, eps)): the
 //                                        residual add and the next layer's norm in one pass
 //   silu_mul(gate_up)                    [..., 2F] -> silu(gate) * up: Llama's MLP activation
-//   scale_rows_into(x, smooth, out)      int8 linear's input: each row of x * smooth scaled to
-//                                        max |.| = 1, into out; returns the scales [rows, 1]
+//   int8_linear(x, smooth, bias, packed, buf, reduce_range)
+//                                        x [..., in] -> [..., out] through PyTorch's dynamic int8
+//                                        linear (fbgemm), each row quantized alone: the row
+//                                        scaling, the kernel and the rescale (+ bias) in one op
 //
 // float32, CPU, contiguous; the same math as transformers' float32 modules up to the
 // order of a sum and exp's last bit (simd_math.h). Rows are split over torch's thread team
@@ -18,6 +20,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/native/quantized/PackedParams.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -28,6 +31,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "simd_math.h"
 
@@ -125,28 +129,34 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// int8 linear's input, one pass: out[r] = x[r] * smooth / scale[r], scale[r] = max |x[r] * smooth|
-// (at least 1e-30), so every row spans [-1, 1] (transformer.Proj.matmul says why). The
-// products are computed as x * smooth would round them; the division as torch.div does.
-at::Tensor scale_rows_into(const at::Tensor& x, const std::optional<at::Tensor>& smooth, const at::Tensor& out) {
-  check_float_rows(x, "scale_rows_into", "x");
-  check_float_rows(out, "scale_rows_into", "out");
+// y = (x * smooth) @ W^T + bias through the packed int8 weights, each row of x quantized on
+// its own (transformer.Proj.matmul says why): row r is scaled to max |.| = 1 into buf[1 + r]
+// (buf's row 0 is the pinned (1, -1, 0, ...) that fixes the kernel's range to [-1, 1]), the
+// kernel runs on buf[:1 + rows], and its row 1 + r is multiplied back by the scale. The
+// float steps round as the torch ops they replace (x * smooth, then / scale; y * scale,
+// then + bias): the same bits as Proj's torch path. Returns a view of the kernel's output.
+at::Tensor int8_linear(const at::Tensor& x, const std::optional<at::Tensor>& smooth,
+                       const std::optional<at::Tensor>& bias,
+                       const c10::intrusive_ptr<LinearPackedParamsBase>& packed, const at::Tensor& buf,
+                       bool reduce_range) {
+  check_float_rows(x, "int8_linear", "x");
+  check_float_rows(buf, "int8_linear", "buf");
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
-  TORCH_CHECK(out.dim() == 2 && out.size(1) == C && out.size(0) == rows, "scale_rows_into: out must be [", rows, ", ",
-              C, "], not ", out.sizes());
+  TORCH_CHECK(buf.dim() == 2 && buf.size(1) == C && buf.size(0) >= rows + 1, "int8_linear: buf must be [>= ", rows + 1,
+              ", ", C, "] (the pinned row and x's rows), not ", buf.sizes());
   const float* sp = nullptr;
   if (smooth.has_value()) {
-    check_float_rows(*smooth, "scale_rows_into", "smooth");
-    TORCH_CHECK(smooth->numel() == C, "scale_rows_into: smooth has ", smooth->numel(), " values; x's rows have ", C);
+    check_float_rows(*smooth, "int8_linear", "smooth");
+    TORCH_CHECK(smooth->numel() == C, "int8_linear: smooth has ", smooth->numel(), " values; x's rows have ", C);
     sp = smooth->data_ptr<float>();
   }
-  at::Tensor scale = at::empty({rows, 1}, x.options());
+  std::vector<float> scale(rows);
   const float* xp = x.data_ptr<float>();
-  float *op = out.data_ptr<float>(), *scp = scale.data_ptr<float>();
+  float* in = buf.data_ptr<float>() + C;  // row 1
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(C, 1)), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const float* xr = xp + r * C;
-      float* o = op + r * C;
+      float* o = in + r * C;
       float m = 0.f;
       if (sp) {
 #pragma omp simd
@@ -159,10 +169,36 @@ at::Tensor scale_rows_into(const at::Tensor& x, const std::optional<at::Tensor>&
       m = std::max(m, 1e-30f);
 #pragma omp simd
       for (int64_t i = 0; i < C; ++i) o[i] = o[i] / m;
-      scp[r] = m;
+      scale[r] = m;
     }
   });
-  return scale;
+  at::Tensor y = packed->apply_dynamic(buf.narrow(0, 0, rows + 1), reduce_range);  // [1 + rows, out]
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2, "int8_linear: the kernel returned ",
+              y.scalar_type(), " ", y.sizes());
+  const int64_t N = y.size(1);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_float_rows(*bias, "int8_linear", "bias");
+    TORCH_CHECK(bias->numel() == N, "int8_linear: bias has ", bias->numel(), " values; the weights have ", N,
+                " outputs");
+    bp = bias->data_ptr<float>();
+  }
+  float* yp = y.data_ptr<float>() + N;  // row 1
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(N, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      float* yr = yp + r * N;
+      const float m = scale[r];
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) yr[j] *= m;
+      if (bp) {  // a second pass: y * m + b in one would compile to an fma, one rounding fewer than torch's
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) yr[j] += bp[j];
+      }
+    }
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.narrow(0, 1, rows).view(sizes);
 }
 
 }  // namespace
@@ -171,12 +207,13 @@ TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("scale_rows_into(Tensor x, Tensor? smooth, Tensor(a!) out) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor? smooth, Tensor? bias, "
+        "__torch__.torch.classes.quantized.LinearPackedParamsBase packed, Tensor(a!) buf, bool reduce_range) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tritonlm, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
-  m.impl("scale_rows_into", &scale_rows_into);
+  m.impl("int8_linear", &int8_linear);
 }

@@ -86,7 +86,7 @@ class Proj:
     pin_width: int = 0  # int8: input features (the pinned row's width, see matmul)
     scratch: torch.Tensor | None = field(default=None, repr=False)  # int8: [rows, in] pinned-row buffer
     smooth: torch.Tensor | None = None  # [in] int8: 1/s of SmoothQuant's migration, when not folded upstream
-    row_op: bool = False  # int8: the input rows are scaled by torch.ops.tritonlm.scale_rows_into (one op)
+    int8_op: bool = False  # int8: through torch.ops.tritonlm.int8_linear (scaling, kernel, rescale: one op)
     observed: torch.Tensor | None = None  # [in] calibration: max |x| seen per input channel
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], no bias
@@ -96,6 +96,9 @@ class Proj:
             if self.observed is not None:
                 torch.maximum(self.observed, x.detach().abs().reshape(-1, x.shape[-1]).amax(0), out=self.observed)
             return x @ self.w
+        return self._int8(x, None)
+
+    def _int8(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
         # The kernel quantizes its whole input with one range (min..max of the tensor), so
         # one row's outliers would coarsen every other row's, and a request's output would
         # depend on what shares its batch. Each row is scaled to max |x| = 1 and a pinned
@@ -103,18 +106,20 @@ class Proj:
         # the same in any batch. The pinned row is row 0 of a reused buffer, the scaled rows
         # are written after it (no concatenation). [M, in] -> [1 + M, in] -> [M, out]
         # SmoothQuant's division where it could not be folded upstream is applied here too.
+        # With the C++ ops (`int8_op`) all of it, the rescale and the bias are one op.
         flat = x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
         buf = self._pinned_buffer(rows)
-        if self.row_op:
-            scale = torch.ops.tritonlm.scale_rows_into(flat.contiguous(), self.smooth, buf[1 : rows + 1])  # [M, 1]
-        else:
-            if self.smooth is not None:
-                flat = flat * self.smooth
-            scale = flat.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1] (vector_norm(inf): 10x slower)
-            torch.div(flat, scale, out=buf[1 : rows + 1])
+        if self.int8_op:
+            y = torch.ops.tritonlm.int8_linear(flat.contiguous(), self.smooth, b, self.packed, buf, _REDUCE_RANGE)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if self.smooth is not None:
+            flat = flat * self.smooth
+        scale = flat.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1] (vector_norm(inf): 10x slower)
+        torch.div(flat, scale, out=buf[1 : rows + 1])
         y = torch.ops.quantized.linear_dynamic(buf[: rows + 1], self.packed, _REDUCE_RANGE)
-        return (y[1:] * scale).view(*x.shape[:-1], y.shape[-1])
+        y = (y[1:] * scale).view(*x.shape[:-1], y.shape[-1])
+        return y if b is None else y + b
 
     def _pinned_buffer(self, rows: int) -> torch.Tensor:  # [>= 1 + rows, in], row 0 = (1, -1, 0, ...)
         buf = self.scratch
@@ -127,6 +132,8 @@ class Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.blocked is not None:
             return self._blocked(x, self.b)  # the bias inside the kernel: no second pass over y
+        if self.packed is not None:
+            return self._int8(x, self.b)
         y = self.matmul(x)
         return y if self.b is None else y + self.b
 
@@ -762,7 +769,7 @@ class Transformer:
 
         self.paged_kernel, why = kernels_available()
         for p in self.projections():
-            p.row_op = self.paged_kernel and p.packed is not None
+            p.int8_op = self.paged_kernel and p.packed is not None
         return self.paged_kernel, why
 
     def _context(self, plan: StepPlan, pool: KVPool) -> StepContext:
