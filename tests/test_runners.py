@@ -618,6 +618,54 @@ def test_fused_ops_refuse_bad_tensors_naming_them():
         ops.int8_linear(x, None, torch.ones(5), packed, torch.zeros(3, 8), _REDUCE_RANGE)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("widths", [[1] * 5, [3, 1, 8]], ids=["decode", "mixed"])
+def test_decoder_stack_gives_the_python_loops_bits(int8, widths):
+    """The C++ DecoderStack (every layer of a decode-width step in one call) against
+    run_layers' Python loop of the same ops: equal logits, bit for bit, over three steps,
+    with biased q/k/v projections (Qwen-style) so the bias paths run too."""
+    model = tiny_llama(attention_bias=True)
+    runner = TorchRunner(model, int8=int8)
+    tr = runner.transformer
+    stack = tr.decoder_stack
+    assert stack is not None and stack.num_layers() == 2
+    logits = []
+    for use in (False, True):
+        tr.decoder_stack = stack if use else None
+        mgr = manager(runner, blocks=60)
+        pasts = [5 + 7 * i for i in range(len(widths))]
+        for sid, past in enumerate(pasts):
+            mgr.allocate(sid, past + 3 * widths[sid])
+            step(runner, mgr, [(sid, 0, tokens(past, seed=sid))])  # prefill (over 8 wide: the Python loop)
+        out = []
+        for t in range(3):
+            rows = [(sid, pasts[sid] + t * w, tokens(w, seed=100 * t + sid)) for sid, w in enumerate(widths)]
+            out.append(step(runner, mgr, rows, all_logits=True))
+        logits.append(out)
+    for a, b in zip(*logits):
+        assert torch.equal(a, b), f"max abs diff {(a - b).abs().max().item():.3g}"
+
+
+def test_decoder_stack_only_where_its_ops_cover_the_layers(hf_models):
+    assert load_runner("torch", hf_models["llama"]).transformer.decoder_stack is not None
+    assert load_runner("torch", hf_models["gpt2"]).transformer.decoder_stack is None  # LayerNorm, GELU
+    assert load_runner("torch", hf_models["llama"], dtype=torch.bfloat16).transformer.decoder_stack is None
+
+
+def test_decoder_stack_refuses_an_unfinished_layer_naming_it():
+    from tritonlm.engine.kernels import kernels_available
+
+    assert kernels_available()[0]
+    stack = torch.classes.tritonlm.DecoderStack(4)
+    with pytest.raises(RuntimeError, match=r"add_layer: a layer takes 4 projections \(qkv, o, gate_up, down\); 0 were added"):
+        stack.add_layer(torch.ones(8), 1e-5, torch.ones(8), 1e-5, 1.0)
+    with pytest.raises(RuntimeError, match="decoder_stack: the stack must hold whole layers"):
+        x = torch.zeros(1, 1, 8)
+        torch.ops.tritonlm.decoder_stack(stack, x, [], [], torch.zeros(1, 1, dtype=torch.long),
+                                         torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                                         None, None, 1)
+
+
 def test_attention_backend_falls_back_where_the_kernel_cannot_run(hf_models):
     half = load_runner("torch", hf_models["llama"], dtype=torch.bfloat16)
     assert half.attention == "gather" and "float32 on the CPU" in half.attention_why

@@ -9,6 +9,8 @@
         a layer's element-wise steps fused (decode_ops.cpp)
     torch.ops.tritonlm.int8_linear(x, smooth, bias, packed, buf, reduce_range)
         an int8 projection, rows quantized alone, in one op (decode_ops.cpp)
+    torch.classes.tritonlm.DecoderStack, torch.ops.tritonlm.decoder_stack(stack, x, ...)
+        a decode step's Llama-family layers, those ops in one call (decoder_stack.cpp)
 
 The sources ship with the package; torch.utils.cpp_extension compiles them with the
 host's compiler (g++ and ninja, ~15 s) into one extension in torch's extension cache
@@ -38,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "decode_ops.cpp"]
+_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "decode_ops.cpp", _HERE / "decoder_stack.cpp"]
 _HEADERS = [_HERE / "simd_math.h"]
 STALE_LOCK_S = 600.0  # a build takes ~10 s; a lock this old belongs to a process that died
 _lock = threading.Lock()

@@ -70,6 +70,23 @@ def blocked_rows(rows: int) -> int:
     return -(-rows // 256) * 256
 
 
+class PinnedRows:
+    """int8 projections' input buffers (Proj._int8): [>= 1 + rows, in], row 0 pinned to
+    (1, -1, 0, ...). One per input width, shared by all of a model's projections (they run
+    one at a time): one per projection held ~6.7 MB per SmolLM2 layer at 512-row steps."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[int, torch.Tensor] = {}
+
+    def take(self, rows: int, width: int) -> torch.Tensor:
+        buf = self._bufs.get(width)
+        if buf is None or buf.shape[0] < rows + 1:
+            buf = torch.zeros(max(rows + 1, 0 if buf is None else buf.shape[0] * 3 // 2), width)
+            buf[0, 0], buf[0, 1] = 1.0, -1.0
+            self._bufs[width] = buf
+        return buf
+
+
 @dataclass
 class Proj:
     """y = x @ w + b with w stored [in, out], contiguous (GPT-2's Conv1D layout; nn.Linear
@@ -84,7 +101,7 @@ class Proj:
     packed_bytes: int = 0  # of `packed` or `blocked` (opaque tensors: no storage to measure)
     blocked: torch.Tensor | None = None  # CPU float: w as oneDNN's blocked [out, in] (see blocked_for_cpu)
     pin_width: int = 0  # int8: input features (the pinned row's width, see matmul)
-    scratch: torch.Tensor | None = field(default=None, repr=False)  # int8: [rows, in] pinned-row buffer
+    pinned: "PinnedRows" = field(default_factory=lambda: PinnedRows(), repr=False)  # int8: shared by the model's projections
     smooth: torch.Tensor | None = None  # [in] int8: 1/s of SmoothQuant's migration, when not folded upstream
     int8_op: bool = False  # int8: through torch.ops.tritonlm.int8_linear (scaling, kernel, rescale: one op)
     observed: torch.Tensor | None = None  # [in] calibration: max |x| seen per input channel
@@ -109,7 +126,7 @@ class Proj:
         # With the C++ ops (`int8_op`) all of it, the rescale and the bias are one op.
         flat = x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
-        buf = self._pinned_buffer(rows)
+        buf = self.pinned.take(rows, self.pin_width)
         if self.int8_op:
             y = torch.ops.tritonlm.int8_linear(flat.contiguous(), self.smooth, b, self.packed, buf, _REDUCE_RANGE)
             return y.view(*x.shape[:-1], y.shape[-1])
@@ -120,14 +137,6 @@ class Proj:
         y = torch.ops.quantized.linear_dynamic(buf[: rows + 1], self.packed, _REDUCE_RANGE)
         y = (y[1:] * scale).view(*x.shape[:-1], y.shape[-1])
         return y if b is None else y + b
-
-    def _pinned_buffer(self, rows: int) -> torch.Tensor:  # [>= 1 + rows, in], row 0 = (1, -1, 0, ...)
-        buf = self.scratch
-        if buf is None or buf.shape[0] < rows + 1:
-            buf = torch.zeros(max(rows + 1, 0 if buf is None else buf.shape[0] * 3 // 2), self.pin_width)
-            buf[0, 0], buf[0, 1] = 1.0, -1.0
-            self.scratch = buf
-        return buf
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.blocked is not None:
@@ -482,6 +491,9 @@ class Transformer:
     # tritonlm's C++ ops (use_paged_kernel): decode-width steps' attention (paged_attention_qkv),
     # and for float32 RMSNorm / SwiGLU models the fused norms and activation at every width
     paged_kernel: bool = False
+    # with the C++ ops, Llama-family float32 / int8 layers also as one torch.classes.tritonlm.DecoderStack
+    # (decoder_stack.cpp): decode-width steps run every layer in one call (build_decoder_stack)
+    decoder_stack: object | None = field(default=None, repr=False)
     workspace: Workspace = field(default_factory=Workspace, repr=False)  # gathered K/V, reused step to step
 
     @property
@@ -700,6 +712,9 @@ class Transformer:
             _fold_into_norm(self.ln_f, s_head)
             head, self.lm_head = self.lm_head, self.lm_head.quantized_int8(s_head, folded=s_head is not None)
             head.observed = None  # a tied head is a view of wte: nothing of it may stay in observe mode
+        pinned = PinnedRows()
+        for p in self.projections():
+            p.pinned = pinned
 
     def block_weights(self) -> bool:
         """Every float projection and the LM head in oneDNN's blocked layout, in place
@@ -770,7 +785,32 @@ class Transformer:
         self.paged_kernel, why = kernels_available()
         for p in self.projections():
             p.int8_op = self.paged_kernel and p.packed is not None
+        self.decoder_stack = self.build_decoder_stack() if self.paged_kernel else None
         return self.paged_kernel, why
+
+    def build_decoder_stack(self) -> object | None:
+        """The layers as one C++ DecoderStack (decoder_stack.cpp), or None where its ops do not
+        cover them: it takes RMSNorm + SwiGLU layers (the Llama family) whose projections are
+        all oneDNN-blocked float32 or int8 through the int8 op, and references their weights.
+        At batch 1 the Python loop's ~250 op calls were ~a quarter of an int8 step."""
+        if not self.layers or self.act is not F.silu:
+            return None
+        for L in self.layers:
+            if L.gate_up is None or not (L.ln_attn.rms and L.ln_mlp.rms):
+                return None
+            if any(p.blocked is None and not p.int8_op for p in (L.qkv, L.o, L.gate_up, L.down)):
+                return None
+            if any(n.w.dtype != torch.float32 for n in (L.ln_attn, L.ln_mlp)):
+                return None
+        stack = torch.classes.tritonlm.DecoderStack(self.heads)
+        for L in self.layers:
+            for p in (L.qkv, L.o, L.gate_up, L.down):
+                if p.blocked is not None:
+                    stack.add_float(p.blocked, p.b)
+                else:
+                    stack.add_int8(p.packed, p.smooth, p.b, _REDUCE_RANGE)
+            stack.add_layer(L.ln_attn.w, L.ln_attn.eps, L.ln_mlp.w, L.ln_mlp.eps, L.attn_scale)
+        return stack
 
     def _context(self, plan: StepPlan, pool: KVPool) -> StepContext:
         rope = None
@@ -835,6 +875,11 @@ class Transformer:
     def run_layers(self, plan: StepPlan, x: torch.Tensor, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor:
         """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP."""
         ctx = self._context(plan, pool)
+        if ctx.kernel and self.decoder_stack is not None and comm.world == 1:  # every layer in one call
+            cos, sin = ctx.rope if ctx.rope is not None else (None, None)
+            return torch.ops.tritonlm.decoder_stack(
+                self.decoder_stack, x, pool.k, pool.v, plan.write_slots, ctx.slot_table, plan.positions, cos, sin,
+                blocked_rows(x.shape[0] * x.shape[1]))
         delta = None  # what the last block adds to the residual stream, added with the next norm
         for li, layer in enumerate(self.layers):
             x, h = (x, self.norm(layer.ln_attn, x)) if delta is None else self.add_norm(x, delta, layer.ln_attn)

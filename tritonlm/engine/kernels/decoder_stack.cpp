@@ -1,0 +1,249 @@
+// A decode step's whole stack of Llama-family layers in one call from Python.
+//
+// With the fused ops (decode_ops.cpp, paged_attention.cpp) a layer is ~8 ops, and a step of
+// a 30-layer model ~250 op calls from Python, each a trip through the interpreter, torch's
+// Python dispatch (slower still for ops that take a packed int8 weight: every argument is
+// scanned for fake script objects) and a few small tensor views. On the 2-core test host
+// that was ~a quarter of an int8 batch-1 step. DecoderStack holds one model's layer
+// weights (referenced, not copied) and runs the same ops in the same order from C++: the
+// same bits as transformer.Transformer.run_layers' Python loop, with the GIL released for
+// the whole stack.
+//
+//   torch.classes.tritonlm.DecoderStack(heads)
+//     .add_float(blocked, bias)                     one projection, oneDNN's blocked float32 weight
+//     .add_int8(packed, smooth, bias, reduce_range) one projection, PyTorch's packed int8 weight
+//     .add_layer(ln_attn, attn_eps, ln_mlp, mlp_eps, attn_scale)
+//                                                   closes a layer: the 4 projections added
+//                                                   before it are its qkv, o, gate_up, down
+//   torch.ops.tritonlm.decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table,
+//                                    positions, cos, sin, padded_rows) -> x after the layers
+//     x [B, T, C] float32; k/v_caches: one [S, Hkv, D] per layer; the rest as
+//     paged_attention_qkv's; padded_rows: the row bucket of float projections
+//     (transformer.blocked_rows(B * T)), ignored by int8 ones
+//
+// Per layer, as run_layers: h = rms_norm (layer 0) or (x, h) = add_rms_norm(x, delta);
+// qkv = proj(h) + b; attention; delta = proj(a) (+ b); (x, h) = add_rms_norm(x, delta);
+// m = silu_mul(proj(h) + b); delta = proj(m) (+ b); at the end x + delta.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/quantized/PackedParams.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/zeros.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+
+// The ops a layer runs, looked up once in torch's dispatcher (decode_ops.cpp,
+// paged_attention.cpp and oneDNN's linear register them).
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              double)>
+      add_rms_norm;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
+                                      const std::optional<at::Tensor>&, const Packed&, const at::Tensor&, bool)>
+      int8_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                      const std::optional<at::Tensor>&, int64_t, double)>
+      attention;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                      std::string_view, c10::List<std::optional<at::Scalar>>,
+                                      std::optional<std::string_view>)>
+      linear;
+
+  static const Ops& get() {
+    static const Ops ops = [] {
+      auto& d = c10::Dispatcher::singleton();
+      return Ops{
+          d.findSchemaOrThrow("tritonlm::rms_norm", "").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
+          d.findSchemaOrThrow("tritonlm::add_rms_norm", "")
+              .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        double)>(),
+          d.findSchemaOrThrow("tritonlm::silu_mul", "").typed<at::Tensor(const at::Tensor&)>(),
+          d.findSchemaOrThrow("tritonlm::int8_linear", "")
+              .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                const Packed&, const at::Tensor&, bool)>(),
+          d.findSchemaOrThrow("tritonlm::paged_attention_qkv", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, int64_t, double)>(),
+          d.findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                std::string_view, c10::List<std::optional<at::Scalar>>,
+                                std::optional<std::string_view>)>(),
+      };
+    }();
+    return ops;
+  }
+};
+
+// int8 projections' input buffers (int8_linear's `buf`): [>= 1 + rows, in], row 0 pinned to
+// (1, -1, 0, ...); one per input width, shared by every projection (they run one at a time)
+struct PinnedRows {
+  std::vector<at::Tensor> bufs;
+
+  const at::Tensor& take(int64_t rows, int64_t in, const at::TensorOptions& options) {
+    at::Tensor* found = nullptr;
+    for (auto& b : bufs)
+      if (b.size(1) == in) found = &b;
+    if (found && found->size(0) >= rows + 1) return *found;
+    const int64_t n = std::max(rows + 1, found ? found->size(0) * 3 / 2 : int64_t{0});
+    at::Tensor buf = at::zeros({n, in}, options);
+    buf[0][0].fill_(1.0);
+    buf[0][1].fill_(-1.0);
+    if (found) {
+      *found = std::move(buf);
+      return *found;
+    }
+    bufs.push_back(std::move(buf));
+    return bufs.back();
+  }
+};
+
+struct Projection {
+  at::Tensor blocked;  // float: oneDNN's blocked [out, in]; undefined for int8
+  Packed packed;       // int8: PyTorch's packed per-channel weights; null for float
+  std::optional<at::Tensor> smooth, bias;
+  bool reduce_range = false;
+
+  // x [..., in] -> [..., out]; with_bias: the bias inside the op (Proj.__call__), else none (Proj.matmul)
+  at::Tensor operator()(const at::Tensor& x, bool with_bias, int64_t padded, PinnedRows& pinned) const {
+    const Ops& ops = Ops::get();
+    const int64_t in = x.size(-1);
+    at::Tensor flat = x.reshape({-1, in});
+    const int64_t rows = flat.size(0);
+    const std::optional<at::Tensor> b = with_bias ? bias : std::nullopt;
+    at::Tensor y;
+    if (packed) {
+      y = ops.int8_linear.call(flat.contiguous(), smooth, b, packed, pinned.take(rows, in, flat.options()),
+                               reduce_range);
+    } else {
+      if (padded > rows) flat = at::constant_pad_nd(flat, {0, 0, 0, padded - rows}, 0);
+      y = ops.linear.call(flat, blocked, b, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
+      y = y.narrow(0, 0, rows);
+    }
+    auto sizes = x.sizes().vec();
+    sizes.back() = y.size(-1);
+    return y.view(sizes);
+  }
+
+  // world 1's row-parallel projection: the matmul, then the bias
+  at::Tensor row_parallel(const at::Tensor& x, int64_t padded, PinnedRows& pinned) const {
+    at::Tensor y = (*this)(x, false, padded, pinned);
+    return bias.has_value() ? at::add(y, *bias) : y;
+  }
+};
+
+struct Layer {
+  at::Tensor ln_attn, ln_mlp;  // RMSNorm weights [C]
+  double attn_eps, mlp_eps, attn_scale;
+  Projection qkv, o, gate_up, down;
+};
+
+struct DecoderStack : torch::CustomClassHolder {
+  int64_t heads;
+  std::vector<Layer> layers;
+  PinnedRows pinned;
+  std::vector<Projection> pending;  // the next layer's projections, in order qkv, o, gate_up, down
+
+  explicit DecoderStack(int64_t heads) : heads(heads) {}
+
+  void add_float(at::Tensor blocked, std::optional<at::Tensor> bias) {
+    TORCH_CHECK(blocked.defined() && blocked.device().is_cpu() && blocked.scalar_type() == at::kFloat,
+                "DecoderStack.add_float: blocked must be a float32 CPU weight (oneDNN's blocked layout)");
+    Projection p;
+    p.blocked = std::move(blocked);
+    p.bias = std::move(bias);
+    add(std::move(p));
+  }
+
+  void add_int8(Packed packed, std::optional<at::Tensor> smooth, std::optional<at::Tensor> bias, bool reduce_range) {
+    TORCH_CHECK(packed, "DecoderStack.add_int8: packed must be PyTorch's packed int8 linear weights");
+    Projection p;
+    p.packed = std::move(packed);
+    p.smooth = std::move(smooth);
+    p.bias = std::move(bias);
+    p.reduce_range = reduce_range;
+    add(std::move(p));
+  }
+
+  void add_layer(at::Tensor ln_attn, double attn_eps, at::Tensor ln_mlp, double mlp_eps, double attn_scale) {
+    TORCH_CHECK(pending.size() == 4, "DecoderStack.add_layer: a layer takes 4 projections (qkv, o, gate_up, down); ",
+                pending.size(), " were added");
+    layers.push_back(Layer{std::move(ln_attn), std::move(ln_mlp), attn_eps, mlp_eps, attn_scale,
+                           std::move(pending[0]), std::move(pending[1]), std::move(pending[2]),
+                           std::move(pending[3])});
+    pending.clear();
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+ private:
+  void add(Projection p) {
+    TORCH_CHECK(pending.size() < 4, "DecoderStack: 4 projections were added; close the layer with add_layer first");
+    pending.push_back(std::move(p));
+  }
+};
+
+at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& x_in,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& write_slots,
+                         const at::Tensor& slot_table, const at::Tensor& positions,
+                         const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                         int64_t padded_rows) {
+  const int64_t n = stack->num_layers();
+  TORCH_CHECK(n > 0 && stack->pending.empty(), "decoder_stack: the stack must hold whole layers (", n,
+              " layers, ", stack->pending.size(), " projections of an unfinished one)");
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
+              "decoder_stack: ", n, " layers need ", n, " k and v caches; got ", k_caches.size(), " and ",
+              v_caches.size());
+  TORCH_CHECK(x_in.dim() == 3, "decoder_stack: x must be [B, T, C], not ", x_in.sizes());
+  const Ops& ops = Ops::get();
+  at::Tensor x = x_in.contiguous(), h, delta;
+  for (int64_t li = 0; li < n; ++li) {
+    Layer& L = stack->layers[li];
+    if (!delta.defined()) {
+      h = ops.rms_norm.call(x, L.ln_attn, L.attn_eps);
+    } else {
+      std::tie(x, h) = ops.add_rms_norm.call(x, delta.contiguous(), L.ln_attn, L.attn_eps);
+    }
+    const at::Tensor qkv = L.qkv(h, true, padded_rows, stack->pinned);
+    const at::Tensor a = ops.attention.call(qkv.contiguous(), k_caches[li], v_caches[li], write_slots, slot_table,
+                                            positions, cos, sin, stack->heads, L.attn_scale);
+    delta = L.o.row_parallel(a, padded_rows, stack->pinned);
+    std::tie(x, h) = ops.add_rms_norm.call(x, delta.contiguous(), L.ln_mlp, L.mlp_eps);
+    const at::Tensor m = ops.silu_mul.call(L.gate_up(h, true, padded_rows, stack->pinned).contiguous());
+    delta = L.down.row_parallel(m, padded_rows, stack->pinned);
+  }
+  return at::add(x, delta);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t>())
+      .def("add_float", &DecoderStack::add_float)
+      .def("add_int8", &DecoderStack::add_int8)
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers);
+  m.def("decoder_stack(__torch__.torch.classes.tritonlm.DecoderStack stack, Tensor x, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, Tensor write_slots, Tensor slot_table, Tensor positions, Tensor? cos, Tensor? sin, "
+        "int padded_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tritonlm, CPU, m) {
+  m.impl("decoder_stack", &decoder_stack);
+}
