@@ -20,7 +20,10 @@ the client process ~3 s more CPU per 8192 tokens on this 2-core host). llama-ser
 context per slot; tritonlm gets max_context 512 and the same 16384-token KV room).
 One server at a time; each warmed with one request first. Also tritonlm's engine
 in-process (no server, same settings, same closed-loop clients) at the top concurrency:
-served / in-process tells what the server path costs. Like both servers, it runs in a
+served / in-process tells what the server path costs. Those runs are interleaved, served,
+in-process, in-process, served (--split-rounds 2), the server up and idle meanwhile: this
+2-core machine's speed drifted by +-10% over minutes, which a served run and an
+in-process run minutes apart read as a server cost. Like both servers, it runs in a
 session of its own: Linux's autogroup scheduling shares the CPU between sessions, so on a
 busy machine an engine inside this script's session ran ~3x slower than the same engine
 in tritonserver's session (measured while llama.cpp compiled in this session).
@@ -518,6 +521,38 @@ def inprocess_worker(spec_path: str) -> int:
         engine.shutdown()
 
 
+def split_served_vs_inprocess(rows: list[dict], skipped: list[str], pair: str, dtype: str, model_dir: Path,
+                              params: dict[str, str], prompt_ids: list[list[int]], clients: int, per_client: int,
+                              max_tokens: int, rounds: int, one_request, make_conn, out: Path) -> None:
+    """What the server path costs at the top level: served and in-process runs interleaved
+    S I I S (S I I S ...) while tritonserver stays up and idle between its runs, so drift of
+    a shared machine's speed over the minutes falls on both alike; the sweep's top-level run
+    is the first S. The ratio is mean served tok/s / mean in-process tok/s. Adds the first
+    in-process run as a row, and the ratio and every run to the served row."""
+    served_row = next(r for r in rows if r["pair"] == pair and r["engine"] == "tritonlm" and r["clients"] == clients)
+    runs: list[tuple[str, float]] = [("served", served_row["tok_s"])]
+    order = ["served", "in-process", "in-process", "served"] * rounds
+    try:
+        for kind in order[1 : 2 * rounds]:
+            print(f"[{pair}] tritonlm {dtype} {kind}: {clients} clients x {per_client} x {max_tokens} tokens ...", flush=True)
+            if kind == "served":
+                recs, wall = run_clients(one_request, make_conn, clients, per_client)
+                runs.append((kind, summarize(recs, wall)["tok_s"]))
+                continue
+            res = inprocess(model_dir, params, prompt_ids, clients, per_client, max_tokens, out / f"inprocess-{dtype}.json")
+            if not any(r["engine"] == "tritonlm in-process" and r["pair"] == pair for r in rows):
+                rows.append({"pair": pair, "engine": "tritonlm in-process", "weights": dtype, "clients": clients, **res})
+            runs.append((kind, res["tok_s"]))
+    except Exception as e:  # noqa: BLE001 - reported, the rest of the run stands
+        print(f"ERROR {pair}: served / in-process runs failed: {type(e).__name__}: {e}", flush=True)
+        skipped.append(f"{pair}: served / in-process runs failed: {e}")
+        return
+    served = [t for k, t in runs if k == "served"]
+    inproc = [t for k, t in runs if k == "in-process"]
+    served_row["served_vs_inprocess"] = statistics.mean(served) / statistics.mean(inproc)
+    served_row["split_runs"] = ", ".join(f"{k} {t:.1f}" for k, t in runs)
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 
 
@@ -531,7 +566,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 128; --quick: 32)")
     ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t (default 2)")
     ap.add_argument("--build-jobs", type=int, default=2, help="cmake --build -j when llama.cpp must be built")
-    ap.add_argument("--no-inprocess", action="store_true", help="skip tritonlm's in-process engine run")
+    ap.add_argument("--no-inprocess", action="store_true", help="skip tritonlm's in-process engine runs")
+    ap.add_argument("--split-rounds", type=int, default=2,
+                    help="served / in-process at the top level: this many runs of each, in the order "
+                         "served, in-process, in-process, served, ... (default 2)")
     ap.add_argument("--tritonlm-client", choices=("sse", "grpc"), default="sse",
                     help="sse: Triton's generate_stream over http.client, llama-server's client style (default); "
                          "grpc: tritonclient's gRPC stream")
@@ -544,6 +582,8 @@ def main() -> int:
     quants = [q.strip() for q in args.peer_quants.split(",") if q.strip()]
     if len(dtypes) != len(quants):
         ap.error(f"--tritonlm-dtypes ({len(dtypes)}) and --peer-quants ({len(quants)}) pair up: give as many of each")
+    if args.split_rounds < 1:
+        ap.error("--split-rounds: at least 1")
     if max(levels) > PEER_SLOTS:
         ap.error(f"at most {PEER_SLOTS} clients: llama-server runs --parallel {PEER_SLOTS}")
     if SLOT_CONTEXT < max_tokens + 200:
@@ -609,21 +649,34 @@ def main() -> int:
                 skipped.append(msg)
                 failed = failed or dtype == "float32"
                 served_ok = False
-            if served_ok and args.tritonlm_client == "sse":
-                url = server.http_url
-                tritonlm_sse(url, PROMPTS[0], 16)  # warm-up
-                failed |= not sweep(rows, skipped, pair, "tritonlm", dtype, levels, per_client, max_tokens,
-                                    lambda _conn, i: tritonlm_sse(url, PROMPTS[i], max_tokens), lambda: None)
-            elif served_ok:
-                import tritonclient.grpc as grpcclient
+            if served_ok:
+                if args.tritonlm_client == "sse":
+                    url = server.http_url
+                    tritonlm_sse(url, PROMPTS[0], 16)  # warm-up
 
-                url = server.grpc_url
-                warm_client = grpcclient.InferenceServerClient(url)
-                tritonlm_stream(warm_client, url, PROMPTS[0], 16)  # warm-up
-                warm_client.close()
-                failed |= not sweep(rows, skipped, pair, "tritonlm", dtype, levels, per_client, max_tokens,
-                                    lambda conn, i: tritonlm_stream(conn, url, PROMPTS[i], max_tokens),
-                                    lambda: grpcclient.InferenceServerClient(url))
+                    def one_request(_conn, i):
+                        return tritonlm_sse(url, PROMPTS[i], max_tokens)
+
+                    def make_conn():
+                        return None
+                else:
+                    import tritonclient.grpc as grpcclient
+
+                    url = server.grpc_url
+                    warm_client = grpcclient.InferenceServerClient(url)
+                    tritonlm_stream(warm_client, url, PROMPTS[0], 16)  # warm-up
+                    warm_client.close()
+
+                    def one_request(conn, i):
+                        return tritonlm_stream(conn, url, PROMPTS[i], max_tokens)
+
+                    def make_conn():
+                        return grpcclient.InferenceServerClient(url)
+                swept = sweep(rows, skipped, pair, "tritonlm", dtype, levels, per_client, max_tokens, one_request, make_conn)
+                failed |= not swept
+                if swept and not args.no_inprocess:
+                    split_served_vs_inprocess(rows, skipped, pair, dtype, repo / MODEL, params, prompt_ids, max(levels),
+                                              per_client, max_tokens, args.split_rounds, one_request, make_conn, out)
         finally:
             server.stop()
         if not served_ok:
@@ -656,17 +709,6 @@ def main() -> int:
                                 lambda _conn, i: llama_stream(port, prompt_ids[i], max_tokens), lambda: None)
         finally:
             peer.stop()
-        # -- tritonlm's engine in this process (no server), at the top concurrency
-        if not args.no_inprocess:
-            top = max(levels)
-            print(f"[{pair}] tritonlm {dtype} in-process engine: {top} clients x {per_client} x {max_tokens} tokens ...",
-                  flush=True)
-            try:
-                res = inprocess(repo / MODEL, params, prompt_ids, top, per_client, max_tokens, out / f"inprocess-{dtype}.json")
-                rows.append({"pair": pair, "engine": "tritonlm in-process", "weights": dtype, "clients": top, **res})
-            except Exception as e:  # noqa: BLE001 - reported, the rest of the run stands
-                print(f"ERROR {pair}: in-process run failed: {type(e).__name__}: {e}", flush=True)
-                skipped.append(f"{pair}: in-process run failed: {e}")
 
     # ---- report ----
     for r in rows:
@@ -675,11 +717,6 @@ def main() -> int:
         if r["engine"].startswith("tritonlm") and peer_row:
             r["tok_s_vs_llama"] = r["tok_s"] / peer_row["tok_s"]
             r["ttft_p50_vs_llama"] = r["ttft_p50_ms"] / peer_row["ttft_p50_ms"]
-        if r["engine"] == "tritonlm":
-            inproc = next((p for p in rows if p["pair"] == r["pair"] and p["engine"] == "tritonlm in-process"
-                           and p["clients"] == r["clients"]), None)
-            if inproc:
-                r["served_vs_inprocess"] = r["tok_s"] / inproc["tok_s"]
     print()
     print(f"CPU: {cpu}")
     print(f"threads: tritonlm torch default ({torch.get_num_threads()}), llama-server -t {args.llama_threads}, "
@@ -695,11 +732,11 @@ def main() -> int:
                   f"TTFT p50 {r['ttft_p50_vs_llama']:.2f}x")
         if "served_vs_inprocess" in r:
             print(f"{r['pair']}, {r['clients']:>2} clients: tritonlm served / in-process tok/s = "
-                  f"{r['served_vs_inprocess']:.2f} (goal >= 0.9)")
+                  f"{r['served_vs_inprocess']:.2f} (goal >= 0.9; runs in order: {r['split_runs']})")
     for msg in skipped:
         print(f"skipped: {msg}")
     if rows:
-        write_csv(out / "bench_peer.csv", [{k: r.get(k, "") for k in ["cpu", *cols, "prompt_tokens_mean"]} | {"cpu": cpu}
+        write_csv(out / "bench_peer.csv", [{k: r.get(k, "") for k in ["cpu", *cols, "split_runs", "prompt_tokens_mean"]} | {"cpu": cpu}
                                            for r in rows])
         try:
             plot(out / "bench_peer.png", rows, cpu)

@@ -21,7 +21,8 @@ on the flat slot index), gathers each sequence's keys through its slot table int
 `scaled_dot_product_attention` with a boolean mask (key exists AND causal). With
 tritonlm's C++ ops on (use_paged_kernel: CPU, float32), decode-width steps do RoPE, the
 write and attention in one op reading the pool in place (paged_attention_qkv), and the
-residual add + RMSNorm, SwiGLU and int8's input scaling are one op each. The LM head
+residual add + RMSNorm, SwiGLU and int8 projections are one op each; Llama-family
+decode-width steps run all the layers in one C++ call (build_decoder_stack). The LM head
 runs only on the rows whose logits are wanted: each row's last valid token, or every
 new token with all_logits.
 
