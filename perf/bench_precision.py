@@ -4,7 +4,8 @@ For each `dtype` (float32, bfloat16, int8, and what `auto` picks here) in one ru
 float32 with plain [in, out] weights (`x @ w`, the layout before the runner reordered them
 into oneDNN's blocked layout at load), and float32 / int8 with `attention_backend: gather`
 (each row's K/V copied, then SDPA; the default reads them in place with the paged-attention
-kernel), to show what those changes buy:
+kernel), and float32 / int8 with the layers run by the Python loop (`-loop`; the default
+runs a decode step's layers in one C++ call, the DecoderStack), to show what those changes buy:
     step_ms   median decode step of the torch runner, batch B, context --context
     tok_s     B / step_ms
     vs_fp32   float32's step time / this one's (higher is faster)
@@ -86,13 +87,16 @@ def main() -> int:
     print(f"dtype auto here: {auto.name} ({auto.reason})")
     settings = [("float32", {}), ("float32-gather", {"attention": "gather"}), ("float32-plain", {}),
                 ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True}),
-                ("int8-gather", {"int8": True, "attention": "gather"})]
+                ("int8-gather", {"int8": True, "attention": "gather"}),
+                ("float32-loop", {}), ("int8-loop", {"int8": True})]
     rows = []
     for name, kwargs in settings:
         runner = TorchRunner(model, **kwargs)
         if name == "float32-plain":
             runner.transformer = Transformer.from_hf(model)  # the same weights, [in, out], not blocked
             runner.transformer.use_paged_kernel()
+        if name.endswith("-loop"):
+            runner.transformer.decoder_stack = None  # the layers through the Python loop, not the C++ stack
         agree = teacher_forced_agreement(runner, prompts, reference)
         for batch in map(int, args.batches.split(",")):
             ms = step_ms(runner, batch, args.context, args.reps)
