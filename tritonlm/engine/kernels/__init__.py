@@ -10,7 +10,7 @@
     torch.ops.tritonlm.int8_linear(x, smooth, bias, packed, buf, reduce_range)
         an int8 projection, rows quantized alone, in one op (decode_ops.cpp)
     torch.classes.tritonlm.DecoderStack, torch.ops.tritonlm.decoder_stack(stack, x, ...)
-        a decode step's Llama-family layers, those ops in one call (decoder_stack.cpp)
+        a decode step's layers (Llama family, GPT-2), those ops in one call (decoder_stack.cpp)
 
 The sources ship with the package; torch.utils.cpp_extension compiles them with the
 host's compiler (g++ and ninja, ~15 s) into one extension in torch's extension cache

@@ -1,4 +1,4 @@
-// A decode step's whole stack of Llama-family layers in one call from Python.
+// A decode step's whole stack of layers (Llama family and GPT-2) in one call from Python.
 //
 // With the fused ops (decode_ops.cpp, paged_attention.cpp) a layer is ~8 ops, and a step of
 // a 30-layer model ~250 op calls from Python, each a trip through the interpreter, torch's
@@ -12,30 +12,37 @@
 //   torch.classes.tritonlm.DecoderStack(heads)
 //     .add_float(blocked, bias)                     one projection, oneDNN's blocked float32 weight
 //     .add_int8(packed, smooth, bias, reduce_range) one projection, PyTorch's packed int8 weight
-//     .add_layer(ln_attn, attn_eps, ln_mlp, mlp_eps, attn_scale)
+//     .add_layer(ln_attn, ln_attn_b, attn_eps, ln_mlp, ln_mlp_b, mlp_eps, rms, act, attn_scale)
 //                                                   closes a layer: the 4 projections added
-//                                                   before it are its qkv, o, gate_up, down
+//                                                   before it are its qkv, o, gate_up (fc), down;
+//                                                   rms: RMSNorm (biases None), else LayerNorm;
+//                                                   act: "silu_mul" (Llama: silu(gate) * up)
+//                                                   or "gelu_tanh" (GPT-2: gelu(fc(h)), tanh form)
 //   torch.ops.tritonlm.decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table,
 //                                    positions, cos, sin, padded_rows) -> x after the layers
 //     x [B, T, C] float32; k/v_caches: one [S, Hkv, D] per layer; the rest as
 //     paged_attention_qkv's; padded_rows: the row bucket of float projections
 //     (transformer.blocked_rows(B * T)), ignored by int8 ones
 //
-// Per layer, as run_layers: h = rms_norm (layer 0) or (x, h) = add_rms_norm(x, delta);
-// qkv = proj(h) + b; attention; delta = proj(a) (+ b); (x, h) = add_rms_norm(x, delta);
-// m = silu_mul(proj(h) + b); delta = proj(m) (+ b); at the end x + delta.
+// Per layer, as run_layers: h = norm(x) (layer 0) or (x, h) = (x + delta, norm(x + delta))
+// (RMSNorm: add_rms_norm, one op; LayerNorm: aten's add and layer_norm); qkv = proj(h) + b;
+// attention; delta = proj(a) (+ b); (x, h) as before with the MLP's norm; m = silu_mul(
+// proj(h) + b) or gelu_tanh(proj(h) + b); delta = proj(m) (+ b); at the end x + delta.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/quantized/PackedParams.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/layer_norm.h>
 #include <ATen/ops/zeros.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <vector>
@@ -147,10 +154,18 @@ struct Projection {
   }
 };
 
+struct Norm {
+  at::Tensor w;                  // [C]
+  std::optional<at::Tensor> b;   // [C] LayerNorm; None for RMSNorm
+  double eps;
+};
+
 struct Layer {
-  at::Tensor ln_attn, ln_mlp;  // RMSNorm weights [C]
-  double attn_eps, mlp_eps, attn_scale;
-  Projection qkv, o, gate_up, down;
+  Norm ln_attn, ln_mlp;
+  bool rms;        // RMSNorm (fused ops), else LayerNorm (aten)
+  bool silu_mul;   // Llama's silu(gate) * up over gate_up, else GPT-2's gelu (tanh) over fc
+  double attn_scale;
+  Projection qkv, o, mlp_in, down;  // mlp_in: gate_up or fc
 };
 
 struct DecoderStack : torch::CustomClassHolder {
@@ -180,10 +195,19 @@ struct DecoderStack : torch::CustomClassHolder {
     add(std::move(p));
   }
 
-  void add_layer(at::Tensor ln_attn, double attn_eps, at::Tensor ln_mlp, double mlp_eps, double attn_scale) {
-    TORCH_CHECK(pending.size() == 4, "DecoderStack.add_layer: a layer takes 4 projections (qkv, o, gate_up, down); ",
-                pending.size(), " were added");
-    layers.push_back(Layer{std::move(ln_attn), std::move(ln_mlp), attn_eps, mlp_eps, attn_scale,
+  void add_layer(at::Tensor ln_attn, std::optional<at::Tensor> ln_attn_b, double attn_eps, at::Tensor ln_mlp,
+                 std::optional<at::Tensor> ln_mlp_b, double mlp_eps, bool rms, std::string act, double attn_scale) {
+    TORCH_CHECK(pending.size() == 4, "DecoderStack.add_layer: a layer takes 4 projections (qkv, o, gate_up or fc, ",
+                "down); ", pending.size(), " were added");
+    TORCH_CHECK(act == "silu_mul" || act == "gelu_tanh", "DecoderStack.add_layer: act must be 'silu_mul' or ",
+                "'gelu_tanh', not '", act, "'");
+    TORCH_CHECK(!rms || (!ln_attn_b.has_value() && !ln_mlp_b.has_value()),
+                "DecoderStack.add_layer: an RMSNorm has no bias");
+    for (const at::Tensor* w : {&ln_attn, &ln_mlp})
+      TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kFloat && w->dim() == 1,
+                  "DecoderStack.add_layer: norm weights must be float32 CPU vectors");
+    layers.push_back(Layer{Norm{std::move(ln_attn), std::move(ln_attn_b), attn_eps},
+                           Norm{std::move(ln_mlp), std::move(ln_mlp_b), mlp_eps}, rms, act == "silu_mul", attn_scale,
                            std::move(pending[0]), std::move(pending[1]), std::move(pending[2]),
                            std::move(pending[3])});
     pending.clear();
@@ -212,19 +236,32 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
   TORCH_CHECK(x_in.dim() == 3, "decoder_stack: x must be [B, T, C], not ", x_in.sizes());
   const Ops& ops = Ops::get();
   at::Tensor x = x_in.contiguous(), h, delta;
-  for (int64_t li = 0; li < n; ++li) {
-    Layer& L = stack->layers[li];
-    if (!delta.defined()) {
-      h = ops.rms_norm.call(x, L.ln_attn, L.attn_eps);
+  const int64_t C = x.size(-1);
+  auto norm = [&](const at::Tensor& t, const Norm& nm, bool rms) {
+    return rms ? ops.rms_norm.call(t, nm.w, nm.eps) : at::layer_norm(t, {C}, nm.w, nm.b, nm.eps);
+  };
+  auto add_norm = [&](const Norm& nm, bool rms, at::Tensor& h) {  // x += delta; h = norm(x)
+    if (rms) {
+      std::tie(x, h) = ops.add_rms_norm.call(x, delta.contiguous(), nm.w, nm.eps);
     } else {
-      std::tie(x, h) = ops.add_rms_norm.call(x, delta.contiguous(), L.ln_attn, L.attn_eps);
+      x = at::add(x, delta);
+      h = norm(x, nm, false);
+    }
+  };
+  for (int64_t li = 0; li < n; ++li) {
+    const Layer& L = stack->layers[li];
+    if (!delta.defined()) {
+      h = norm(x, L.ln_attn, L.rms);
+    } else {
+      add_norm(L.ln_attn, L.rms, h);
     }
     const at::Tensor qkv = L.qkv(h, true, padded_rows, stack->pinned);
     const at::Tensor a = ops.attention.call(qkv.contiguous(), k_caches[li], v_caches[li], write_slots, slot_table,
                                             positions, cos, sin, stack->heads, L.attn_scale);
     delta = L.o.row_parallel(a, padded_rows, stack->pinned);
-    std::tie(x, h) = ops.add_rms_norm.call(x, delta.contiguous(), L.ln_mlp, L.mlp_eps);
-    const at::Tensor m = ops.silu_mul.call(L.gate_up(h, true, padded_rows, stack->pinned).contiguous());
+    add_norm(L.ln_mlp, L.rms, h);
+    const at::Tensor inner = L.mlp_in(h, true, padded_rows, stack->pinned);
+    const at::Tensor m = L.silu_mul ? ops.silu_mul.call(inner.contiguous()) : at::gelu(inner, "tanh");
     delta = L.down.row_parallel(m, padded_rows, stack->pinned);
   }
   return at::add(x, delta);

@@ -21,8 +21,8 @@ on the flat slot index), gathers each sequence's keys through its slot table int
 `scaled_dot_product_attention` with a boolean mask (key exists AND causal). With
 tritonlm's C++ ops on (use_paged_kernel: CPU, float32), decode-width steps do RoPE, the
 write and attention in one op reading the pool in place (paged_attention_qkv), and the
-residual add + RMSNorm, SwiGLU and int8 projections are one op each; Llama-family
-decode-width steps run all the layers in one C++ call (build_decoder_stack). The LM head
+residual add + RMSNorm, SwiGLU and int8 projections are one op each; decode-width
+steps run all the layers in one C++ call (build_decoder_stack). The LM head
 runs only on the rows whose logits are wanted: each row's last valid token, or every
 new token with all_logits.
 
@@ -235,11 +235,15 @@ class Layer:
     attn_scale: float = 1.0
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")  # GPT-2's tanh approximation
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     table = {
-        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's tanh approximation
-        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-        "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_new": gelu_tanh,
+        "gelu_pytorch_tanh": gelu_tanh,
+        "gelu_fast": gelu_tanh,
         "gelu": F.gelu,
         "silu": F.silu,
         "swish": F.silu,
@@ -492,7 +496,7 @@ class Transformer:
     # tritonlm's C++ ops (use_paged_kernel): decode-width steps' attention (paged_attention_qkv),
     # and for float32 RMSNorm / SwiGLU models the fused norms and activation at every width
     paged_kernel: bool = False
-    # with the C++ ops, Llama-family float32 / int8 layers also as one torch.classes.tritonlm.DecoderStack
+    # with the C++ ops, float32 / int8 layers (Llama family, GPT-2) also as one torch.classes.tritonlm.DecoderStack
     # (decoder_stack.cpp): decode-width steps run every layer in one call (build_decoder_stack)
     decoder_stack: object | None = field(default=None, repr=False)
     workspace: Workspace = field(default_factory=Workspace, repr=False)  # gathered K/V, reused step to step
@@ -791,26 +795,37 @@ class Transformer:
 
     def build_decoder_stack(self) -> object | None:
         """The layers as one C++ DecoderStack (decoder_stack.cpp), or None where its ops do not
-        cover them: it takes RMSNorm + SwiGLU layers (the Llama family) whose projections are
-        all oneDNN-blocked float32 or int8 through the int8 op, and references their weights.
-        At batch 1 the Python loop's ~250 op calls were ~a quarter of an int8 step."""
-        if not self.layers or self.act is not F.silu:
+        cover them. It takes Llama-family layers (RMSNorm, silu(gate) * up) and GPT-2's
+        (LayerNorm, gelu tanh over fc) whose projections are all oneDNN-blocked float32 or
+        int8 through the int8 op, and references their weights. At batch 1 the Python
+        loop's ~250 op calls were ~a quarter of an int8 step."""
+        if not self.layers:
+            return None
+        rms = self.layers[0].ln_attn.rms
+        if self.act is F.silu:
+            act = "silu_mul"
+        elif self.act is gelu_tanh:
+            act = "gelu_tanh"
+        else:
             return None
         for L in self.layers:
-            if L.gate_up is None or not (L.ln_attn.rms and L.ln_mlp.rms):
+            mlp_in = L.gate_up if act == "silu_mul" else L.fc
+            if mlp_in is None or L.ln_attn.rms != rms or L.ln_mlp.rms != rms:
                 return None
-            if any(p.blocked is None and not p.int8_op for p in (L.qkv, L.o, L.gate_up, L.down)):
+            if any(p.blocked is None and not p.int8_op for p in (L.qkv, L.o, mlp_in, L.down)):
                 return None
-            if any(n.w.dtype != torch.float32 for n in (L.ln_attn, L.ln_mlp)):
+            norms = [t for n in (L.ln_attn, L.ln_mlp) for t in (n.w, n.b) if t is not None]
+            if any(t.dtype != torch.float32 for t in norms):
                 return None
         stack = torch.classes.tritonlm.DecoderStack(self.heads)
         for L in self.layers:
-            for p in (L.qkv, L.o, L.gate_up, L.down):
+            for p in (L.qkv, L.o, L.gate_up if act == "silu_mul" else L.fc, L.down):
                 if p.blocked is not None:
                     stack.add_float(p.blocked, p.b)
                 else:
                     stack.add_int8(p.packed, p.smooth, p.b, _REDUCE_RANGE)
-            stack.add_layer(L.ln_attn.w, L.ln_attn.eps, L.ln_mlp.w, L.ln_mlp.eps, L.attn_scale)
+            a, m = L.ln_attn, L.ln_mlp
+            stack.add_layer(a.w, a.b, a.eps, m.w, m.b, m.eps, rms, act, L.attn_scale)
         return stack
 
     def _context(self, plan: StepPlan, pool: KVPool) -> StepContext:
