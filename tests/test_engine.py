@@ -3,6 +3,8 @@ checked token for token against transformers' own generate()."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -80,9 +82,9 @@ def test_batch_of_mixed_prompts_equals_hf_generate_token_for_token():
 
 
 def test_simultaneous_prompts_prefill_together_and_equal_hf_generate():
-    """Prompts arriving together share prefill passes (chunks of similar width): fewer
+    """Prompts arriving together share prefill passes (padding costs only attention): fewer
     passes than prompts, every text still transformers' own."""
-    from tritonlm.engine.executor import group_by_width
+    from tritonlm.engine.executor import group_prefill
 
     engine = make_engine(max_num_batched_tokens=512)
     passes = []
@@ -96,10 +98,15 @@ def test_simultaneous_prompts_prefill_together_and_equal_hf_generate():
     drain(engine)
     for p, rid in zip(prompts, rids):
         assert col.ids(rid) == hf_greedy(p, 6), p
-    widths = lambda *ns: [[len(t) for _, t in g] for g in group_by_width([(i, [0] * n) for i, n in enumerate(ns)])]
+    def widths(*ns: int, past: int = 0) -> list[list[int]]:
+        chunks = [(types.SimpleNamespace(num_computed=past), [0] * n) for n in ns]
+        return [[len(t) for _, t in g] for g in group_prefill(chunks)]
+
     assert widths(23, 23, 23) == [[23, 23, 23]]
-    assert widths(100, 1) == [[1], [100]]  # one short prompt is not padded to a long one
-    assert widths(6, 8, 10, 12, 40, 41, 55) == [[6, 8, 10], [12], [40, 41, 55]]
+    assert widths(6, 8, 10, 12, 40, 41, 55) == [[6, 8, 10, 12, 40, 41, 55]]  # padding costs attention only
+    assert widths(1, 100) == [[1, 100]]
+    assert widths(1, 2000) == [[1], [2000]]  # 2000 x 2000 padded keys for one token: not worth a pass saved
+    assert widths(16, 16, 512, past=3000) == [[16, 16], [512]]  # long cached contexts count too
     assert widths() == []
 
 
@@ -172,6 +179,26 @@ def test_streaming_pieces_concatenate_to_the_non_streaming_text():
         so_far += piece
         assert full.startswith(so_far), (piece, so_far[-20:])
     assert full.count("\ufffd") == sum(p.count("\ufffd") for p in pieces)
+
+
+def test_a_streamed_token_without_text_is_still_sent_at_once():
+    """A token whose text is empty (here an end token the request ignores, end_id=-1) is
+    streamed at once, with its id, not held for the next token's text: a streaming client's
+    first response is the first token, as llama-server's stream has it."""
+    from tritonlm.engine.executor import RowOutput, StepOutput
+
+    engine = make_engine()
+    _, tok = tiny()
+    col = Collector()
+    rid = col.request(engine, "Once upon a time", max_tokens=8, end_id=-1)
+    engine.step()  # prefill and a first token
+    sent = len(col.events[rid])
+    assert sent == 1 and col.events[rid][0].token_ids, col.events[rid]
+    seq = engine.scheduler.get(rid)
+    engine.output.process(StepOutput([RowOutput(seq, [(tok.eos_token_id, 0.0)])], 1, 1, 0.0))  # [eos]: text ""
+    assert tok.decode([tok.eos_token_id], skip_special_tokens=True) == ""
+    ev = col.events[rid][sent]
+    assert ev.token_ids == [tok.eos_token_id] and ev.text == "" and not ev.finished
 
 
 def test_kv_cache_off_gives_the_same_tokens():

@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded text not yet emitted (may be the start of a stop word)
         self.text = ""  # all text emitted so far
         self.stopped = False
+        self.incomplete = False  # the last update ended inside a multi-byte character
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -37,7 +38,8 @@ class IncrementalDetokenizer:
             return ""
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
+        self.incomplete = full.endswith(REPLACEMENT)
+        if len(full) > len(prefix) and not self.incomplete:
             self._held += full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)

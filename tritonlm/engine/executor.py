@@ -7,9 +7,9 @@ Kinds of rows in one step:
     prefill       a chunk of the prompt; a token only after the prompt's last chunk
     speculating   1 pending token + K guesses -> logits of all K+1 positions, verified
 Speculating rows and decodes share one pass (all logits when anyone speculates). Prefill
-chunks run in passes of their own, so no decoding row is padded to a chunk's width and no
-prompt-long logits are ever made; chunks of similar width share a pass
-(`group_by_width`): 32 prompts arriving together take a few passes, not 32.
+chunks run in passes of their own, so decoding rows keep the decode-width kernels and no
+prompt-long logits are ever made; chunks share a pass while padding them to one width
+costs little (`group_prefill`): 32 prompts arriving together take one pass, not 32.
 """
 
 from __future__ import annotations
@@ -56,24 +56,35 @@ class StepOutput:
     seconds: float
 
 
-PREFILL_PADDING = 0.25  # padded positions a shared prefill pass may add, as a share of the useful ones
+PREFILL_PADDING = 0.25  # padded attention a shared prefill pass may add, as a share of the useful attention
+ATTENTION_SLACK = 256  # and padded (query, key) pairs per useful token on top
 
 
-def group_by_width(chunks: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
-    """Prefill chunks packed into passes: shortest first, a chunk joins the current pass
-    while the padded batch (rows x widest chunk) stays within PREFILL_PADDING of the
-    tokens it really holds. One pass per chunk wastes the per-pass cost (every layer's
-    weights read again); one pass for all pads short prompts to the longest."""
+def group_prefill(chunks: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
+    """Prefill chunks packed into passes, shortest first.
+
+    Every pass reads all the weights once (tens of ms on a CPU), so fewer passes are
+    better; what sharing costs is padding. The runner drops padded positions before every
+    projection and MLP (StepPlan.packed), so padding costs only attention: rows x widest
+    chunk queries over the longest row's keys. A chunk joins the current pass while that
+    stays within PREFILL_PADDING of the useful (query, key) pairs plus ATTENTION_SLACK pairs
+    per token: one token's projections cost as much as attention over thousands of keys
+    (SmolLM2-135M: ~3,000; GPT-2: ~4,600), so the slack is a few percent of the pass.
+    32 short prompts share one pass; a 1-token chunk does not join a 2,000-token one."""
     groups: list[list[tuple[Sequence, list[int]]]] = []
-    useful = 0
+    tokens = useful = width = keys = 0
     for chunk in sorted(chunks, key=lambda c: len(c[1])):
-        width = len(chunk[1])  # the widest so far: sorted ascending
-        if groups and (len(groups[-1]) + 1) * width <= (useful + width) * (1 + PREFILL_PADDING):
+        seq, toks = chunk
+        total = seq.num_computed + len(toks)  # keys of this row: cached + new
+        w, k = max(width, len(toks)), max(keys, total)
+        rows = len(groups[-1]) + 1 if groups else 1
+        grown_useful, grown_tokens = useful + len(toks) * total, tokens + len(toks)
+        if groups and rows * w * k <= grown_useful * (1 + PREFILL_PADDING) + ATTENTION_SLACK * grown_tokens:
             groups[-1].append(chunk)
-            useful += width
+            tokens, useful, width, keys = grown_tokens, grown_useful, w, k
         else:
             groups.append([chunk])
-            useful = width
+            tokens, useful, width, keys = len(toks), len(toks) * total, len(toks), total
     return groups
 
 
@@ -99,9 +110,9 @@ class ModelExecutor:
             return ForwardResult(plan, self._pass(plain, all_logits=False), {}, {}, time.perf_counter() - t0)
         decode = [(seq, toks) for seq, toks in plain if not seq.in_prefill]
         rows = self._pass(verify + decode, all_logits=bool(verify))
-        # prefill chunks apart from the decodes: in one padded batch, every decoding row would
-        # be computed at a chunk's width (B x T positions for B + T useful ones)
-        for group in group_by_width([(seq, toks) for seq, toks in plain if seq.in_prefill]):
+        # prefill chunks apart from the decodes: a chunk's width would take the decoding rows
+        # off the decode-width kernels (paged attention in place, the one-call decoder stack)
+        for group in group_prefill([(seq, toks) for seq, toks in plain if seq.in_prefill]):
             rows += self._pass(group, all_logits=False)
         return ForwardResult(plan, rows, proposals, len_before, time.perf_counter() - t0)
 

@@ -104,13 +104,16 @@ class OutputProcessor:
         return len(tokens)
 
     def _report(self, seq: Sequence, text: str, token: int, logprob: float) -> None:
-        """Accumulate; a streaming request gets an event as soon as there is text to show
-        (tokens whose text is held back, an incomplete character, ride with the next one)."""
+        """Accumulate; a streaming request gets an event for every token whose text is
+        settled, even when that text is empty (a special token such as an ignored end of
+        text, or text held back while it could still become a stop string): the client
+        learns at once that a token was made, as llama-server's stream tells it. Only tokens
+        that end inside a multi-byte character ride with the next one."""
         seq.pending_text.append(text)
         seq.pending_ids.append(token)
         if seq.request.params.return_log_probs:
             seq.pending_log_probs.append(logprob)
-        if seq.request.stream and text:
+        if seq.request.stream and (text or not seq.detok.incomplete):
             self._emit(seq, GenerationEvent(seq.id, **self._take_pending(seq)))
 
     @staticmethod

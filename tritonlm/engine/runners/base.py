@@ -72,6 +72,9 @@ class StepPlan:
     total_len: torch.Tensor  # [B] int64 past_len + num_new
     max_past: int  # max(past_len), a host int
     max_total: int  # L, a host int
+    # [N] the valid tokens' rows of the batch flattened to [B*T], ascending; None when no
+    # row is padded. Row-wise work (norms, projections, MLP) runs on these N rows only.
+    packed: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -142,6 +145,7 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
         total_len=dev(total),
         max_past=int(past_len.max()),
         max_total=max_total,
+        packed=None if bool(valid.all()) else dev(valid.reshape(-1).nonzero().squeeze(1)),
     )
 
 

@@ -26,8 +26,12 @@ steps run all the layers in one C++ call (build_decoder_stack). The LM head
 runs only on the rows whose logits are wanted: each row's last valid token, or every
 new token with all_logits.
 
+A padded batch (prefill chunks of different widths) runs packed: norms, projections and
+the MLP see only the N real tokens (StepPlan.packed), attention the padded [B, T] layout.
+
 Shapes: B batch, T new tokens per row (padded width), L keys per row (max past+new),
-C hidden, H query heads, Hkv key/value heads, D head_dim, V vocab, S pool slots.
+N real tokens of a padded batch, C hidden, H query heads, Hkv key/value heads, D head_dim,
+V vocab, S pool slots.
 """
 
 from __future__ import annotations
@@ -402,6 +406,9 @@ class StepContext:
     rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [B, T, 1, D] (Llama)
     kernel: bool = False  # torch.ops.tritonlm.paged_attention reads the pool directly
     slot_table: torch.Tensor | None = None  # [B, L] int64 contiguous, for the kernel
+    # gather path, padded batch: [N] plan.packed, the valid tokens' rows of [B*T]; the
+    # layers' row-wise work runs on those N rows, attention on the padded [B, T] layout
+    packed: torch.Tensor | None = None
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
@@ -843,28 +850,36 @@ class Transformer:
             k_buf=self.workspace.take("k", shape, pool.k[0].dtype, self.device),
             v_buf=self.workspace.take("v", shape, pool.v[0].dtype, self.device),
             rope=rope,
+            packed=plan.packed,
         )
 
     def self_attention(self, x: torch.Tensor, layer: Layer, li: int, ctx: StepContext, pool: KVPool) -> torch.Tensor:
-        """x [B, T, C] -> [B, T, heads*D], before the out-projection."""
-        bsz, width, _ = x.shape
+        """x [B, T, C] -> [B, T, heads*D], before the out-projection; packed (ctx.packed):
+        x [N, C] -> [N, heads*D], only attention itself sees the padded [B, T] layout."""
         d = self.spec.head_dim
-        qkv = layer.qkv(x)  # [B, T, (H + 2 Hkv) D]
+        qkv = layer.qkv(x)  # [B, T, (H + 2 Hkv) D] or [N, (H + 2 Hkv) D]
         if ctx.kernel:  # RoPE, the K/V write and attention read in place through the slot table: one op
             cos, sin = ctx.rope if ctx.rope is not None else (None, None)
             return torch.ops.tritonlm.paged_attention_qkv(
                 qkv.contiguous(), pool.k[li], pool.v[li], ctx.plan.write_slots, ctx.slot_table, ctx.plan.positions,
                 cos, sin, self.heads, layer.attn_scale)
+        bsz, width = ctx.plan.batch_size, ctx.plan.width
+        if ctx.packed is not None:  # zeros at the padding: finite keys and values, written to scratch only
+            qkv = qkv.new_zeros(bsz * width, qkv.shape[-1]).index_copy_(0, ctx.packed, qkv)
+        qkv = qkv.view(bsz, width, -1)
         qk_width = (self.heads + self.kv_heads) * d
         qk = qkv[..., :qk_width].view(bsz, width, self.heads + self.kv_heads, d)  # [B, T, H + Hkv, D]
         if ctx.rope is not None:  # q and k rotated in one pass (half the small ops of two)
             qk = apply_rope(qk, *ctx.rope)
         q, k = qk.split([self.heads, self.kv_heads], dim=2)  # [B, T, H, D], [B, T, Hkv, D]
         v = qkv[..., qk_width:].view(bsz, width, self.kv_heads, d)  # [B, T, Hkv, D]
-        return paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)
+        out = paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)  # [B, T, H*D]
+        if ctx.packed is None:
+            return out
+        return out.view(bsz * width, -1).index_select(0, ctx.packed)  # [N, H*D]
 
     def mlp_inner(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
-        """x [B, T, C] -> [B, T, F], everything before the down projection."""
+        """x [..., C] -> [..., F] ([B, T] or packed [N] rows), everything before the down projection."""
         if layer.fc is not None:
             return self.act(layer.fc(x))
         gate_up = layer.gate_up(x)  # [B, T, 2F]
@@ -889,20 +904,27 @@ class Transformer:
         return x, norm(x)
 
     def run_layers(self, plan: StepPlan, x: torch.Tensor, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor:
-        """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP."""
+        """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP.
+        A padded batch runs packed ([N, C] between the layers) and comes back [B, T, C], zeros at the padding."""
         ctx = self._context(plan, pool)
         if ctx.kernel and self.decoder_stack is not None and comm.world == 1:  # every layer in one call
             cos, sin = ctx.rope if ctx.rope is not None else (None, None)
             return torch.ops.tritonlm.decoder_stack(
                 self.decoder_stack, x, pool.k, pool.v, plan.write_slots, ctx.slot_table, plan.positions, cos, sin,
                 blocked_rows(x.shape[0] * x.shape[1]))
+        shape = x.shape
+        if ctx.packed is not None:  # [B, T, C] -> [N, C]: the padding never reaches a matmul
+            x = x.reshape(-1, shape[-1]).index_select(0, ctx.packed)
         delta = None  # what the last block adds to the residual stream, added with the next norm
         for li, layer in enumerate(self.layers):
             x, h = (x, self.norm(layer.ln_attn, x)) if delta is None else self.add_norm(x, delta, layer.ln_attn)
             delta = row_parallel(layer.o, self.self_attention(h, layer, li, ctx, pool), comm)
             x, h = self.add_norm(x, delta, layer.ln_mlp)
             delta = row_parallel(layer.down, self.mlp_inner(h, layer), comm)
-        return x if delta is None else x + delta
+        x = x if delta is None else x + delta
+        if ctx.packed is None:
+            return x
+        return x.new_zeros(shape[0] * shape[1], shape[-1]).index_copy_(0, ctx.packed, x).view(shape)  # [B, T, C]
 
     def head(self, plan: StepPlan, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
         """x [B, T, C] -> float32 logits [B, V'] (last valid token of each row) or [B, T, V']."""
