@@ -350,6 +350,26 @@ def test_a_row_whose_sampling_fails_does_not_fail_its_batch(monkeypatch):
     assert engine.cache.used_bytes == 0 and engine.cache.live_sequences() == 0
 
 
+def test_one_argmax_per_pass_picks_what_sample_row_picks_row_by_row():
+    from tritonlm.engine.sampler import RowState, greedy_tokens, sample_row
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))  # [n, V]
+    logits[1, 7] = logits[1, 30] = 99.0  # a tie: the first index wins, as in transformers' argmax
+    logits[2, 11] = float("nan")
+    logits[3, 4] = float("inf")
+    logits[4] = float("-inf")
+    logits[4, 9] = -1e30  # the one finite value wins
+    row = RowState.make(SamplingParams(max_tokens=1), [1, 2], eos_id=None)
+    batched = greedy_tokens(logits)
+    assert batched[0] == sample_row(logits[0], row)[0] and batched[5] == sample_row(logits[5], row)[0]
+    assert batched[1] == 7 == sample_row(logits[1], row)[0]
+    assert batched[4] == 9 == sample_row(logits[4], row)[0]
+    # a winner that is not finite is left to sample_row, which masks NaN and clips +inf
+    assert batched[2:4] == [None, None]
+    assert sample_row(logits[2], row)[0] == int(torch.argmax(torch.nan_to_num(logits[2], nan=float("-inf"))))
+    assert sample_row(logits[3], row)[0] == 4
+
+
 def test_overflowing_settings_are_greedy_or_refused():
     engine = make_engine()
     col = Collector()
