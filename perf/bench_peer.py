@@ -420,9 +420,10 @@ def summarize(records: list[dict], wall: float) -> dict:
 # ---- tritonlm: repository, server, in-process engine ---------------------------------------------
 
 
-def tritonlm_params(dtype: str, bytes_per_token: int) -> dict[str, str]:
-    """The generation model's parameters: defaults, except what makes the comparison fair."""
-    return {
+def tritonlm_params(dtype: str, bytes_per_token: int, stream_interval: int = 1) -> dict[str, str]:
+    """The generation model's parameters: defaults, except what makes the comparison fair
+    (and stream_interval when asked for; llama-server streams every token)."""
+    params = {
         "dtype": dtype,
         "max_context": str(SLOT_CONTEXT),  # llama-server's context per slot
         # the KV room llama-server has (32 slots x 512 tokens), in tritonlm's blocks
@@ -430,6 +431,9 @@ def tritonlm_params(dtype: str, bytes_per_token: int) -> dict[str, str]:
         "max_num_seqs": str(max(64, PEER_SLOTS)),
         "enable_prefix_caching": "false",  # llama-server gets cache_prompt: false
     }
+    if stream_interval != 1:
+        params["stream_interval"] = str(stream_interval)
+    return params
 
 
 def write_repo(out: Path, hf: Path, dtype: str, params: dict[str, str]) -> Path:
@@ -588,6 +592,9 @@ def main() -> int:
     ap.add_argument("--tritonlm-client", choices=("sse", "grpc"), default="sse",
                     help="sse: Triton's generate_stream over http.client, llama-server's client style (default); "
                          "grpc: tritonclient's gRPC stream")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tritonlm's stream_interval: after the first token a response every N tokens "
+                         "(default 1, every token, as llama-server streams)")
     ap.add_argument("--quick", action="store_true", help="smoke run: levels 1,8, 1 request per client, 32 tokens")
     args = ap.parse_args()
     levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
@@ -599,6 +606,8 @@ def main() -> int:
         ap.error(f"--tritonlm-dtypes ({len(dtypes)}) and --peer-quants ({len(quants)}) pair up: give as many of each")
     if args.split_rounds < 1:
         ap.error("--split-rounds: at least 1")
+    if args.stream_interval < 1:
+        ap.error("--stream-interval: at least 1")
     if max(levels) > PEER_SLOTS:
         ap.error(f"at most {PEER_SLOTS} clients: llama-server runs --parallel {PEER_SLOTS}")
     if SLOT_CONTEXT < max_tokens + 200:
@@ -638,7 +647,8 @@ def main() -> int:
           f"llama-server -t {args.llama_threads}; load average now {os.getloadavg()[0]:.1f}")
     print(f"SmolLM2-135M-Instruct; {len(PROMPTS)} prompts ({min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens), "
           f"clients {levels} x {per_client} requests x {max_tokens} new tokens, greedy, end token ignored, "
-          "no prefix/prompt caching")
+          "no prefix/prompt caching" + (f"; tritonlm stream_interval {args.stream_interval} (llama-server: every token)"
+                                         if args.stream_interval != 1 else ""))
     print("weights: tritonlm float32 = the Q4_1 GGUF dequantized; llama-server F32 = the same GGUF requantized to "
           "F32 (the same weights); int8 / Q8_0 = each engine's 8-bit form of them", flush=True)
 
@@ -647,7 +657,7 @@ def main() -> int:
     failed = False
     for dtype, quant in zip(dtypes, quants):
         pair = f"{dtype} vs {quant}"
-        params = tritonlm_params(dtype, bytes_per_token)
+        params = tritonlm_params(dtype, bytes_per_token, args.stream_interval)
         repo = write_repo(out, hf, dtype, params)
         # -- tritonlm, served
         print(f"\n[{pair}] tritonlm dtype {dtype}: starting tritonserver ...", flush=True)

@@ -201,6 +201,27 @@ def test_a_streamed_token_without_text_is_still_sent_at_once():
     assert ev.token_ids == [tok.eos_token_id] and ev.text == "" and not ev.finished
 
 
+def test_stream_interval_sends_the_first_token_at_once_then_every_n_tokens(tmp_path):
+    from tests.genrepo import add_generation_model
+    from tritonlm.engine.loader import build_engine
+    from tritonlm.engine.settings import EngineSettings
+
+    folder = add_generation_model(tmp_path, "tiny", stream_interval=4)  # as config.pbtxt sets it
+    engine = build_engine(EngineSettings.from_params({"task": "generate", "max_context": "256", "stream_interval": "4"}, folder))
+    col = Collector()
+    streams = [col.request(engine, p, max_tokens=30, end_id=-1) for p in PROMPTS]
+    wholes = [col.request(engine, p, stream=False, max_tokens=30, end_id=-1) for p in PROMPTS]
+    drain(engine)
+    for p, s, w in zip(PROMPTS, streams, wholes):
+        assert col.text(s) == col.text(w) and col.ids(s) == col.ids(w), p
+        sizes = [len(e.token_ids) for e in col.events[s]]
+        assert sum(sizes) == 30 and col.events[s][-1].finished, (p, sizes)
+        # the first event as soon as the first token's text is whole, then every 4 tokens
+        # (more when a character spans the 4th), the rest with the final event
+        assert sizes[0] <= 2 and all(n >= 4 for n in sizes[1:-1]) and len(sizes) >= 6, (p, sizes)
+    assert sum(len(col.events[s]) for s in streams) < 0.4 * 30 * len(PROMPTS)
+
+
 def test_kv_cache_off_gives_the_same_tokens():
     on, off = make_engine(), make_engine(use_kv_cache=False)
     c_on, c_off = Collector(), Collector()

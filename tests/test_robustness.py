@@ -628,6 +628,7 @@ def test_a_wrong_config_refuses_to_load_naming_the_field_and_the_fix(triton_serv
         ({"queue_timeout_s": "-1"}, r"queue_timeout_s: must be >= 0 seconds \(0: wait as long as it takes\), got -1.0"),
         ({"max_num_seqs": "many"}, r"max_num_seqs: 'many' is not an integer"),
         ({"cancellation_check_period_ms": "0"}, r"cancellation_check_period_ms: must be >= 1, got 0"),
+        ({"stream_interval": "0"}, r"stream_interval: must be >= 1, got 0"),
         ({"attention_backend": "flash"}, r"attention_backend: 'flash'; use one of auto, paged, gather"),
         ({"attention_backend": "paged", "tensor_parallel_size": "2"},
          r"attention_backend: 'paged' \(refuse to load without the kernel\) is checked for the torch runtime "

@@ -42,6 +42,7 @@ class Engine:
         use_kv_cache: bool = True,
         queue_timeout_s: float = 0.0,
         cancellation_check_s: float = 0.1,
+        stream_interval: int = 1,
         observer: EngineObserver | None = None,
         drafter: Drafter | None = None,
         num_draft_tokens: int = 4,
@@ -58,7 +59,7 @@ class Engine:
         self.eos_id = tokenizer.eos_token_id
         self.scheduler = Scheduler(scheduler_config, cache, recompute=not use_kv_cache)
         self.executor = ModelExecutor(runner, self.scheduler, drafter)
-        self.output = OutputProcessor(self.scheduler, max_context, observer)
+        self.output = OutputProcessor(self.scheduler, max_context, observer, stream_interval)
         self._inbox: list[Sequence] = []
         self._cancel: set[int] = set()
         self._cond = threading.Condition()

@@ -145,6 +145,7 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
         use_kv_cache=settings.use_kv_cache,
         queue_timeout_s=settings.queue_timeout_s,
         cancellation_check_s=settings.cancellation_check_period_ms / 1000,
+        stream_interval=settings.stream_interval,
         observer=observer,
         drafter=build_drafter(settings, runner, cache, tokenizer, max_context),
         num_draft_tokens=settings.num_draft_tokens,

@@ -43,10 +43,12 @@ class EngineStats:
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, max_context: int, observer: EngineObserver | None = None):
+    def __init__(self, scheduler: Scheduler, max_context: int, observer: EngineObserver | None = None,
+                 stream_interval: int = 1):
         self.scheduler = scheduler
         self.max_context = max_context
         self.observer = observer
+        self.stream_interval = stream_interval
         self.stats = EngineStats()
         self._outbox: list[tuple[Sequence, GenerationEvent]] = []  # sent at the end of each call
         self.deliver = deliver  # the engine thread hands it to an EventDispatcher when it runs one
@@ -63,6 +65,8 @@ class OutputProcessor:
                 self._fail(seq, out.error)
                 continue
             used = self._append(seq, out.tokens, now)
+            if seq.request.stream and seq.state is not SeqState.FINISHED:
+                self._stream(seq)
             if out.proposed:
                 accepted = min(out.accepted, used)  # guesses after the sequence ended do not count
                 seq.draft_tokens += out.proposed
@@ -104,16 +108,24 @@ class OutputProcessor:
         return len(tokens)
 
     def _report(self, seq: Sequence, text: str, token: int, logprob: float) -> None:
-        """Accumulate; a streaming request gets an event for every token whose text is
-        settled, even when that text is empty (a special token such as an ignored end of
-        text, or text held back while it could still become a stop string): the client
-        learns at once that a token was made, as llama-server's stream tells it. Only tokens
-        that end inside a multi-byte character ride with the next one."""
+        """Accumulate until the stream's next event or the final one."""
         seq.pending_text.append(text)
         seq.pending_ids.append(token)
         if seq.request.params.return_log_probs:
             seq.pending_log_probs.append(logprob)
-        if seq.request.stream and (text or not seq.detok.incomplete):
+
+    def _stream(self, seq: Sequence) -> None:
+        """A streaming sequence's event for this step's tokens: one per step that made tokens
+        (several with speculative decoding), even when their text is empty (a special token
+        such as an ignored end of text, or text held back while it could still become a stop
+        string), so the client learns at once that a token was made, as llama-server's stream
+        tells it. Tokens that end inside a multi-byte character ride with the next one. With
+        stream_interval N, after the first event every N tokens."""
+        pending = len(seq.pending_ids)
+        if not pending or not (any(seq.pending_text) or not seq.detok.incomplete):
+            return
+        first = pending == seq.num_output_tokens  # nothing of this sequence sent yet
+        if first or pending >= self.stream_interval:
             self._emit(seq, GenerationEvent(seq.id, **self._take_pending(seq)))
 
     @staticmethod

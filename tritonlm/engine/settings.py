@@ -73,6 +73,10 @@ class EngineSettings:
     # how often every live request is asked whether its client cancelled: each ask is a
     # round trip to tritonserver, and TensorRT-LLM's backend polls every 100 ms too
     cancellation_check_period_ms: int = 100
+    # a stream's first token goes out at once, then a response every N tokens (and the last):
+    # every response is a round trip to tritonserver and an event it writes (SGLang and vLLM
+    # have the same knob); 1 = every token
+    stream_interval: int = 1
     default_max_tokens: int = 16
     # request bounds, checked before tokenizing (tritonlm.protocol.RequestLimits)
     max_prompt_bytes: int = 0  # 0: 32 bytes per token of max_context
@@ -187,6 +191,7 @@ class EngineSettings:
             max_queue_size=get_int("max_queue_size", 1024, 1),
             queue_timeout_s=get_float("queue_timeout_s", 0.0) or 0.0,
             cancellation_check_period_ms=get_int("cancellation_check_period_ms", 100, 1),
+            stream_interval=get_int("stream_interval", 1, 1),
             default_max_tokens=get_int("default_max_tokens", 16, 1),
             max_prompt_bytes=get_int("max_prompt_bytes", 0, 0),
             max_words=get_int("max_words", 64, 0),
