@@ -66,7 +66,7 @@ def _out(name: str, dtype: str, meaning: str, dims: tuple[int, ...] = (1,), opti
 INPUTS: tuple[Tensor, ...] = (
     _in("text_input", "BYTES", "the prompt", optional=False),
     _in("max_tokens", "INT32", "most new tokens to generate; absent: the model's `default_max_tokens` parameter (16)"),
-    _in("stream", "BOOL", "true: a response as tokens are made: one per generated token (its text; empty for a special token; a split character waits for its last token); several tokens in one with speculative decoding, or after the first every `stream_interval` tokens when the model sets it", False),
+    _in("stream", "BOOL", "true: a response as tokens are made: one per generated token (its text; empty for a special token; a split character waits for its last token); several tokens in one with speculative decoding, when responses fall behind the steps, or every `stream_interval` tokens after the first when the model sets it", False),
     _in("exclude_input_in_output", "BOOL", "true: a non-streamed answer leaves the prompt out (streamed pieces never repeat it)", False),
     _in("min_tokens", "INT32", "the end token (EOS or `end_id`) is not generated before this many tokens", 0),
     _in("min_length", "INT32", "genai-perf's name for `min_tokens` (read when `min_tokens` is absent)", 0),
