@@ -47,7 +47,7 @@ class ForwardResult:
     len_before: dict[int, int]  # seq id -> its tokens (cached + the pending one) before the pass
     seconds: float
     # (index of its first row in `rows`, logits [B, V]) of each pass that gave one row of logits
-    # per sequence: their greedy rows take one argmax per pass (Executor._greedy)
+    # per sequence: their greedy rows take one argmax per pass (ModelExecutor._greedy)
     passes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
@@ -161,7 +161,11 @@ class ModelExecutor:
         """A RowOutput for every row that has a next token; a row whose sampling fails gets
         an error and leaves the others alone."""
         outputs = []
-        greedy = self._greedy(fwd)
+        try:
+            greedy = self._greedy(fwd)
+        except Exception:  # noqa: BLE001 - every row then samples alone, each with its own error
+            log.exception("batched greedy sampling failed; sampling row by row")
+            greedy = {}
         for i, (seq, fed, logits) in enumerate(fwd.rows):
             if seq.num_computed < seq.num_tokens:
                 continue  # a prefill chunk that is not the prompt's last: no token yet
