@@ -96,14 +96,52 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
 constexpr int64_t kRowBlock = 4;  // query rows handled together (their state fits in registers)
 
 // scores[r, j] = q_r . k_j * scale for j < nkeys[r], r < nrows <= kRowBlock; k_j is the
-// key of position j, kv head g. Each key row is read once for the block's rows.
+// key of position j, kv head g. Each key row is read once for the block's rows. With
+// AVX-512 and a head size of 16k, 16 keys at a time: their dot products' horizontal sums
+// taken together (reduce_add_16), the same bits as dot() (a row's tail of < 16 keys takes
+// dot()). Both loops prefetch the key rows 16 positions ahead, as weigh_values does the
+// value rows 8 ahead: a row's address comes through the slot table. Together ~10-20% off
+// the kernel at batch 8-32 (SmolLM2's heads, context 192-400, AMD EPYC with AVX-512, old
+// and new kernels interleaved in one process).
 template <int HD>
 inline void score_rows(const float* const* q, const int64_t* nkeys, int64_t nrows, const float* kp,
                        const int64_t* slots, int64_t Hkv, int64_t g, int64_t D, float sc, float* scores,
                        int64_t stride) {
   const int64_t n_max = nkeys[nrows - 1];  // rows are in order of t: the last sees the most keys
-  for (int64_t j = 0; j < n_max; ++j) {
+  int64_t j0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    const __m512 scv = _mm512_set1_ps(sc);
+    for (; j0 + 16 <= n_max; j0 += 16) {  // the block's 16 key rows stay in L1 for its query rows
+      const float* kj[16];
+      for (int k = 0; k < 16; ++k) kj[k] = kp + (slots[j0 + k] * Hkv + g) * D;
+      if (j0 + 32 <= n_max)
+        for (int k = 0; k < 16; ++k) {
+          const char* nx = reinterpret_cast<const char*>(kp + (slots[j0 + 16 + k] * Hkv + g) * D);
+          for (int64_t c = 0; c < HD * 4; c += 64) _mm_prefetch(nx + c, _MM_HINT_T0);
+        }
+      for (int64_t r = 0; r < nrows; ++r) {
+        float* s = scores + r * stride;
+        if (j0 + 16 <= nkeys[r]) {
+          __m512 x[16];
+#pragma GCC unroll 16
+          for (int k = 0; k < 16; ++k) x[k] = tritonlm_simd::dot_lanes(q[r], kj[k], HD);
+          _mm512_storeu_ps(s + j0, _mm512_mul_ps(tritonlm_simd::reduce_add_16(x), scv));
+        } else {
+          for (int64_t j = j0; j < std::min(j0 + 16, nkeys[r]); ++j) s[j] = dot<HD>(q[r], kj[j - j0], D) * sc;
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t j = j0; j < n_max; ++j) {
     const float* kj = kp + (slots[j] * Hkv + g) * D;
+#if defined(__AVX512F__)
+    if (j + 16 < n_max) {
+      const char* nx = reinterpret_cast<const char*>(kp + (slots[j + 16] * Hkv + g) * D);
+      for (int64_t c = 0; c < D * 4; c += 64) _mm_prefetch(nx + c, _MM_HINT_T0);
+    }
+#endif
     for (int64_t r = 0; r < nrows; ++r)
       if (j < nkeys[r]) scores[r * stride + j] = dot<HD>(q[r], kj, D) * sc;
   }
@@ -125,6 +163,10 @@ inline void weigh_values(float* const* out, const int64_t* nkeys, int64_t nrows,
       for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n_max; ++j) {
       const float* vj = vp + (slots[j] * Hkv + g) * D;
+      if (j + 8 < n_max) {
+        const char* nx = reinterpret_cast<const char*>(vp + (slots[j + 8] * Hkv + g) * D);
+        for (int c = 0; c < HD * 4; c += 64) _mm_prefetch(nx + c, _MM_HINT_T0);
+      }
       __m512 v[V];
 #pragma GCC unroll 8
       for (int c = 0; c < V; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);

@@ -65,6 +65,41 @@ inline __m256 exp2_clamped(__m256 v) {  // the same, 8 at a time (CPUs without A
 inline __m256 exp(__m256 x) { return exp2_clamped(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e))); }
 #endif
 
+#if defined(__AVX512F__)
+// dot()'s 16 partial sums before their horizontal sum, over the first n - n % 16 floats.
+inline __m512 dot_lanes(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+  return _mm512_add_ps(acc0, acc1);
+}
+
+// Lane k: the sum of x[k]'s 16 lanes, paired as _mm512_reduce_add_ps pairs them (lane i with
+// i + 8, then i + 4, i + 2, i + 1), so each is the same bits as reduce_add of x[k] alone; 16
+// sums for ~45 shuffles and adds instead of ~160.
+inline __m512 reduce_add_16(const __m512* x) {
+  __m512 y[8], z[4], w[2];
+  for (int m = 0; m < 8; ++m)  // lanes 0-7: x[2m]'s i + (i + 8); lanes 8-15: x[2m + 1]'s
+    y[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  for (int m = 0; m < 4; ++m)  // 128-bit block q: x[4m + q]'s 4 partial sums
+    z[m] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * m], y[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                         _mm512_shuffle_f32x4(y[2 * m], y[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  for (int m = 0; m < 2; ++m)  // block q: x[8m + q]'s 2 partial sums, then x[8m + 4 + q]'s
+    w[m] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * m], z[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane 4q + s: the sum of x[4s + q]; back in order
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+#endif
+
 // a . b over n floats, summed in an order that depends on n only (never on the pointers'
 // alignment, as a compiler's vectorized reduction may): a row's result is the same bits
 // wherever it sits, alone or in a batch.
@@ -72,13 +107,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
 #if defined(__AVX512F__)
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-  }
-  for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-  s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  i = n - n % 16;
+  s = _mm512_reduce_add_ps(dot_lanes(a, b, n));
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
