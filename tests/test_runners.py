@@ -533,6 +533,47 @@ def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim
     assert torch.equal(pools[0].v[0][real], pools[1].v[0][real])  # values are copied as they are
 
 
+def test_paged_attention_kernel_gives_a_row_the_same_bits_alone_in_a_batch_and_among_new_tokens():
+    """With AVX-512 a row's keys go 16 at a time (their dot products summed together) and its
+    last < 16 one at a time: which keys take which way depends on the row alone, so its output
+    may not change with the rows beside it. Two new tokens: the second sees 48 keys (three
+    blocks), the first 47 (two blocks and 15 keys one at a time)."""
+    from tritonlm.engine.kernels import kernels_available
+
+    assert kernels_available()[0]
+    op = torch.ops.tritonlm.paged_attention_qkv
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, D, S = 9, 3, 64, 700
+    W = (H + 2 * Hkv) * D
+    k_pool, v_pool = torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g)
+    perm = torch.randperm(S - 1, generator=g) + 1
+    cos_at, sin_at = torch.randn(128, D, generator=g), torch.randn(128, D, generator=g)  # per position
+    n, L = 48, 80  # the row under test: positions 0..47, the last two new
+    table = perm[:L]
+    q_new, q_before = torch.randn(W, generator=g), torch.randn(W, generator=g)
+
+    def call(tables, positions, rows, k, v):  # tables [B, L], positions [B, T], rows [B, T, W]
+        pos = torch.tensor(positions)
+        ws = torch.gather(torch.stack(tables), 1, pos).contiguous()
+        return op(torch.stack(rows).contiguous(), k, v, ws, torch.stack(tables).contiguous(), pos,
+                  cos_at[pos].contiguous(), sin_at[pos].contiguous(), H, D**-0.5)
+
+    # two new tokens (positions 35, 36) in one call: it writes both keys
+    k, v = k_pool.clone(), v_pool.clone()
+    among = call([table], [[n - 2, n - 1]], [torch.stack([q_before, q_new])], k, v)[0]  # [2, H * D]
+    # each alone, over the pool that call left (both new keys are there)
+    alone = call([table], [[n - 1]], [q_new.unsqueeze(0)], k.clone(), v.clone())[0, 0]
+    alone_before = call([table], [[n - 2]], [q_before.unsqueeze(0)], k.clone(), v.clone())[0, 0]
+    # in a batch of rows with 5, 16 and 70 keys
+    others = [perm[L * i:L * (i + 1)] for i in (1, 2, 3)]
+    rows = [torch.randn(1, W, generator=g) for _ in range(3)]
+    batch = call([others[0], others[1], table, others[2]], [[4], [15], [n - 1], [69]],
+                 [rows[0], rows[1], q_new.unsqueeze(0), rows[2]], k.clone(), v.clone())[2, 0]
+    assert torch.equal(alone, among[1]), f"max abs diff {(alone - among[1]).abs().max().item():.3g}"
+    assert torch.equal(alone_before, among[0]), f"max abs diff {(alone_before - among[0]).abs().max().item():.3g}"
+    assert torch.equal(alone, batch), f"max abs diff {(alone - batch).abs().max().item():.3g}"
+
+
 def test_paged_attention_kernel_refuses_bad_tensors_naming_them():
     from tritonlm.engine.kernels import kernels_available
 
