@@ -39,10 +39,12 @@ PROMPTS = [
     "load test",
 ]
 ROUND_TIMEOUT_S = 120.0  # one round of 64 x 8 requests: about 6 s when healthy
-# Resident memory may grow this much between the end of the warm-up round and the end
-# of an identical second round (allocator slack; measured: under 1 MiB). A leak of
-# 16 KiB per request over the round's 512 requests would exceed it.
-RSS_MARGIN_BYTES = 8 * 1024 * 1024
+# Resident memory may grow this much between the end of the warm-up rounds and the end
+# of MEASURED_ROUNDS identical rounds after them (allocator slack and the Python backend's
+# shared memory; measured: under 1 MiB a round on an Intel host, 0-7.7 MiB on an AMD EPYC
+# one). A leak of 16 KiB per request over the measured 1,024 requests would exceed it.
+MEASURED_ROUNDS = 2
+RSS_MARGIN_BYTES = 16 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -184,21 +186,29 @@ def test_64_streaming_clients_every_request_once_and_no_memory_leak(triton_serve
     }
     assert all(expected.values())
 
+    # warm-up: threads, arenas, caches get created. Two rounds: the batch shapes of a round
+    # vary with timing, and oneDNN keeps a kernel per new row bucket (blocked_rows) and the
+    # Python backend's shared memory grows to the round's peak. On one AMD EPYC host the model's
+    # process grew 10-12 MiB in the round after a single warm-up round and 0-4 MiB in each
+    # round after two (up to 7.7); the engine alone (no server) stopped growing after its third
+    # round. So the growth is measured over two rounds, against a margin for two.
     t0 = time.monotonic()
-    check_round(run_round(url), expected)  # warm-up: threads, arenas, caches get created
+    for _ in range(2):
+        check_round(run_round(url), expected)
     warmup_s = time.monotonic() - t0
     wait_idle(triton_server)
     rss_before = process_tree_rss(triton_server.process.pid)[0]
 
     t0 = time.monotonic()
-    check_round(run_round(url), expected)
+    for _ in range(MEASURED_ROUNDS):
+        check_round(run_round(url), expected)
     measured_s = time.monotonic() - t0
     wait_idle(triton_server)
     rss_after = process_tree_rss(triton_server.process.pid)[0]
 
     growth = rss_after - rss_before
     print(
-        f"\n{NUM_CLIENTS} clients x {REQUESTS_PER_CLIENT} requests: warm-up {warmup_s:.1f} s, second round {measured_s:.1f} s; "
+        f"\n{NUM_CLIENTS} clients x {REQUESTS_PER_CLIENT} requests: warm-up (2 rounds) {warmup_s:.1f} s, {MEASURED_ROUNDS} measured rounds {measured_s:.1f} s; "
         f"server RSS before {rss_before / 2**20:.1f} MiB, after {rss_after / 2**20:.1f} MiB, "
         f"growth {growth / 2**20:+.2f} MiB (margin {RSS_MARGIN_BYTES / 2**20:.0f} MiB); peak batch > {peak_batch_size(triton_server):.0f}"
     )

@@ -30,11 +30,15 @@ from tritonclient.utils import InferenceServerException
 from tests.genrepo import add_generation_model, hf_greedy, tiny
 from tritonlm.client.generate import GenerateError, GenerateResult, _absorb, _grpc_inputs, generate_grpc, generate_http, generate_stream_http
 from tritonlm.engine.request import InvalidRequestError
-from tritonlm.export.repository import write_generate_config
+from tritonlm.export.repository import write_generate_config, write_generation_model
 from tritonlm.models.builtin import tiny_tokenizer
 from tritonlm.protocol import parse_request
 
 LONG_CONTEXT = 1024  # the "long" model: generations that last seconds, so a test can act mid-stream
+# the queue test's slot holder must outlast the queue timeout and the steps after it however fast
+# the host: GPT-2's 1024 positions (~1 ms a token here) were once used up first, so a Llama (RoPE,
+# no position table) with room for this many tokens holds it instead
+HOLD_CONTEXT = 8192
 LONG_BYTES_PER_TOKEN = 2 * 2 * 128 * 4  # 2 layers x K,V x 128 wide x fp32
 QUEUE_TIMEOUT_S = 0.8
 BAD_MODELS = ["bad_runtime", "no_weights", "missing_onnx", "kv_too_small", "draft_other_tokenizer"]
@@ -69,6 +73,21 @@ def add_long_model(repo: Path, name: str, weights_of: str | None = None, **param
     return repo / name
 
 
+def add_holder_model(repo: Path, name: str, **parameters) -> Path:
+    """A tiny Llama (seeded, the tiny tokenizer) with HOLD_CONTEXT tokens of context."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=HOLD_CONTEXT,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(98)
+    return write_generation_model(repo, name, LlamaForCausalLM(config).eval(), tok, max_context=HOLD_CONTEXT,
+                                  **parameters)
+
+
 def add_draft_with_other_tokenizer(repo: Path, name: str) -> Path:
     """A target whose draft has as many tokens as the target's tokenizer, but other ids
     (the same vocabulary, ids reversed): a vocabulary-size check alone would accept it."""
@@ -93,7 +112,7 @@ def triton_repo(tmp_path_factory):
     # asked for cancellation every 20 ms (the default is 100): the cancel test bounds the steps it takes
     add_long_model(repo, "long", cancellation_check_period_ms=20)
     # one running sequence, one waiting, the next is told "busy"; waiting too long ends a request
-    add_long_model(repo, "long_queue", weights_of="long", max_num_seqs=1, max_queue_size=1, queue_timeout_s=QUEUE_TIMEOUT_S)
+    add_holder_model(repo, "long_queue", max_num_seqs=1, max_queue_size=1, queue_timeout_s=QUEUE_TIMEOUT_S)
     # models that must refuse to load (loaded one by one through the model-control API)
     add_generation_model(repo, "bad_runtime", runtime="tensorflow")
     (add_generation_model(repo, "no_weights") / "1" / "hf" / "model.safetensors").unlink()
@@ -400,7 +419,7 @@ def test_full_queue_is_refused_at_once_and_a_request_waiting_too_long_times_out(
     errors = metric(triton_server, "tritonlm_requests_finished_total", "long_queue", reason="error")
     running, queued, refused, gives_up = (Stream(triton_server) for _ in range(4))
     try:
-        running.send("long_queue", _grpc_inputs("I hold the only slot", {"max_tokens": 1000, "end_id": -1, "stream": True}))
+        running.send("long_queue", _grpc_inputs("I hold the only slot", {"max_tokens": HOLD_CONTEXT - 100, "end_id": -1, "stream": True}))
         assert running.next()[1] is None  # streaming: it holds the one running slot (max_num_seqs=1)
         t_queued = time.monotonic()
         queued.send("long_queue", _grpc_inputs("I wait", {"max_tokens": 4}))
