@@ -60,3 +60,27 @@ def test_dispatcher_coalesces_only_what_queued_while_it_was_sending():
     finally:
         dispatcher.close()
     assert [(e.text, e.token_ids) for e in got] == [("a", [1]), ("bcd", [2, 3, 4])]
+
+
+def test_dispatcher_shows_each_batch_to_its_hook_before_delivery_and_a_failing_hook_costs_no_response():
+    order: list[str] = []
+    sent = threading.Semaphore(0)
+
+    def client(event: GenerationEvent) -> None:
+        order.append(f"sent {event.text}")
+        sent.release()
+
+    def hook(batch) -> None:
+        order.append("hook " + "".join(e.text for _, e in batch))
+        if batch[0][1].text == "b":
+            raise RuntimeError("a metrics update failed")
+
+    s = seq(1, client)
+    dispatcher = EventDispatcher(before_delivery=hook)
+    try:
+        for text in "abc":  # one batch at a time: none coalesced
+            dispatcher.submit([(s, tokens(1, text, [ord(text)]))])
+            assert sent.acquire(timeout=10)
+    finally:
+        dispatcher.close()
+    assert order == ["hook a", "sent a", "hook b", "sent b", "hook c", "sent c"]

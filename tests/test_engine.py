@@ -301,6 +301,9 @@ def test_stop_word_split_across_tokens_is_found_and_removed():
         assert col.final(rid).finish_reason == "stop"
         assert out == text[: text.index(stop)]
         assert stop not in out
+        if stream:  # one event per step without a dispatcher (nothing coalesces): it streamed,
+            # and the pieces joined are the text before the stop, so no half of it went out early
+            assert len(col.events[rid]) > 2
 
 
 def test_bad_words_are_never_produced():

@@ -72,7 +72,11 @@ class EventDispatcher:
     model), the batches that queued up while it sent go out coalesced, one event per
     stream for all its new tokens, instead of the clients falling further behind."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_delivery: Callable[[Batch], None] | None = None) -> None:
+        """before_delivery(batch) runs on this thread before each batch goes out (the metrics
+        publish there, so a client that has its response finds it counted); one that raises
+        is logged and the batch still goes out."""
+        self._before_delivery = before_delivery
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tritonlm-events", daemon=True)
         self._thread.start()
@@ -93,7 +97,13 @@ class EventDispatcher:
                     stop = True
                 else:
                     batches.append(more)
-            deliver(coalesce(batches) if len(batches) > 1 else batch)
+            batch = coalesce(batches) if len(batches) > 1 else batch
+            if self._before_delivery is not None:
+                try:
+                    self._before_delivery(batch)
+                except Exception:
+                    log.exception("before_delivery hook failed")
+            deliver(batch)
             if stop:
                 return
 

@@ -130,7 +130,7 @@ class Engine:
     def start(self) -> "Engine":
         """Run the loop on its own thread; events go out, and cancellations come in, on two
         more threads (client_io), so client round trips never stall a step."""
-        self._dispatcher = EventDispatcher()
+        self._dispatcher = EventDispatcher(before_delivery=getattr(self.output.observer, "before_delivery", None))
         self.output.deliver = self._dispatcher.submit
         self._poller = CancellationPoller(self._live, self.cancel, interval_s=self.cancellation_check_s)
         if self.compute is not None:

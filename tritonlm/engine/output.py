@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 
 class EngineObserver(Protocol):
     """Hooks for metrics (bridged to Triton's metrics by the glue). Called on the engine
-    thread, once per step rather than per token where they can be (each Triton metric
-    update is a round trip to the server); an observer that raises is logged and ignored."""
+    thread, once per step rather than per token where they can be; they must not block
+    (the glue only records in them, and publishes from other threads). An observer that
+    raises is logged and ignored. An observer may also have before_delivery(batch): the
+    engine's event dispatcher calls it on its thread before each batch goes out."""
 
     def on_step(self, batch_size: int, num_tokens: int, seconds: float, generated: int) -> None: ...
     def on_first_token(self, ttft_s: float) -> None: ...
