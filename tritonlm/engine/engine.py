@@ -23,6 +23,7 @@ from tritonlm.engine.request import GenerationRequest, InvalidRequestError, Serv
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import Drafter
+from tritonlm.engine.threads import named_thread
 
 __all__ = ["Engine", "EngineObserver", "EngineStats"]
 
@@ -137,7 +138,7 @@ class Engine:
             self._thread = self.compute.thread
             self.compute.run_last(self._loop)
         else:
-            self._thread = threading.Thread(target=self._loop, name="tritonlm-engine", daemon=True)
+            self._thread = named_thread(self._loop, "tritonlm-engine")
             self._thread.start()
         return self
 

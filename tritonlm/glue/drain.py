@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from tritonlm.engine.threads import named_thread
+
 log = logging.getLogger(__name__)
 
 DRAIN_FILE_ENV = "TRITONLM_DRAIN_FILE"
@@ -46,7 +48,7 @@ class DrainWatcher:
     def __init__(self, path: Path, on_deadline, poll_s: float = POLL_S):
         self.path, self.on_deadline, self.poll_s = Path(path), on_deadline, poll_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tritonlm-drain", daemon=True)
+        self._thread = named_thread(self._run, "tritonlm-drain")
         self._thread.start()
 
     def _run(self) -> None:

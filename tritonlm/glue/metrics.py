@@ -19,6 +19,8 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
+from tritonlm.engine.threads import named_thread
+
 log = logging.getLogger(__name__)
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -217,7 +219,7 @@ class TritonMetrics:
                 except Exception:  # a failed update must not end the metrics for good
                     log.exception("publishing metrics failed")
 
-        self._thread = threading.Thread(target=loop, name="tritonlm-metrics", daemon=True)
+        self._thread = named_thread(loop, "tritonlm-metrics")
         self._thread.start()
 
     def unwatch(self) -> None:

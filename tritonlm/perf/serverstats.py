@@ -11,9 +11,8 @@ from pathlib import Path
 GAUGES = ("tritonlm_requests_waiting", "tritonlm_requests_running", "tritonlm_kv_cache_used_bytes")
 
 
-def process_tree_rss(pid: int) -> tuple[int, int]:
-    """(resident bytes of pid and all its descendants, number of processes): tritonserver
-    and its Python backend stubs."""
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (tritonserver and its Python backend stubs)."""
     children: dict[int, list[int]] = defaultdict(list)
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -22,10 +21,18 @@ def process_tree_rss(pid: int) -> tuple[int, int]:
             except OSError:
                 continue
             children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
-    total, count, todo = 0, 0, [pid]
+    tree, todo = [], [pid]
     while todo:
         p = todo.pop()
+        tree.append(p)
         todo.extend(children.get(p, []))
+    return tree
+
+
+def process_tree_rss(pid: int) -> tuple[int, int]:
+    """(resident bytes of pid and all its descendants, number of processes)."""
+    total, count = 0, 0
+    for p in process_tree(pid):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
