@@ -396,7 +396,7 @@ def run_clients(one_request, make_conn, clients: int, per_client: int) -> tuple[
 def sweep(rows: list[dict], skipped: list[str], pair: str, engine: str, weights: str, levels: list[int],
           per_client: int, max_tokens: int, one_request, make_conn, server_pid: int) -> bool:
     """One server at every concurrency level: a row per level appended to rows, with where
-    the CPU went (row["cpu"]); False (and the reason in skipped) when a level fails, which
+    the CPU went (row["cpu_split"]); False (and the reason in skipped) when a level fails, which
     ends the sweep."""
     for c in levels:
         print(f"[{pair}] {engine} {weights}: {c} clients x {per_client} x {max_tokens} tokens ...", flush=True)
@@ -406,7 +406,7 @@ def sweep(rows: list[dict], skipped: list[str], pair: str, engine: str, weights:
             print(f"ERROR {pair}: {engine} at {c} clients: {e}", flush=True)
             skipped.append(f"{pair}: {engine} at {c} clients failed: {e}")
             return False
-        rows.append({"pair": pair, "engine": engine, "weights": weights, "clients": c, **summarize(recs, wall), "cpu": cpu})
+        rows.append({"pair": pair, "engine": engine, "weights": weights, "clients": c, **summarize(recs, wall), "cpu_split": cpu})
     return True
 
 
@@ -550,7 +550,7 @@ def inprocess_worker(spec_path: str) -> int:
         cpu = split.stop()
         if errors:
             raise RuntimeError(f"{len(errors)} in-process request(s) failed; first: {errors[0]}")
-        print(json.dumps({**summarize(records, wall), "cpu": cpu}), flush=True)
+        print(json.dumps({**summarize(records, wall), "cpu_split": cpu}), flush=True)
         return 0
     finally:
         engine.shutdown()
@@ -566,7 +566,7 @@ def split_served_vs_inprocess(rows: list[dict], skipped: list[str], pair: str, d
     in-process run as a row, and the ratio and every run (with its CPU split) to the served row."""
     served_row = next(r for r in rows if r["pair"] == pair and r["engine"] == "tritonlm" and r["clients"] == clients)
     runs: list[tuple[str, float]] = [("served", served_row["tok_s"])]
-    served_row["split_cpu"] = [("served", served_row["tok_s"], served_row.get("cpu", {}))]
+    served_row["split_runs_cpu"] = [("served", served_row["tok_s"], served_row.get("cpu_split", {}))]
     order = ["served", "in-process", "in-process", "served"] * rounds
     try:
         for kind in order[1 : 2 * rounds]:
@@ -574,13 +574,13 @@ def split_served_vs_inprocess(rows: list[dict], skipped: list[str], pair: str, d
             if kind == "served":
                 recs, wall, cpu = measured_run(one_request, make_conn, clients, per_client, server_pid)
                 runs.append((kind, summarize(recs, wall)["tok_s"]))
-                served_row["split_cpu"].append((kind, runs[-1][1], cpu))
+                served_row["split_runs_cpu"].append((kind, runs[-1][1], cpu))
                 continue
             res = inprocess(model_dir, params, prompt_ids, clients, per_client, max_tokens, out / f"inprocess-{dtype}.json")
             if not any(r["engine"] == "tritonlm in-process" and r["pair"] == pair for r in rows):
                 rows.append({"pair": pair, "engine": "tritonlm in-process", "weights": dtype, "clients": clients, **res})
             runs.append((kind, res["tok_s"]))
-            served_row["split_cpu"].append((kind, res["tok_s"], res.get("cpu", {})))
+            served_row["split_runs_cpu"].append((kind, res["tok_s"], res.get("cpu_split", {})))
     except Exception as e:  # noqa: BLE001 - reported, the rest of the run stands
         print(f"ERROR {pair}: served / in-process runs failed: {type(e).__name__}: {e}", flush=True)
         skipped.append(f"{pair}: served / in-process runs failed: {e}")
@@ -782,11 +782,14 @@ def main() -> int:
                   f"{r['served_vs_inprocess']:.2f} (goal >= 0.9; runs in order: {r['split_runs']})")
     cpu_rows = cpu_split_rows(rows, max(levels))
     if cpu_rows:
-        print(f"\nWhere the CPU went at {max(levels)} clients, in cores (CPU seconds per second; this machine has "
-              f"{os.cpu_count()}): compute = tritonlm's compute threads (the engine loop's and its OpenMP team), "
-              "preempt/s = their involuntary context switches; response = the thread that sends every response; "
-              "model other = the rest of the model's process; server = tritonserver (llama-server: all of it); "
-              "clients = this script's client threads; machine = every process; ctxt/s = the machine's context switches")
+        print(f"\nWhere the CPU went at {max(levels)} clients; *_cores are CPU seconds per second (this machine has "
+              f"{os.cpu_count()} cores): compute = tritonlm's compute threads (the engine loop's and its OpenMP team; "
+              "compute_threads counts those that worked), compute_preempt_per_s = their involuntary context switches; "
+              "response = the thread that sends every response; model_other = the rest of the model's process; "
+              "server = tritonserver (llama-server: all of it); client = this script's client threads (in-process: "
+              "none, the clients are callbacks on the response thread); machine = every process; "
+              "others = machine minus all the above (other work on the host); steal = time the "
+              "hypervisor gave to other guests; ctxt_per_s = the machine's context switches")
         print(table(cpu_rows, ["pair", "run", "tok_s", *CPU_FIELDS]))
     for msg in skipped:
         print(f"skipped: {msg}")
@@ -811,13 +814,13 @@ def cpu_split_rows(rows: list[dict], clients: int) -> list[dict]:
         if r["clients"] != clients or r["engine"] == "tritonlm in-process":
             continue
         if r["engine"] == "tritonlm":
-            runs = r.get("split_cpu") or [("served", r["tok_s"], r.get("cpu", {}))]
+            runs = r.get("split_runs_cpu") or [("served", r["tok_s"], r.get("cpu_split", {}))]
             seen: dict[str, int] = {}
             for kind, tok_s, split in runs:
                 seen[kind] = seen.get(kind, 0) + 1
                 out.append({"pair": r["pair"], "run": f"tritonlm {kind} {seen[kind]}", "tok_s": tok_s, **split})
-        elif r.get("cpu"):
-            out.append({"pair": r["pair"], "run": r["engine"], "tok_s": r["tok_s"], **r["cpu"]})
+        elif r.get("cpu_split"):
+            out.append({"pair": r["pair"], "run": r["engine"], "tok_s": r["tok_s"], **r["cpu_split"]})
     return out
 
 

@@ -11,7 +11,6 @@ started by the compute thread's first parallel op, are named after it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
 from typing import Callable
@@ -21,9 +20,9 @@ OS_NAME_BYTES = 15
 
 _prctl = None
 if sys.platform.startswith("linux"):
-    try:
-        _prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):  # no libc to call: threads keep the inherited name
+    try:  # the C library this process already has loaded (no ldconfig run to find it)
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no prctl to call: threads keep the inherited name
         _prctl = None
 
 

@@ -6,9 +6,15 @@ shows up twice: as CPU the compute threads do not get, and as their preemptions 
 preempted OpenMP thread stalls its partner at the next barrier). perf/bench_peer.py
 prints this split for every run at its top concurrency, served and in-process.
 
-Threads are told apart by the OS names tritonlm's threads set (tritonlm/engine/threads.py);
-torch's OpenMP workers inherit the compute thread's. Linux only: elsewhere start() and
-stop() return nothing.
+Threads are told apart by the OS names tritonlm's threads set (tritonlm/engine/threads.py).
+torch's OpenMP workers inherit the compute thread's: libgomp, which PyTorch's Linux wheels
+use, gives each thread that starts a parallel region a team of its own, so they are
+created by the compute thread. Limits, each small in bench_peer's runs:
+- a thread that the compute thread starts for another job is counted as compute;
+- tensor / pipeline parallel worker processes hold no compute thread and count as server;
+- a process that ends between start() and stop() is left out, and a named thread that
+  ends counts as the rest of its process.
+Linux only: elsewhere start() and stop() return nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 # the split's fields, in the order a table shows them
 FIELDS = ("compute_cores", "compute_threads", "compute_preempt_per_s", "response_cores", "model_other_cores",
-          "server_cores", "client_cores", "machine_cores", "ctxt_per_s")
+          "server_cores", "client_cores", "machine_cores", "others_cores", "steal_cores", "ctxt_per_s")
 
 
 @dataclass
@@ -43,11 +49,14 @@ class _Process:
 
 
 def _thread_cpu_s(task: Path) -> float:
-    try:  # nanoseconds on a CPU (needs schedstats / CONFIG_SCHED_INFO)
-        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+    ticks_s = (int(fields[11]) + int(fields[12])) * TICK_S  # utime + stime
+    try:  # nanoseconds on a CPU, finer than ticks (CONFIG_SCHED_INFO; older kernels print 0
+        # there when schedstats and delay accounting are both off)
+        ns = int((task / "schedstat").read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) * TICK_S  # utime + stime
+        return ticks_s
+    return ns / 1e9 if ns > 0 or ticks_s == 0 else ticks_s
 
 
 def _read_process(pid: int) -> _Process | None:
@@ -70,21 +79,24 @@ def _read_process(pid: int) -> _Process | None:
         return None
 
 
-def _machine() -> tuple[float, int]:
-    """(busy CPU seconds over all cores, context switches), since boot."""
-    busy, ctxt = 0.0, 0
+def _machine() -> tuple[float, float, int]:
+    """(busy CPU seconds over all cores, stolen CPU seconds, context switches), since boot.
+    Steal is time the hypervisor gave another guest while this one wanted the CPU."""
+    busy = steal = 0.0
+    ctxt = 0
     for line in Path("/proc/stat").read_text().splitlines():
         if line.startswith("cpu "):
-            v = [int(x) for x in line.split()[1:]]
-            busy = (sum(v[:8]) - v[3] - v[4]) * TICK_S  # all but idle and iowait (guest time is in user)
+            v = [int(x) for x in line.split()[1:]] + [0] * 8
+            busy = (v[0] + v[1] + v[2] + v[5] + v[6]) * TICK_S  # user nice system irq softirq (guest is in user)
+            steal = v[7] * TICK_S
         elif line.startswith("ctxt "):
             ctxt = int(line.split()[1])
-    return busy, ctxt
+    return busy, steal, ctxt
 
 
 class CpuSplit:
     """Counters at start() and at stop(); stop() gives the split in cores (CPU seconds per
-    second of wall time), preemptions and context switches per second.
+    second of wall time), preemptions and context switches per second, and wall_s.
 
     server_pid's process tree is the server: tritonserver and its Python backend stubs,
     llama-server, or (in-process) this process itself. The processes holding compute
@@ -96,7 +108,7 @@ class CpuSplit:
         self.server_pid, self.clients_here = server_pid, clients_here
         self._pids: list[int] = []
         self._start: dict[int, _Process] = {}
-        self._t0 = self._busy0 = 0.0
+        self._t0 = self._busy0 = self._steal0 = 0.0
         self._ctxt0 = 0
         self._self0 = 0.0
 
@@ -105,7 +117,7 @@ class CpuSplit:
             return self
         self._pids = process_tree(self.server_pid)
         self._start = {p: s for p in self._pids if (s := _read_process(p)) is not None}
-        self._busy0, self._ctxt0 = _machine()
+        self._busy0, self._steal0, self._ctxt0 = _machine()
         t = os.times()
         self._self0 = t.user + t.system
         self._t0 = time.perf_counter()
@@ -115,7 +127,7 @@ class CpuSplit:
         if not self._start:
             return {}
         wall = time.perf_counter() - self._t0
-        busy, ctxt = _machine()
+        busy, steal, ctxt = _machine()
         t = os.times()
         self_s = t.user + t.system - self._self0
         compute = response = model_other = server = 0.0
@@ -144,6 +156,7 @@ class CpuSplit:
                     compute += used
             model_other += max(0.0, process_s - named_s)
         clients = self_s if self.clients_here and os.getpid() not in self._start else 0.0
+        machine = max(0.0, busy - self._busy0)
         return {
             "compute_cores": compute / wall,
             "compute_threads": compute_threads,
@@ -152,6 +165,10 @@ class CpuSplit:
             "model_other_cores": model_other / wall,
             "server_cores": server / wall,
             "client_cores": clients / wall,
-            "machine_cores": max(0.0, busy - self._busy0) / wall,
+            "machine_cores": machine / wall,
+            # everything else that ran meanwhile: other work on a shared host disturbs a run
+            "others_cores": max(0.0, machine - compute - response - model_other - server - clients) / wall,
+            "steal_cores": max(0.0, steal - self._steal0) / wall,
             "ctxt_per_s": (ctxt - self._ctxt0) / wall,
+            "wall_s": wall,
         }

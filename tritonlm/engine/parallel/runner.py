@@ -46,6 +46,7 @@ from tritonlm.engine.runners.base import plan_step
 from tritonlm.engine.runners.transformer import split_range
 from tritonlm.engine.settings import SettingsError
 from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.threads import named_thread
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ class ParallelRunner:
         self._store = store
         for w in self._workers:
             self._expect(w, "ready", time.monotonic() + cfg.timeout_s)
-        self._monitor = threading.Thread(target=self._watch, name=f"tritonlm-parallel-monitor-{cfg.name}", daemon=True)
+        self._monitor = named_thread(self._watch, f"tritonlm-parallel-monitor-{cfg.name}")  # not "tritonlm-engine"
         self._monitor.start()
         log.info(
             "model %s: %s parallel over %d ranks (pids %s) ready in %.1f s",
