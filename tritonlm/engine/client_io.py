@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 from tritonlm.engine.request import GenerationEvent
 from tritonlm.engine.sequence import Sequence, SeqState
-from tritonlm.engine.threads import named_thread
+from tritonlm.engine.threads import EVENTS_THREAD, named_thread
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class EventDispatcher:
         is logged and the batch still goes out."""
         self._before_delivery = before_delivery
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
-        self._thread = named_thread(self._run, "tritonlm-events")
+        self._thread = named_thread(self._run, EVENTS_THREAD)
         self._thread.start()
 
     def submit(self, batch: Batch) -> None:

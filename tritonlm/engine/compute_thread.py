@@ -16,13 +16,13 @@ import queue
 import threading
 from typing import Any, Callable
 
-from tritonlm.engine.threads import named_thread
+from tritonlm.engine.threads import ENGINE_THREAD, named_thread
 
 
 class ComputeThread:
     """Runs callables one after another on a single long-lived daemon thread."""
 
-    def __init__(self, name: str = "tritonlm-engine"):
+    def __init__(self, name: str = ENGINE_THREAD):
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.thread = named_thread(self._run, name)
         self.thread.start()

@@ -23,7 +23,7 @@ from tritonlm.engine.request import GenerationRequest, InvalidRequestError, Serv
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import Drafter
-from tritonlm.engine.threads import named_thread
+from tritonlm.engine.threads import ENGINE_THREAD, named_thread
 
 __all__ = ["Engine", "EngineObserver", "EngineStats"]
 
@@ -138,7 +138,7 @@ class Engine:
             self._thread = self.compute.thread
             self.compute.run_last(self._loop)
         else:
-            self._thread = named_thread(self._loop, "tritonlm-engine")
+            self._thread = named_thread(self._loop, ENGINE_THREAD)
             self._thread.start()
         return self
 

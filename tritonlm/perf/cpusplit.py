@@ -24,10 +24,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tritonlm.engine.threads import ENGINE_THREAD, EVENTS_THREAD, OS_NAME_BYTES
 from tritonlm.perf.serverstats import process_tree
 
-COMPUTE_THREAD = "tritonlm-engine"  # the engine loop's thread and its OpenMP team
-RESPONSE_THREAD = "tritonlm-events"  # the EventDispatcher: every response goes out here
+COMPUTE_THREAD = ENGINE_THREAD[:OS_NAME_BYTES]  # the engine loop's thread and its OpenMP team
+RESPONSE_THREAD = EVENTS_THREAD[:OS_NAME_BYTES]  # the EventDispatcher: every response goes out here
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 # the split's fields, in the order a table shows them
@@ -148,12 +149,11 @@ class CpuSplit:
                 named_s += used
                 if th.name == RESPONSE_THREAD:
                     response += used
-                elif used > 0.01 * wall:  # a member of the team that worked (idle pool threads are named too)
-                    compute += used
+                    continue
+                compute += used
+                if used > 0.01 * wall:  # a member of the team that worked (idle pool threads are named too)
                     compute_threads += 1
                     preempted += th.preempted - was.preempted
-                else:
-                    compute += used
             model_other += max(0.0, process_s - named_s)
         clients = self_s if self.clients_here and os.getpid() not in self._start else 0.0
         machine = max(0.0, busy - self._busy0)
