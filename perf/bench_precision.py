@@ -62,6 +62,19 @@ def step_ms(runner: TorchRunner, batch: int, context: int, reps: int) -> float:
     return statistics.median(times) * 1000
 
 
+def smollm2_and_reference(n_prompts: int, tokens: int):
+    """(SmolLM2-135M float32, prompt ids, transformers' float32 greedy continuations):
+    the first n_prompts of this script's prompts, `tokens` new tokens each."""
+    from tritonlm.models.loading import load_model
+
+    model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
+    prompts = [tok(f.format(s)).input_ids for s in SUBJECTS for f in FORMS][:n_prompts]
+    t0 = time.perf_counter()
+    reference = reference_continuations(model, prompts, tokens)
+    print(f"reference: transformers float32 greedy, {len(prompts)} x {tokens} tokens ({time.perf_counter() - t0:.0f} s)")
+    return model, prompts, reference
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=32)
@@ -74,15 +87,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.tokens, args.batches, args.reps = 8, 32, "1,32", 5
-    from tritonlm.models.loading import load_model
-
     cpu = describe_cpu()
     print(f"CPU: {cpu}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
-    prompts = [tok(f.format(s)).input_ids for s in SUBJECTS for f in FORMS][: args.prompts]
-    t0 = time.perf_counter()
-    reference = reference_continuations(model, prompts, args.tokens)
-    print(f"reference: transformers float32 greedy, {len(prompts)} x {args.tokens} tokens ({time.perf_counter() - t0:.0f} s)")
+    model, prompts, reference = smollm2_and_reference(args.prompts, args.tokens)
     auto = resolve_precision("auto", "cpu")
     print(f"dtype auto here: {auto.name} ({auto.reason})")
     settings = [("float32", {}), ("float32-gather", {"attention": "gather"}), ("float32-plain", {}),

@@ -107,6 +107,36 @@ def test_residual_rotation_keeps_the_function_and_only_applies_to_rmsnorm_models
     assert not gpt2.rotate_residual() and gpt2.wte is wte
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_projections_kept_float_compute_what_they_did(arch):
+    """quantize_int8(keep_float=...) (what perf/int8_sensitivity.py measures with): a
+    projection left float computes the float model's function although SmoothQuant's
+    factor was folded into what feeds it. Everything kept: float32's logits, with the
+    rotation and every fold applied, and the weights blocked for oneDNN. Only the LM head
+    and layer 0's down kept: those two float (blocked), the rest int8, and the layers still
+    run as one C++ stack where it builds."""
+    model, prompts = tiny_model(arch)
+    rows = prompts[:3]
+    fp32 = logits_of(TorchRunner(model), rows)
+    every = TorchRunner(model, int8=True, int8_keep_float=lambda name: True)
+    assert not every.transformer.weights_int8
+    assert all(p.blocked is not None for p in every.transformer.projections())
+    diff = (logits_of(every, rows) - fp32).abs().max().item()
+    print(f"{arch}: all kept float, max |logit difference| {diff:.2e}")
+    assert diff < 1e-4 * max(1.0, fp32.abs().max().item())
+    kept = {"lm_head", "layers.0.down"}
+    mixed = TorchRunner(model, int8=True, int8_keep_float=kept.__contains__)
+    names = mixed.transformer.projection_names()
+    assert all((p.packed is None) == (n in kept) for n, p in names.items()), "exactly the kept ones stay float"
+    assert all(names[n].blocked is not None for n in kept)
+    if mixed.attention == "paged":
+        assert mixed.transformer.decoder_stack is not None
+    int8 = logits_of(int8_runner(model), rows)
+    err_mixed = (logits_of(mixed, rows) - fp32).abs().max().item()
+    assert err_mixed < 0.2 * fp32.abs().max().item()
+    assert not torch.equal(logits_of(mixed, rows), int8)  # the kept ones really changed something
+
+
 def logits_of(runner, rows: list[list[int]]) -> torch.Tensor:
     """Every position's logits [B, T, V] of rows read in one pass."""
     from tritonlm.engine.batch import StepBatch

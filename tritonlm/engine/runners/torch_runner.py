@@ -12,6 +12,7 @@ transformer.py.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -26,9 +27,10 @@ class TorchRunner:
 
     def __init__(
         self, model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, int8: bool = False,
-        attention: str = "auto",
+        attention: str = "auto", int8_keep_float: Callable[[str], bool] | None = None,
     ):
-        """int8: weights of every projection and the LM head in int8 (CPU, float32 compute).
+        """int8: weights of every projection and the LM head in int8 (CPU, float32 compute);
+        int8_keep_float(name) -> True leaves that projection float (Transformer.quantize_int8).
         attention: "auto" / "paged" use the paged-attention kernel where it can run (see
         `self.attention` and `self.attention_why`; "paged" does not raise, the loader
         refuses it); "gather" never does."""
@@ -43,7 +45,7 @@ class TorchRunner:
         if int8:
             self.transformer.rotate_residual()  # Llama family: outliers spread before calibration sees them
             self._calibrate()
-            self.transformer.quantize_int8()
+            self.transformer.quantize_int8(keep_float=int8_keep_float)
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
         self.attention, self.attention_why = "gather", "asked for"
         if attention != "gather":

@@ -207,6 +207,14 @@ class Proj:
         return Proj(None, _copy(self.b), packed=packed, packed_bytes=w.numel() + 8 * w.shape[0],
                     pin_width=w.shape[1], smooth=smooth)
 
+    def kept_float(self, s: torch.Tensor | None = None, folded: bool = False) -> "Proj":
+        """What quantized_int8(s, folded) would compute, with the float weights: where s was
+        folded upstream (x arrives divided by s), the weight's rows are multiplied by it, so
+        the function is the same; otherwise nothing divides x and the weight stays as it is."""
+        _check_float(self)
+        w = self.w.float() * s.unsqueeze(1) if s is not None and folded else self.w
+        return Proj(w.to(self.w.dtype).contiguous(), _copy(self.b))
+
 
 @dataclass
 class Norm:
@@ -694,9 +702,12 @@ class Transformer:
         self.wte = (self.wte.float() @ q).to(self.dtype).contiguous()
         return True
 
-    def quantize_int8(self, alpha: float = 0.3) -> None:
+    def quantize_int8(self, alpha: float = 0.3, keep_float: Callable[[str], bool] | None = None) -> None:
         """Every projection of the layers and the LM head to int8 weights, in place.
         Embeddings, norms, biases and the KV cache stay float32, the compute dtype.
+        keep_float(name) -> True leaves that projection in float32 ("layers.3.down",
+        "lm_head"; names as in `projection_names`), computing what it did before: for
+        measuring where int8's error comes from (perf/int8_sensitivity.py).
 
         Projections whose inputs were observed (observe_activations, then a forward pass)
         are smoothed (Proj.smoothing). Dividing x by s costs a pass over x per call, so it is
@@ -705,7 +716,13 @@ class Transformer:
         before down (x = act(gate) * up). Only o and GPT-2's down divide at run time."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError(f"int8 weights need float32 compute on the CPU, not {self.dtype} on {self.device}")
-        for layer in self.layers:
+
+        def convert(name: str, proj: Proj, factor: torch.Tensor | None, folded: bool) -> Proj:
+            if keep_float is not None and keep_float(name):
+                return proj.kept_float(factor, folded=folded)
+            return proj.quantized_int8(factor, folded=folded)
+
+        for i, layer in enumerate(self.layers):
             s = {name: getattr(layer, name).smoothing(alpha) for name in ("qkv", "o", "down", "fc", "gate_up")
                  if getattr(layer, name) is not None}  # all from the float weights, before any fold
             _fold_into_norm(layer.ln_attn, s["qkv"])
@@ -718,11 +735,11 @@ class Transformer:
                     layer.gate_up.b[inner:] /= s["down"]
             for name, factor in s.items():
                 folded = name in ("qkv", "fc", "gate_up") or (name == "down" and down_folded)
-                setattr(layer, name, getattr(layer, name).quantized_int8(factor, folded=folded))
+                setattr(layer, name, convert(f"layers.{i}.{name}", getattr(layer, name), factor, folded))
         if self.lm_head is not None:
             s_head = self.lm_head.smoothing(alpha) if self.ln_f is not None else None
             _fold_into_norm(self.ln_f, s_head)
-            head, self.lm_head = self.lm_head, self.lm_head.quantized_int8(s_head, folded=s_head is not None)
+            head, self.lm_head = self.lm_head, convert("lm_head", self.lm_head, s_head, s_head is not None)
             head.observed = None  # a tied head is a view of wte: nothing of it may stay in observe mode
         pinned = PinnedRows()
         for p in self.projections():
@@ -732,27 +749,33 @@ class Transformer:
         """Every float projection and the LM head in oneDNN's blocked layout, in place
         (Proj.blocked_for_cpu). Only on the CPU, for the dtypes oneDNN's linear takes, when
         torch has oneDNN, and after any slicing, calibration or int8 quantization (they
-        need the plain weights). Returns whether it did."""
+        need the plain weights); int8 projections stay as they are, and in an int8 model
+        only those quantize_int8 kept float are blocked. Returns whether it could run."""
         if not (self.device.type == "cpu" and self.dtype in BLOCKED_DTYPES and torch.backends.mkldnn.is_available()):
-            return False
-        if self.weights_int8:
             return False
         if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return False  # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: plain x @ w
         for layer in self.layers:
             for name in ("qkv", "o", "down", "fc", "gate_up"):
                 proj = getattr(layer, name)
-                if proj is not None and proj.blocked is None:
+                if proj is not None and proj.blocked is None and proj.packed is None:  # int8 stays packed
                     setattr(layer, name, proj.blocked_for_cpu())
-        if self.lm_head is not None and self.lm_head.blocked is None:
+        if self.lm_head is not None and self.lm_head.blocked is None and self.lm_head.packed is None:
             # a tied head was a view of wte: the blocked copy is its own (the embedding lookup keeps wte)
             self.lm_head = self.lm_head.blocked_for_cpu()
         return True
 
     def projections(self) -> list[Proj]:
         """Every projection that int8 quantizes: the layers' and the LM head."""
-        out = [getattr(L, n) for L in self.layers for n in ("qkv", "o", "down", "fc", "gate_up") if getattr(L, n) is not None]
-        return out + ([self.lm_head] if self.lm_head is not None else [])
+        return list(self.projection_names().values())
+
+    def projection_names(self) -> dict[str, Proj]:
+        """The projections by name: "layers.{i}.{qkv|o|fc|gate_up|down}" and "lm_head"."""
+        out = {f"layers.{i}.{n}": getattr(L, n) for i, L in enumerate(self.layers)
+               for n in ("qkv", "o", "down", "fc", "gate_up") if getattr(L, n) is not None}
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head
+        return out
 
     def observe_activations(self, on: bool) -> None:
         """Start (zeroed) or stop recording each projection's max |input| per channel."""
@@ -761,7 +784,7 @@ class Transformer:
 
     @property
     def weights_int8(self) -> bool:
-        return bool(self.layers) and self.layers[0].qkv.packed is not None
+        return any(p.packed is not None for p in self.projections())
 
     # ---- memory -------------------------------------------------------------------------
     def allocate_kv(self, num_slots: int) -> KVPool:
