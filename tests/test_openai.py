@@ -28,7 +28,7 @@ from tests.waiting import wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.export.repository import write_generate_config
 from tritonlm.models.builtin import tiny_tokenizer
-from tritonlm.openai.server import OpenAIServer
+from tritonlm.openai.server import EXIT_DEADLINE_S, OpenAIServer
 from tritonlm.paths import REPO_ROOT
 from tritonlm.server import free_ports
 
@@ -348,8 +348,40 @@ def test_openai_command_in_front_of_a_running_triton(triton_server, triton_repo)
         with pytest.raises(openai.BadRequestError, match="--repo"):
             c.chat.completions.create(model="tiny_chat", messages=USER, max_tokens=4)
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        try:
+            out, _ = proc.communicate(timeout=EXIT_DEADLINE_S + 15)  # past its deadline it exits by itself
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"still running {EXIT_DEADLINE_S + 15:.0f} s after SIGINT; its output:\n{proc.communicate()[0]}")
         assert proc.returncode == 0 and "OpenAI API stopped" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT-inherited-ignored", "SIGTERM"])
+def test_openai_command_stops_gracefully_on_sigint_and_sigterm(sig):
+    """A script's background job (`tritonlm openai &`, as deploy/entrypoint.sh starts it) begins
+    with SIGINT ignored, and SIGTERM's default would end it mid-response: the command handles
+    both itself and stops as on Ctrl-C (exit 0, "OpenAI API stopped")."""
+    (port,) = free_ports(1)
+    (unused,) = free_ports(1)  # nothing listens there: the frontend starts without Triton
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tritonlm.cli", "openai", "--triton-url", f"127.0.0.1:{unused}", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # what `&` in a script does
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "OpenAI API ready" in line, line + (proc.stdout.read() if proc.poll() is not None else "")
+        proc.send_signal(sig)
+        try:
+            out, _ = proc.communicate(timeout=EXIT_DEADLINE_S + 15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{sig.name} did not stop it; its output:\n{proc.communicate()[0]}")
+        assert proc.returncode == 0 and "OpenAI API stopped" in out, (proc.returncode, out)
     finally:
         if proc.poll() is None:
             proc.kill()

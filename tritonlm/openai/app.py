@@ -30,6 +30,7 @@ from tritonlm.openai.triton import Generation, Piece, TritonBackend
 
 log = logging.getLogger(__name__)
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+BACKEND_CLOSE_TIMEOUT_S = 3.0  # uvicorn waits for the lifespan's end without a limit
 
 
 def _dumps(obj: Any) -> str:
@@ -291,7 +292,11 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         try:
             yield
         finally:
-            await app.state.backend.close()
+            try:  # grpc.aio's close waits for the channel's calls: bounded, so none can hold the shutdown
+                await asyncio.wait_for(app.state.backend.close(), BACKEND_CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("the gRPC channel to Triton did not close within %.0f s; left to the process exit",
+                            BACKEND_CLOSE_TIMEOUT_S)
 
     app = FastAPI(title="tritonlm OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.templates = templates

@@ -4,7 +4,9 @@ tests, `tritonlm perf llm`) and the `tritonlm openai` command (in front of any r
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ from tritonlm.errors import CliError
 
 log = logging.getLogger(__name__)
 DEFAULT_OPENAI_PORT = 9000
+EXIT_DEADLINE_S = 25.0  # after a stop signal: more than stop() can take (10 s + 10 s), less than a supervisor's patience
 
 
 def _event_loop() -> str:
@@ -102,6 +105,14 @@ class OpenAIServer:
                 self._thread.join(timeout_s)
         self._thread = None
 
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def force_stop(self) -> None:
+        """Stop without waiting for open responses to finish (what a second Ctrl-C asks)."""
+        if self._server is not None:
+            self._server.should_exit = self._server.force_exit = True
+
     def __enter__(self) -> "OpenAIServer":
         return self.start()
 
@@ -159,15 +170,31 @@ def run(args: argparse.Namespace) -> int:
         headers[key] = value
     server = OpenAIServer(args.triton_url, args.host, args.port, repo=args.repo, tokenizers=parse_tokenizers(args.tokenizer),
                           headers=headers or None)
-    server.start()
-    print(f"OpenAI API ready on {server.url}/v1 (Triton at {args.triton_url}); Ctrl-C stops it.", flush=True)
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame):
+        # SIGINT (Ctrl-C) and SIGTERM (docker stop, Kubernetes, deploy/entrypoint.sh) stop it
+        # gracefully: open responses get uvicorn's graceful timeout. Installed here, not left to
+        # Python's default: a script's background job (`tritonlm openai &`) starts with SIGINT
+        # ignored, and SIGTERM would end it mid-response. A second signal does not wait.
+        if stopping.is_set():
+            server.force_stop()
+        stopping.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}  # before "ready"
     try:
-        while server._thread is not None and server._thread.is_alive():
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
+        server.start()
+        print(f"OpenAI API ready on {server.url}/v1 (Triton at {args.triton_url}); Ctrl-C stops it.", flush=True)
+        while server.running() and not stopping.wait(0.2):
+            pass
+        if stopping.is_set():
+            # whatever hangs in the shutdown, a stop signal ends the process: past the deadline
+            # every thread's stack goes to stderr, and it exits 1
+            faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)
     finally:
         server.stop()
-    print("OpenAI API stopped")
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print("OpenAI API stopped", flush=True)
     return 0
 
