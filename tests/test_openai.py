@@ -365,8 +365,7 @@ def test_openai_command_stops_gracefully_on_sigint_and_sigterm(sig):
     """A script's background job (`tritonlm openai &`, as deploy/entrypoint.sh starts it) begins
     with SIGINT ignored, and SIGTERM's default would end it mid-response: the command handles
     both itself and stops as on Ctrl-C (exit 0, "OpenAI API stopped")."""
-    (port,) = free_ports(1)
-    (unused,) = free_ports(1)  # nothing listens there: the frontend starts without Triton
+    port, unused = free_ports(2)  # nothing listens on `unused`: the frontend starts without Triton
     proc = subprocess.Popen(
         [sys.executable, "-m", "tritonlm.cli", "openai", "--triton-url", f"127.0.0.1:{unused}", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

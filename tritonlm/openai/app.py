@@ -294,7 +294,7 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         finally:
             try:  # grpc.aio's close waits for the channel's calls: bounded, so none can hold the shutdown
                 await asyncio.wait_for(app.state.backend.close(), BACKEND_CLOSE_TIMEOUT_S)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
                 log.warning("the gRPC channel to Triton did not close within %.0f s; left to the process exit",
                             BACKEND_CLOSE_TIMEOUT_S)
 
