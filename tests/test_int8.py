@@ -135,6 +135,8 @@ def test_projections_kept_float_compute_what_they_did(arch):
     err_mixed = (logits_of(mixed, rows) - fp32).abs().max().item()
     assert err_mixed < 0.2 * fp32.abs().max().item()
     assert not torch.equal(logits_of(mixed, rows), int8)  # the kept ones really changed something
+    with pytest.raises(ValueError, match="int8_keep_float: only with int8=True"):
+        TorchRunner(model, int8_keep_float=kept.__contains__)
 
 
 def logits_of(runner, rows: list[list[int]]) -> torch.Tensor:

@@ -34,6 +34,8 @@ class TorchRunner:
         attention: "auto" / "paged" use the paged-attention kernel where it can run (see
         `self.attention` and `self.attention_why`; "paged" does not raise, the loader
         refuses it); "gather" never does."""
+        if int8_keep_float is not None and not int8:
+            raise ValueError("int8_keep_float: only with int8=True (it chooses what int8 leaves float)")
         if attention not in ("auto", "paged", "gather"):
             raise ValueError(f"attention: {attention!r}; use 'auto', 'paged' or 'gather'")
         self.device = torch.device(device)
