@@ -51,14 +51,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def write_model(repo: Path, name: str, model, tok, max_context: int, **params) -> None:
-    from tritonlm.engine.spec import ModelSpec
+    from tritonlm.engine.model_shape import ModelShape
 
     hf = repo / name / "1" / "hf"
     if not (hf / "config.json").exists():
         hf.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(hf)
         tok.save_pretrained(hf)
-    spec = ModelSpec.from_hf_config(model.config)
+    spec = ModelShape.from_hf_config(model.config)
     write_generate_config(
         repo / name,
         name,

@@ -642,7 +642,7 @@ def main() -> int:
     ensure_llama_cpp(args.build_jobs)
     import torch
 
-    from tritonlm.engine.spec import ModelSpec
+    from tritonlm.engine.model_shape import ModelShape
     from tritonlm.engine.tokenizer import load_tokenizer
     from tritonlm.models.loading import load_model
     from tritonlm.server import ServerStartError, TritonServer, free_ports
@@ -656,7 +656,7 @@ def main() -> int:
         del model
     from transformers import AutoConfig
 
-    bytes_per_token = ModelSpec.from_hf_config(AutoConfig.from_pretrained(hf)).bytes_per_token
+    bytes_per_token = ModelShape.from_hf_config(AutoConfig.from_pretrained(hf)).bytes_per_token
     tokenizer = load_tokenizer(hf)
     prompt_ids = [list(tokenizer(p).input_ids) for p in PROMPTS]  # what tritonlm's engine makes of the text
 

@@ -36,7 +36,7 @@ from tritonlm.engine.runners import Runner
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.engine.runners.transformer import split_range
 from tritonlm.engine.settings import EngineSettings, SettingsError
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.model_shape import ModelShape
 
 ATOL = 1e-4
 VOCAB = 512
@@ -262,7 +262,7 @@ def test_plain_helpers():
     assert [split_range(10, 3, i) for i in range(3)] == [(0, 4), (4, 7), (7, 10)]
     assert micro_batch_bounds(5, 2) == [(0, 3), (3, 5)]
     assert micro_batch_bounds(1, 4) == [(0, 1)]
-    spec = ModelSpec("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=VOCAB, max_positions=64)
+    spec = ModelShape("llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=VOCAB, max_positions=64)
     assert kv_bytes_per_token_per_rank(spec, tensor_parallel_size=2) == [spec.bytes_per_token // 2] * 2
     assert kv_bytes_per_token_per_rank(spec, pipeline_parallel_size=2) == [2 * 2 * 2 * 16 * 4, 1 * 2 * 2 * 16 * 4]
 

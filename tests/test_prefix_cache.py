@@ -18,10 +18,10 @@ from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.request import GenerationRequest, SamplingParams
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.engine.scheduler import SchedulerConfig
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.model_shape import ModelShape
 
 BS = 16
-SPEC = ModelSpec("gpt2", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, vocab_size=100, max_positions=512)
+SPEC = ModelShape("gpt2", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, vocab_size=100, max_positions=512)
 
 
 def manager(blocks: int) -> KVCacheManager:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tritonlm.client.generate import generate_grpc
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.model_shape import ModelShape
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot"]
 MAX_TOKENS = 16
@@ -30,7 +30,7 @@ def exported(tmp_path_factory, smollm2):
     from tritonlm.export.pipeline import ExportOptions, export
 
     model, _ = smollm2
-    spec = ModelSpec.from_hf_config(model.config)
+    spec = ModelShape.from_hf_config(model.config)
     assert spec.architecture == "llama" and spec.num_kv_heads < spec.num_heads  # grouped-query attention
     repo = tmp_path_factory.mktemp("smolrepo")
     result = export(ExportOptions(model="smollm2-135m", repo=repo, formats=["onnx"], max_context=256,
@@ -88,7 +88,7 @@ def test_onnx_int8_export_passes_its_check(tmp_path, smollm2):
     from tritonlm.export.pipeline import ExportOptions, export
 
     model, _ = smollm2
-    spec = ModelSpec.from_hf_config(model.config)
+    spec = ModelShape.from_hf_config(model.config)
     result = export(ExportOptions(model="smollm2-135m", repo=tmp_path, formats=["onnx-int8"], max_context=256,
                                   kv_cache_bytes=6 * 272 * spec.bytes_per_token), out=print)
     (int8,) = result.artifacts

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tritonlm.engine.scheduler import Plan, Scheduler
+from tritonlm.engine.scheduler import ScheduledBatch, Scheduler
 from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import AdaptiveK, Drafter, Proposal, verify_row
@@ -41,7 +41,7 @@ class RowOutput:
 
 @dataclass
 class ForwardResult:
-    plan: Plan
+    plan: ScheduledBatch
     rows: list[tuple[Sequence, list[int], torch.Tensor]]  # (seq, tokens fed, logits [V] or [T, V])
     proposals: dict[int, Proposal]  # seq id -> its draft
     len_before: dict[int, int]  # seq id -> its tokens (cached + the pending one) before the pass
@@ -68,7 +68,7 @@ def group_prefill(chunks: list[tuple[Sequence, list[int]]]) -> list[list[tuple[S
 
     Every pass reads all the weights once (tens of ms on a CPU), so fewer passes are
     better; what sharing costs is padding. The runner drops padded positions before every
-    projection and MLP (StepPlan.packed), so padding costs only attention: rows x widest
+    projection and MLP (ForwardBatch.packed), so padding costs only attention: rows x widest
     chunk queries over the longest row's keys. A chunk joins the current pass while that
     stays within PREFILL_PADDING of the useful (query, key) pairs plus ATTENTION_SLACK pairs
     per token: one token's projections cost as much as attention over thousands of keys
@@ -99,7 +99,7 @@ class ModelExecutor:
         self.pool = scheduler.cache.pool
 
     # ---- forward ------------------------------------------------------------------------
-    def forward(self, plan: Plan) -> ForwardResult:
+    def forward(self, plan: ScheduledBatch) -> ForwardResult:
         t0 = time.perf_counter()
         ks = self._speculation(plan)
         proposals: dict[int, Proposal] = {}
@@ -131,7 +131,7 @@ class ModelExecutor:
             result.passes.append((len(result.rows), logits))
         result.rows += [(seq, toks, logits[i]) for i, (seq, toks) in enumerate(rows)]
 
-    def _speculation(self, plan: Plan) -> dict[int, int]:
+    def _speculation(self, plan: ScheduledBatch) -> dict[int, int]:
         """seq id -> K for the decoding sequences that speculate this step."""
         if self.drafter is None:
             return {}

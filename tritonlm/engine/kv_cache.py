@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.model_shape import ModelShape
 
 SCRATCH_SLOT = 0  # block 0 is kept out of circulation: padding writes land in its slot 0
 
@@ -70,7 +70,7 @@ class KVPool:
         )
 
     @staticmethod
-    def for_spec(spec: ModelSpec, num_slots: int, device: str | torch.device = "cpu") -> "KVPool":
+    def for_spec(spec: ModelShape, num_slots: int, device: str | torch.device = "cpu") -> "KVPool":
         return KVPool.allocate(num_slots, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
 
     @property
@@ -98,7 +98,7 @@ def block_digest(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
 class KVCacheManager:
     def __init__(
         self,
-        spec: ModelSpec,
+        spec: ModelShape,
         budget_bytes: int,
         block_size: int = 16,
         allocate_kv: PoolFactory | None = None,

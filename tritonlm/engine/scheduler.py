@@ -31,7 +31,7 @@ class SchedulerConfig:
     max_queue_size: int = 1024  # waiting requests; past it: "server busy"
 
 
-Plan = list[tuple[Sequence, int]]  # (sequence, how many of its pending tokens run this step)
+ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, how many of its pending tokens run this step)
 
 
 class Scheduler:
@@ -73,7 +73,7 @@ class Scheduler:
         return list(self._live.values())
 
     # ---- each step ---------------------------------------------------------------------
-    def schedule(self) -> Plan:
+    def schedule(self) -> ScheduledBatch:
         """Admit what fits, then (sequence, number of its pending tokens to run) for this step."""
         if self.cache.prefix_caching:
             for seq in self.running:
@@ -84,7 +84,7 @@ class Scheduler:
                 if not seq.in_prefill:
                     seq.num_computed = 0
         budget = self.config.max_num_batched_tokens
-        plan: Plan = []
+        plan: ScheduledBatch = []
         prefilling = []
         for seq in self.running:
             if seq.in_prefill and not self.recompute:

@@ -272,9 +272,9 @@ def export(opts: ExportOptions, out=print) -> ExportResult:
         except ModelLoadError as e:
             raise ExportError(str(e)) from None
     name = opts.name or info.name
-    from tritonlm.engine.spec import ModelSpec
+    from tritonlm.engine.model_shape import ModelShape
 
-    spec = ModelSpec.from_hf_config(model.config)
+    spec = ModelShape.from_hf_config(model.config)
     max_context = opts.max_context or spec.max_positions
     if max_context > spec.max_positions:
         raise ExportError(
@@ -290,7 +290,7 @@ def export(opts: ExportOptions, out=print) -> ExportResult:
             except ModelLoadError as e:
                 raise ExportError(f"--draft: {e}") from None
         _check_same_tokenizer(tok, dtok, opts.model, opts.draft)
-        dspec = ModelSpec.from_hf_config(dmodel.config)
+        dspec = ModelShape.from_hf_config(dmodel.config)
         if max_context > dspec.max_positions:
             raise ExportError(
                 f"--max-context {max_context} is beyond the draft {opts.draft}'s {dspec.max_positions} positions: "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tritonlm.engine.memory import DEFAULT_FULL_SEQUENCES, default_kv_budget
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.model_shape import ModelShape
 from tritonlm.export.wrapper import input_names, output_names
 from tritonlm.protocol import INPUTS, OUTPUTS
 
@@ -108,7 +108,7 @@ class BatchingOptions:
         return sizes or [self.max_batch_size]
 
 
-def forward_config(name: str, fmt: str, spec: ModelSpec, runtime: str, batching: BatchingOptions,
+def forward_config(name: str, fmt: str, spec: ModelShape, runtime: str, batching: BatchingOptions,
                    artifact: str | None = None) -> str:
     """config.pbtxt text of a forward-pass model. Dims exclude the batch dimension
     (max_batch_size > 0): the dynamic batcher stacks requests along it."""
@@ -219,7 +219,7 @@ def generate_config_text(
     return text
 
 
-def default_kv_cache_bytes(spec: ModelSpec, max_context: int, sequences: int = DEFAULT_FULL_SEQUENCES, block: int = 16) -> int:
+def default_kv_cache_bytes(spec: ModelShape, max_context: int, sequences: int = DEFAULT_FULL_SEQUENCES, block: int = 16) -> int:
     """Room for `sequences` full-context sequences (the engine's default budget, see
     tritonlm/engine/memory.py)."""
     return default_kv_budget(spec.bytes_per_token, max_context, block, sequences)

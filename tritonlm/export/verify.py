@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.model_shape import ModelShape
 from tritonlm.export.wrapper import DecoderInputs, model_spec
 
 # (inputs) -> [logits, present.0.key, present.0.value, ...] as float32 numpy
@@ -192,7 +192,7 @@ def verify_decoder(
 ) -> VerifyReport:
     """Run the three cases on `fn` (an artifact) and on the PyTorch model; report diffs.
     Pass one `reference` to several calls with the same seed to compute PyTorch's side once."""
-    spec: ModelSpec = model_spec(model)
+    spec: ModelShape = model_spec(model)
     tol = tolerance or TOLERANCES[fmt]
     report = VerifyReport(fmt=fmt, tolerance=asdict(tol), seed=seed)
     ref = reference if reference is not None and reference.model is model else Reference(model)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.model_shape import ModelShape
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -52,9 +52,9 @@ def as_float32(model):
     return model
 
 
-def model_spec(model) -> ModelSpec:
+def model_spec(model) -> ModelShape:
     """Shape facts of a loaded HF causal LM (raises ValueError for other architectures)."""
-    return ModelSpec.from_hf_config(model.config)
+    return ModelShape.from_hf_config(model.config)
 
 
 class FlatCacheDecoder(torch.nn.Module):
@@ -111,7 +111,7 @@ class DecoderInputs:
         return feed
 
 
-def empty_past(spec: ModelSpec, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+def empty_past(spec: ModelShape, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     shape = (batch, spec.num_kv_heads, 0, spec.head_dim)
     return tuple(torch.zeros(shape, dtype=dtype) for _ in range(2 * spec.num_layers))
 

@@ -24,7 +24,7 @@ MODEL_LIST_TTL_S = 2.0  # the repository index is asked again after this long
 
 
 @dataclass
-class ModelInfo:
+class ServedModel:
     name: str
     version: str
     config: dict  # Triton's model config, as JSON
@@ -90,7 +90,7 @@ class TritonBackend:
         self.url = url
         self.headers = headers  # e.g. a --restrict-model-control header for the repository index
         self._client = None
-        self._models: dict[str, ModelInfo] = {}
+        self._models: dict[str, ServedModel] = {}
         self._listed_at = 0.0
         self._lock: asyncio.Lock | None = None
 
@@ -108,7 +108,7 @@ class TritonBackend:
             self._client = None
 
     # --- models -----------------------------------------------------------------------------
-    async def models(self, refresh: bool = False) -> dict[str, ModelInfo]:
+    async def models(self, refresh: bool = False) -> dict[str, ServedModel]:
         """The READY generation models, from Triton's repository index (cached briefly)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -118,12 +118,12 @@ class TritonBackend:
                 self._listed_at = time.monotonic()
             return self._models
 
-    async def _list(self) -> dict[str, ModelInfo]:
+    async def _list(self) -> dict[str, ServedModel]:
         try:
             index = await self.client.get_model_repository_index(headers=self.headers, as_json=True)
         except Exception as e:
             raise OpenAIError(503, f"cannot reach Triton at {self.url}: {_first_line(e)}", code="triton_unavailable") from None
-        found: dict[str, ModelInfo] = {}
+        found: dict[str, ServedModel] = {}
         for entry in index.get("models", []):
             if entry.get("state") != "READY":
                 continue
@@ -134,10 +134,10 @@ class TritonBackend:
             except Exception:
                 continue  # unloaded between the two calls
             if is_generation_model(config):
-                found[name] = ModelInfo(name, entry.get("version", ""), config, old.created if old else int(time.time()))
+                found[name] = ServedModel(name, entry.get("version", ""), config, old.created if old else int(time.time()))
         return found
 
-    async def model(self, name: str) -> ModelInfo:
+    async def model(self, name: str) -> ServedModel:
         models = await self.models()
         if name not in models:
             models = await self.models(refresh=True)

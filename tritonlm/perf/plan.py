@@ -1,7 +1,7 @@
 """`tritonlm plan`: KV cache capacity planning, as pure arithmetic.
 
 - bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
-  (tritonlm.engine.spec.ModelSpec.bytes_per_token, from a Hugging Face config.json
+  (tritonlm.engine.model_shape.ModelShape.bytes_per_token, from a Hugging Face config.json
   or a built-in table of shapes)
 - free memory     = device memory - weights (parameters x bytes) - an optional reserve
 - concurrent sequences at a context length = floor(free / (bytes per token x length))
@@ -105,10 +105,10 @@ def _llama_like(config: dict) -> bool:
 
 
 def model_spec(config: dict, kv_dtype: str = "fp16"):
-    """tritonlm.engine.spec.ModelSpec for the config, with the KV cache element type."""
+    """tritonlm.engine.model_shape.ModelShape for the config, with the KV cache element type."""
     import torch
 
-    from tritonlm.engine.spec import ModelSpec
+    from tritonlm.engine.model_shape import ModelShape
 
     if kv_dtype not in _TORCH_DTYPES:
         raise PlanError(f"KV cache dtype {kv_dtype!r}: use one of {', '.join(_TORCH_DTYPES)}")
@@ -116,7 +116,7 @@ def model_spec(config: dict, kv_dtype: str = "fp16"):
     if cfg.get("model_type") not in ("gpt2", "llama") and _llama_like(cfg):
         cfg["model_type"] = "llama"  # mistral, qwen2, ...: the same K/V layout for this arithmetic
     try:
-        return ModelSpec.from_hf_config(SimpleNamespace(**cfg), dtype=getattr(torch, _TORCH_DTYPES[kv_dtype]))
+        return ModelShape.from_hf_config(SimpleNamespace(**cfg), dtype=getattr(torch, _TORCH_DTYPES[kv_dtype]))
     except (ValueError, AttributeError) as e:
         raise PlanError(f"cannot read the model shape: {e}") from None
 
@@ -245,7 +245,7 @@ def recommend_max_sequence_length(lengths: list[int], *, pct: float = 99, round_
 
 # --- the report ----------------------------------------------------------------------------------
 @dataclass
-class Plan:
+class CapacityPlan:
     model: str
     kv_dtype: str
     weights_dtype: str
@@ -268,7 +268,7 @@ def make_plan(
     reserve: int = 0,
     contexts: list[int] = (512, 2048, 16384),
     weights_override: int | None = None,
-) -> Plan:
+) -> CapacityPlan:
     name, config = load_model_config(model)
     spec = model_spec(config, kv_dtype)
     weights_dtype = weights_dtype or ("fp16" if kv_dtype in ("fp8", "int8") else kv_dtype)
@@ -290,7 +290,7 @@ def make_plan(
                 "beyond_model_context": ctx > spec.max_positions,
             }
         )
-    return Plan(name, kv_dtype, weights_dtype, spec.bytes_per_token, params, weights, dev, free_bytes, rows, spec.max_positions)
+    return CapacityPlan(name, kv_dtype, weights_dtype, spec.bytes_per_token, params, weights, dev, free_bytes, rows, spec.max_positions)
 
 
 def add_parser(subparsers) -> None:

@@ -45,7 +45,7 @@ from tritonlm.engine.parallel.steps import load_shard, memory_line, micro_batch_
 from tritonlm.engine.runners.base import plan_step
 from tritonlm.engine.runners.transformer import split_range
 from tritonlm.engine.settings import SettingsError
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.model_shape import ModelShape
 from tritonlm.engine.threads import named_thread
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def rank_devices(device: str, size: int, field: str = "tensor_parallel_size") ->
     return [f"cuda:{base + r}" for r in range(size)]
 
 
-def validate_parallel(spec: ModelSpec, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
+def validate_parallel(spec: ModelShape, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
     """SettingsError naming the field when the model cannot be split that way."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     if tp > 1:
@@ -131,7 +131,7 @@ def validate_parallel(spec: ModelSpec, tensor_parallel_size: int = 1, pipeline_p
         )
 
 
-def kv_bytes_per_token_per_rank(spec: ModelSpec, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> list[int]:
+def kv_bytes_per_token_per_rank(spec: ModelShape, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> list[int]:
     """KV bytes one token costs on each rank (for a capacity planner): TP splits the kv
     heads, PP the layers (each rank the share its Transformer slice holds)."""
     if tensor_parallel_size > 1:
@@ -201,7 +201,7 @@ class ParallelRunner:
         self.config = config
         self.mode = config.mode
         self.world = config.size
-        spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(config.hf_dir))
+        spec = ModelShape.from_hf_config(AutoConfig.from_pretrained(config.hf_dir))
         validate_parallel(
             spec,
             config.size if config.mode == "tensor" else 1,
@@ -246,7 +246,7 @@ class ParallelRunner:
         self.model, self.logits_width = load_shard(self.mode, cfg.hf_dir, 0, self.world, self.devices[0], cfg.dtype,
                                                        cfg.attention)
         self.pool: KVPool | None = None  # rank 0's share of the KV cache (allocate_kv)
-        self.spec: ModelSpec = self.model.spec
+        self.spec: ModelShape = self.model.spec
         self.max_positions = self.model.max_positions
         deadline = time.monotonic() + cfg.start_timeout_s
         for w in self._workers:

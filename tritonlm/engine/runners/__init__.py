@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from tritonlm.engine.runners.base import SCRATCH_SLOT, Runner, StepPlan, plan_step
+from tritonlm.engine.runners.base import SCRATCH_SLOT, Runner, ForwardBatch, plan_step
 
 RUNNER_KINDS = ("torch", "onnx")
 
-__all__ = ["RUNNER_KINDS", "SCRATCH_SLOT", "Runner", "StepPlan", "load_runner", "plan_step"]
+__all__ = ["RUNNER_KINDS", "SCRATCH_SLOT", "Runner", "ForwardBatch", "load_runner", "plan_step"]
 
 
 def load_runner(

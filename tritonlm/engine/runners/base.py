@@ -16,7 +16,7 @@ logits, and writes the new tokens' keys/values into the `KVPool` in place:
     close()
         frees what the runner holds outside this process (worker processes); no-op otherwise
 
-`StepPlan` is the per-step bookkeeping every runner shares (computed once, on the host,
+`ForwardBatch` is the per-step bookkeeping every runner shares (computed once, on the host,
 from the batch's CPU tensors, then moved to the runner's device).
 """
 
@@ -29,12 +29,12 @@ import torch
 
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import SCRATCH_SLOT, KVPool
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.model_shape import ModelShape
 
 
 @runtime_checkable
 class Runner(Protocol):
-    spec: ModelSpec  # spec.dtype: the KV pool's dtype
+    spec: ModelShape  # spec.dtype: the KV pool's dtype
     device: torch.device
 
     def allocate_kv(self, num_slots: int) -> KVPool | None:  # pragma: no cover - protocol
@@ -47,7 +47,7 @@ class Runner(Protocol):
         ...
 
 
-def check_pool(spec: ModelSpec, device: torch.device, pool: KVPool) -> None:
+def check_pool(spec: ModelShape, device: torch.device, pool: KVPool) -> None:
     """The pool must have the model's layers, kv heads and head size, on the runner's device."""
     if len(pool.k) != spec.num_layers or len(pool.v) != spec.num_layers:
         raise ValueError(f"KVPool has {len(pool.k)} layers, the model {spec.num_layers}")
@@ -59,7 +59,7 @@ def check_pool(spec: ModelSpec, device: torch.device, pool: KVPool) -> None:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class ForwardBatch:
     """Index tensors for one step, on the runner's device."""
 
     input_ids: torch.Tensor  # [B, T] int64
@@ -95,7 +95,7 @@ class StepPlan:
         return exists & causal
 
 
-def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None = None) -> StepPlan:
+def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None = None) -> ForwardBatch:
     """Validate the batch and build its index tensors (host-side checks, one transfer each)."""
     ids = batch.input_ids
     if ids.dim() != 2:
@@ -134,7 +134,7 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
-    return StepPlan(
+    return ForwardBatch(
         input_ids=dev(ids.to(torch.int64)),
         positions=dev(positions),
         valid=dev(valid),

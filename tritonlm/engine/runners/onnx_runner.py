@@ -31,8 +31,8 @@ import torch
 
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVPool
-from tritonlm.engine.runners.base import StepPlan, Workspace, check_pool, gather_kv, kv_rows, plan_step
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.runners.base import ForwardBatch, Workspace, check_pool, gather_kv, kv_rows, plan_step
+from tritonlm.engine.model_shape import ModelShape
 
 _ORT_TYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "tensor(float)": (np.dtype(np.float32), torch.float32),
@@ -107,7 +107,7 @@ class OnnxRunner:
             raise ValueError("io_binding=False needs device='cpu' (numpy feeds); on cuda the tensors stay bound")
         self.workspace = Workspace()  # past feeds (and bound presents) reused step to step
 
-        probe = ModelSpec.from_hf_config(config)
+        probe = ModelShape.from_hf_config(config)
         n = probe.num_layers
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name: o for o in self.session.get_outputs()}
@@ -125,7 +125,7 @@ class OnnxRunner:
         self._present_names = present_names(n)
         past_torch = self._in_types["past_key_values.0.key"][1]
         self.dtype = dtype or past_torch
-        self.spec = ModelSpec.from_hf_config(config, dtype=self.dtype)
+        self.spec = ModelShape.from_hf_config(config, dtype=self.dtype)
         self.max_positions = self.spec.max_positions if self.spec.architecture == "gpt2" else None
 
     def allocate_kv(self, num_slots: int) -> KVPool:
@@ -135,7 +135,7 @@ class OnnxRunner:
         pass
 
     # ---- step inputs ----------------------------------------------------------------
-    def _inputs(self, plan: StepPlan, pool: KVPool) -> dict[str, torch.Tensor]:
+    def _inputs(self, plan: ForwardBatch, pool: KVPool) -> dict[str, torch.Tensor]:
         """Contiguous torch tensors on self.device, in the artifact's declared dtypes."""
         s = self.spec
         p = plan.max_past
@@ -163,7 +163,7 @@ class OnnxRunner:
         return [torch.from_numpy(a) for a in self.session.run(names, arrays)]
 
     # ---- run: IOBinding (CUDA path; also runs on CPU) -----------------------------
-    def _run_bound(self, feed: dict[str, torch.Tensor], plan: StepPlan) -> list[torch.Tensor]:
+    def _run_bound(self, feed: dict[str, torch.Tensor], plan: ForwardBatch) -> list[torch.Tensor]:
         dev_type = self.device.type
         dev_id = self.device.index or 0
         s = self.spec

@@ -27,7 +27,7 @@ runs only on the rows whose logits are wanted: each row's last valid token, or e
 new token with all_logits.
 
 A padded batch (prefill chunks of different widths) runs packed: norms, projections and
-the MLP see only the N real tokens (StepPlan.packed), attention the padded [B, T] layout.
+the MLP see only the N real tokens (ForwardBatch.packed), attention the padded [B, T] layout.
 
 Shapes: B batch, T new tokens per row (padded width), L keys per row (max past+new),
 N real tokens of a padded batch, C hidden, H query heads, Hkv key/value heads, D head_dim,
@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from tritonlm.engine.kv_cache import KVPool
-from tritonlm.engine.runners.base import StepPlan, Workspace, gather_kv, kv_rows
-from tritonlm.engine.spec import ModelSpec
+from tritonlm.engine.runners.base import ForwardBatch, Workspace, gather_kv, kv_rows
+from tritonlm.engine.model_shape import ModelShape
 
 # ---------------------------------------------------------------------------- weights
 
@@ -406,7 +406,7 @@ class StepContext:
     """What every layer of one step shares. With the paged-attention kernel (`kernel`),
     only plan and rope are used; otherwise the gather path's index, buffers and mask."""
 
-    plan: StepPlan
+    plan: ForwardBatch
     mask: torch.Tensor | None  # [B, 1, T, L] bool
     rows: torch.Tensor | None  # [B*Hkv*L] gather index (kv_rows)
     k_buf: torch.Tensor | None  # [B, Hkv, L, D] workspace for the gathered keys, reused by every layer
@@ -492,7 +492,7 @@ class Transformer:
     calls the parts it holds itself, under inference_mode too (entered once per step: the
     context costs a few microseconds, measurable on small models)."""
 
-    spec: ModelSpec  # the whole model's shape; spec.dtype is the compute and KV dtype
+    spec: ModelShape  # the whole model's shape; spec.dtype is the compute and KV dtype
     layers: list[Layer]  # the layers held (a stage: layers [l0, l1) of the model)
     wte: torch.Tensor | None  # [V', C] embedding rows [vocab_lo, vocab_lo + V'); None past stage 0
     wpe: torch.Tensor | None  # [P', C] GPT-2's learned positions, rows [pos_lo, pos_lo + P')
@@ -545,7 +545,7 @@ class Transformer:
         device = torch.device(device)
         if dtype is None:
             dtype = next(model.parameters()).dtype
-        spec = ModelSpec.from_hf_config(cfg, dtype=dtype)
+        spec = ModelShape.from_hf_config(cfg, dtype=dtype)
 
         def t(p: torch.Tensor | None) -> torch.Tensor | None:
             return None if p is None else p.detach().to(device, dtype)
@@ -803,7 +803,7 @@ class Transformer:
         out = F.embedding(local.clamp(0, table.shape[0] - 1), table)
         return out * inside.unsqueeze(-1).to(out.dtype)
 
-    def embed(self, plan: StepPlan) -> torch.Tensor:  # [B, T, C] (TP: this rank's part of the sum)
+    def embed(self, plan: ForwardBatch) -> torch.Tensor:  # [B, T, C] (TP: this rank's part of the sum)
         x = self._lookup(self.wte, plan.input_ids, self.vocab_lo)
         if self.wpe is not None:
             x = x + self._lookup(self.wpe, plan.positions, self.pos_lo)
@@ -858,7 +858,7 @@ class Transformer:
             stack.add_layer(a.w, a.b, a.eps, m.w, m.b, m.eps, rms, act, L.attn_scale)
         return stack
 
-    def _context(self, plan: StepPlan, pool: KVPool) -> StepContext:
+    def _context(self, plan: ForwardBatch, pool: KVPool) -> StepContext:
         rope = None
         if self.inv_freq is not None:
             rope = rope_cos_sin(plan.positions, self.inv_freq, self.rope_scaling, self.dtype)
@@ -926,7 +926,7 @@ class Transformer:
         x = x + delta
         return x, norm(x)
 
-    def run_layers(self, plan: StepPlan, x: torch.Tensor, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor:
+    def run_layers(self, plan: ForwardBatch, x: torch.Tensor, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor:
         """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP.
         A padded batch runs packed ([N, C] between the layers) and comes back [B, T, C], zeros at the padding."""
         ctx = self._context(plan, pool)
@@ -949,7 +949,7 @@ class Transformer:
             return x
         return x.new_zeros(shape[0] * shape[1], shape[-1]).index_copy_(0, ctx.packed, x).view(shape)  # [B, T, C]
 
-    def head(self, plan: StepPlan, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
+    def head(self, plan: ForwardBatch, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
         """x [B, T, C] -> float32 logits [B, V'] (last valid token of each row) or [B, T, V']."""
         if not all_logits:
             rows = torch.arange(plan.batch_size, device=x.device)
@@ -957,7 +957,7 @@ class Transformer:
         return self.lm_head(self.norm(self.ln_f, x)).float()
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, all_logits: bool, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor | None:
+    def forward(self, plan: ForwardBatch, all_logits: bool, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor | None:
         """Logits (float32, [B, V] or [B, T, V]) on rank 0; None on the other TP ranks."""
         x = self.embed(plan)
         comm.allreduce(x)

@@ -8,7 +8,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelShape:
     architecture: str  # "gpt2" | "llama"
     num_layers: int
     num_heads: int  # query heads
@@ -33,10 +33,10 @@ class ModelSpec:
         return self.kv_bytes_per_token()
 
     @staticmethod
-    def from_hf_config(config, dtype: torch.dtype = torch.float32) -> "ModelSpec":
+    def from_hf_config(config, dtype: torch.dtype = torch.float32) -> "ModelShape":
         model_type = getattr(config, "model_type", "")
         if model_type == "gpt2":
-            return ModelSpec(
+            return ModelShape(
                 architecture="gpt2",
                 num_layers=config.n_layer,
                 num_heads=config.n_head,
@@ -48,7 +48,7 @@ class ModelSpec:
             )
         if model_type == "llama":
             heads = config.num_attention_heads
-            return ModelSpec(
+            return ModelShape(
                 architecture="llama",
                 num_layers=config.num_hidden_layers,
                 num_heads=heads,
