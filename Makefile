@@ -20,7 +20,7 @@ HOST := 127.0.0.1
 endif
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench doctor clean demo-scale bench-peer
+.PHONY: setup serve test test-unit bench doctor clean demo-scale bench-peer
 
 setup: $(STAMP)
 
@@ -40,8 +40,13 @@ serve: setup
 		--repo $(REPO) --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 		--openai-port $(OPENAI_PORT)
 
+# every test: unit tests (tests/unit, no server) and real-server tests (tests/integration)
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# the unit tests alone, for the edit-test loop
+test-unit: setup
+	$(VENV)/bin/python -m pytest tests/unit $(PYTEST_ARGS)
 
 bench: setup
 	$(VENV)/bin/python perf/run_all.py
