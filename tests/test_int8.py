@@ -12,9 +12,12 @@ import torch
 
 from tests.genrepo import add_generation_model, tiny
 from tritonlm.engine.loader import build_engine
+from tritonlm.engine.parallel.shard import tensor_slice
 from tritonlm.engine.precision import native_bf16, resolve_precision
+from tritonlm.engine.runners.layers import Int8Linear
+from tritonlm.engine.runners.model import Transformer
+from tritonlm.engine.runners.quant import rotate_residual
 from tritonlm.engine.runners.torch_runner import TorchRunner
-from tritonlm.engine.runners.transformer import Transformer
 from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.perf.agreement import positional_agreement, reference_continuations, teacher_forced_agreement
 
@@ -23,7 +26,7 @@ TOPICS = ["a lighthouse keeper", "volcanoes", "the first computer", "a chess mat
           "a broken clock", "honey bees", "the moon landing"]
 FORMS = ["Tell me about {}.", "Here is a poem about {}:", "Three questions on {}:", "{} -- a summary:"]
 # Without VNNI, fbgemm's kernel sums pairs of u8 x s8 products in int16, so activations are
-# quantized to 7 bits (transformer._REDUCE_RANGE) and agreement is lower. Measured on an
+# quantized to 7 bits (layers.INT8_REDUCE_RANGE) and agreement is lower. Measured on an
 # AVX2-only AMD EPYC: tiny-gpt2 0.967, SmolLM2 0.921-0.932 (VNNI hosts: 0.975, 0.959).
 VNNI = hasattr(torch.cpu, "_is_vnni_supported") and torch.cpu._is_vnni_supported()
 PROMPTS = [f.format(t) for t in TOPICS for f in FORMS]  # 32
@@ -76,7 +79,7 @@ def test_int8_rows_are_batch_invariant_and_close_to_float32(arch):
     print(f"{arch}: int8 max logit error {rel:.4f} of the largest logit")
     assert rel < 0.2
     t = int8_runner_.transformer
-    assert t.weights_int8 and t.layers[0].qkv.w is None and t.lm_head.w is None
+    assert t.weights_int8 and isinstance(t.layers[0].qkv, Int8Linear) and isinstance(t.lm_head, Int8Linear)
     assert int8_runner_.spec.dtype == torch.float32 and int8.dtype == torch.float32
     assert t.weight_bytes() < fp32_runner.transformer.weight_bytes()
 
@@ -90,7 +93,7 @@ def test_residual_rotation_keeps_the_function_and_only_applies_to_rmsnorm_models
     plain, rotated = TorchRunner(model), TorchRunner(model)
     fresh = Transformer.from_hf(model, "cpu", torch.float32)  # plain weights (a runner's are blocked)
     before = fresh.wte
-    assert fresh.rotate_residual()
+    assert rotate_residual(fresh)
     rotated.transformer = fresh
     rows = prompts[:3]
     a, b = logits_of(plain, rows), logits_of(rotated, rows)
@@ -104,12 +107,12 @@ def test_residual_rotation_keeps_the_function_and_only_applies_to_rmsnorm_models
     assert torch.equal(fresh.ln_f.w, torch.ones_like(fresh.ln_f.w))
     gpt2 = Transformer.from_hf(tiny()[0], "cpu", torch.float32)
     wte = gpt2.wte
-    assert not gpt2.rotate_residual() and gpt2.wte is wte
+    assert not rotate_residual(gpt2) and gpt2.wte is wte
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_projections_kept_float_compute_what_they_did(arch):
-    """quantize_int8(keep_float=...) (what perf/int8_sensitivity.py measures with): a
+    """quantize_int8(model, keep_float=...) (what perf/int8_sensitivity.py measures with): a
     projection left float computes the float model's function although SmoothQuant's
     factor was folded into what feeds it. Everything kept: float32's logits, with the
     rotation and every fold applied, and the weights blocked for oneDNN. Only the LM head
@@ -127,7 +130,7 @@ def test_projections_kept_float_compute_what_they_did(arch):
     kept = {"lm_head", "layers.0.down"}
     mixed = TorchRunner(model, int8=True, int8_keep_float=kept.__contains__)
     names = mixed.transformer.projection_names()
-    assert all((p.packed is None) == (n in kept) for n, p in names.items()), "exactly the kept ones stay float"
+    assert all((not isinstance(p, Int8Linear)) == (n in kept) for n, p in names.items()), "exactly the kept ones stay float"
     assert all(names[n].blocked is not None for n in kept)
     if mixed.attention == "paged":
         assert mixed.transformer.decoder_stack is not None
@@ -206,7 +209,7 @@ def test_int8_refuses_what_it_cannot_serve(tmp_path):
         TorchRunner(tiny()[0], dtype=torch.bfloat16, int8=True)
     model = TorchRunner(tiny()[0], int8=True).transformer
     with pytest.raises(ValueError, match="int8 weights cannot be sliced"):
-        model.tensor_slice(0, 2)
+        tensor_slice(model, 0, 2)
 
 
 def test_auto_picks_bf16_only_where_the_device_multiplies_it_natively(tmp_path):

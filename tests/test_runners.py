@@ -433,7 +433,7 @@ def test_onnx_fp16_artifact(hf_models, onnx_paths, tmp_path):
 
 
 def test_blocked_row_buckets_are_few_cover_every_count_and_waste_little():
-    from tritonlm.engine.runners.transformer import blocked_rows
+    from tritonlm.engine.runners.layers import blocked_rows
 
     padded = [blocked_rows(m) for m in range(1, 8193)]
     assert all(p >= m for m, p in zip(range(1, 8193), padded))
@@ -448,7 +448,8 @@ def test_blocked_weights_give_the_plain_matmul_logits(widths):
     """The default CPU float path (oneDNN-blocked weights, rows padded to a bucket) against
     the same weights multiplied plainly, x @ w [in, out], for row counts inside and across
     buckets; a blocked projection refuses to be sliced, naming why."""
-    from tritonlm.engine.runners.transformer import Transformer
+    from tritonlm.engine.parallel.shard import tensor_slice
+    from tritonlm.engine.runners.model import Transformer
 
     model = tiny_llama(tie_word_embeddings=False)
     runner = TorchRunner(model)
@@ -469,7 +470,7 @@ def test_blocked_weights_give_the_plain_matmul_logits(widths):
     for b, w in enumerate(widths):
         close(outs[0][b, :w], outs[1][b, :w], atol=1e-5)
     with pytest.raises(ValueError, match="blocked weights cannot be sliced"):
-        runner.transformer.tensor_slice(0, 2)
+        tensor_slice(runner.transformer, 0, 2)
 
 
 # ---------------------------------------------------------------------------- paged-attention kernel
@@ -489,7 +490,7 @@ def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim
     from tritonlm.engine.kernels import kernels_available
     from tritonlm.engine.kv_cache import KVPool
     from tritonlm.engine.runners.base import kv_rows, plan_step
-    from tritonlm.engine.runners.transformer import StepContext, apply_rope, paged_attention, rope_cos_sin
+    from tritonlm.engine.runners.layers import StepContext, apply_rope, paged_attention, rope_cos_sin
 
     assert kernels_available() == (True, "built for this CPU")
     g = torch.Generator().manual_seed(heads * 100 + head_dim + width)
@@ -598,7 +599,7 @@ def test_paged_attention_kernel_refuses_bad_tensors_naming_them():
 @pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 40), (700, 96)], ids=["decode-row", "tail-lanes", "many-rows"])
 def test_fused_norm_and_activation_ops_equal_the_torch_math(shape):
     """rms_norm / add_rms_norm against transformers' LlamaRMSNorm math in float32, silu_mul
-    against F.silu(gate) * up, int8_linear against Proj's torch ops: one row, widths that are not a multiple of the
+    against F.silu(gate) * up, int8_linear against Int8Linear's torch ops: one row, widths that are not a multiple of the
     vector width (the scalar tail), and enough rows to be split over threads."""
     from tritonlm.engine.kernels import kernels_available
 
@@ -618,14 +619,15 @@ def test_fused_norm_and_activation_ops_equal_the_torch_math(shape):
     gate_up = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
-    # int8 linear (row scaling, fbgemm's kernel, rescale, bias in one op): the same bits as Proj's torch ops
-    from tritonlm.engine.runners.transformer import Proj
+    # int8 linear (row scaling, fbgemm's kernel, rescale, bias in one op): the same bits as Int8Linear's torch ops
+    from tritonlm.engine.runners.layers import FloatLinear
+    from tritonlm.engine.runners.quant import quantize_linear
 
     width = shape[-1]
     for s, b in ((None, None), (torch.rand(width, generator=g) + 0.5, torch.randn(24, generator=g))):
-        proj = Proj(torch.randn(width, 24, generator=g), b).quantized_int8(s)  # smooth divides at run time
+        proj = quantize_linear(FloatLinear(torch.randn(width, 24, generator=g), b), s)  # smooth divides at run time
         with_bias, without = proj(x), proj.matmul(x)  # torch ops
-        proj.int8_op = True
+        proj.fused_op = True
         assert proj(x).shape == (*shape[:-1], 24)
         assert torch.equal(proj(x), with_bias) and torch.equal(proj.matmul(x), without)
     big = torch.tensor([[-100.0, -30.0, 0.0, 30.0, 100.0, 1e4, -1e4, 1.0]])  # e^-x at its clamps
@@ -648,15 +650,16 @@ def test_fused_ops_refuse_bad_tensors_naming_them():
         ops.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="silu_mul: gate_up must be a contiguous float32 CPU tensor"):
         ops.silu_mul(torch.randn(8, 2).t())
-    from tritonlm.engine.runners.transformer import _REDUCE_RANGE, Proj
+    from tritonlm.engine.runners.layers import INT8_REDUCE_RANGE, FloatLinear
+    from tritonlm.engine.runners.quant import quantize_linear
 
-    packed = Proj(torch.randn(8, 6), None).quantized_int8().packed
+    packed = quantize_linear(FloatLinear(torch.randn(8, 6), None)).packed
     with pytest.raises(RuntimeError, match=r"int8_linear: buf must be \[>= 3, 8\] \(the pinned row and x's rows\), not \[2, 8\]"):
-        ops.int8_linear(x, None, None, packed, torch.zeros(2, 8), _REDUCE_RANGE)
+        ops.int8_linear(x, None, None, packed, torch.zeros(2, 8), INT8_REDUCE_RANGE)
     with pytest.raises(RuntimeError, match="int8_linear: smooth has 4 values; x's rows have 8"):
-        ops.int8_linear(x, torch.ones(4), None, packed, torch.zeros(3, 8), _REDUCE_RANGE)
+        ops.int8_linear(x, torch.ones(4), None, packed, torch.zeros(3, 8), INT8_REDUCE_RANGE)
     with pytest.raises(RuntimeError, match="int8_linear: bias has 5 values; the weights have 6 outputs"):
-        ops.int8_linear(x, None, torch.ones(5), packed, torch.zeros(3, 8), _REDUCE_RANGE)
+        ops.int8_linear(x, None, torch.ones(5), packed, torch.zeros(3, 8), INT8_REDUCE_RANGE)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -690,12 +693,14 @@ def test_decoder_stack_gives_the_python_loops_bits(arch, int8, widths):
 
 
 def test_decoder_stack_only_where_its_ops_cover_the_layers(hf_models):
+    from tritonlm.engine.kernels.decoder_stack import build_decoder_stack
+
     assert load_runner("torch", hf_models["llama"]).transformer.decoder_stack is not None
     assert load_runner("torch", hf_models["gpt2"]).transformer.decoder_stack is not None
     assert load_runner("torch", hf_models["llama"], dtype=torch.bfloat16).transformer.decoder_stack is None
     relu = load_runner("torch", hf_models["llama"])
     relu.transformer.act = torch.nn.functional.relu  # an activation the stack does not have
-    assert relu.transformer.build_decoder_stack() is None
+    assert build_decoder_stack(relu.transformer) is None
 
 
 def test_decoder_stack_refuses_an_unfinished_layer_naming_it():

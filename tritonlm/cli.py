@@ -28,13 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and name.startswith(e.name):
-                continue  # that part of tritonlm is not built yet
-            raise
-        module.add_parser(sub)
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 

@@ -113,6 +113,13 @@ def default_name(model: str) -> str:
     return sanitize_name(model)
 
 
+def stamped_model_ref(stamp: dict) -> str | None:
+    """The model reference an export.json was made from. Repositories exported before the
+    key was named "model_ref" carry it as "spec"."""
+    source = stamp.get("source", {})
+    return source.get("model_ref", source.get("spec"))
+
+
 def already_exported(repo: Path, name: str, model: str, draft: str | None) -> bool:
     """The generation entry is there, exported from the same model (and draft)."""
     cfg = repo / name / "config.pbtxt"
@@ -120,14 +127,14 @@ def already_exported(repo: Path, name: str, model: str, draft: str | None) -> bo
         stamp = json.loads((repo / name / "1" / "export.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if not cfg.is_file() or stamp.get("source", {}).get("spec") != model:
+    if not cfg.is_file() or stamped_model_ref(stamp) != model:
         return False
     if draft:
         try:
             dstamp = json.loads((repo / f"{name}_draft" / "1" / "export.json").read_text())
         except (OSError, json.JSONDecodeError):
             return False
-        if dstamp.get("source", {}).get("spec") != draft or "draft_model" not in cfg.read_text():
+        if stamped_model_ref(dstamp) != draft or "draft_model" not in cfg.read_text():
             return False
     elif "draft_model" in cfg.read_text():
         return False

@@ -174,12 +174,14 @@ def fold_constant_transposes(model_proto) -> int:
 
 
 # Weight blocks of 32 input channels, one fp32 scale each: per-tensor (and even
-# per-output-channel) scales lost too much on SmolLM2 (top-1 0.42 / 0.47-0.61 in the check).
+# per-output-channel) scales lose too much top-1 agreement in the check (verify.py;
+# docs/performance-notes.md).
 INT8_BLOCK = 32
 # A MatMul whose input has max|x| >= this many times its RMS on the calibration batch stays
-# float32: Llama MLP down-projections carry "massive activations" (SmolLM2: max/RMS 57-129
-# in 11 of 30 layers, absolute values up to ~2800), and int8 error on the weights they
-# multiply moves the residual stream of every later layer. Most activations measure 4-45.
+# float32: Llama MLP down-projections carry "massive activations" (max/RMS far above the
+# rest's), and int8 error on the weights they multiply moves the residual stream of every
+# later layer. The threshold sits between ordinary activations' ratios and those outliers'
+# (docs/performance-notes.md).
 OUTLIER_RATIO = 50.0
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tritonlm.engine.model_shape import ModelShape
-from tritonlm.export.wrapper import DecoderInputs, model_spec
+from tritonlm.export.wrapper import DecoderInputs, model_shape
 
 # (inputs) -> [logits, present.0.key, present.0.value, ...] as float32 numpy
 DecoderFn = Callable[[DecoderInputs], list[np.ndarray]]
@@ -41,11 +41,11 @@ TOLERANCES = {
     "onnx": Tolerance(max_rel_diff=1e-4, min_top1=1.0),
     "torchscript": Tolerance(max_rel_diff=1e-4, min_top1=1.0),
     "onnx-fp16": Tolerance(max_rel_diff=5e-2, min_top1=0.95),
-    # int8 (blockwise weights, see onnx_export.quantize_int8): a bounded logit scale (SmolLM2
-    # measures 0.06, tiny models less; a wrong quantization scale gives errors of the order of
-    # the logits themselves, SmolLM2 with per-tensor int8 0.5-1.0) and top-1 as fp16's, with a
-    # tight tie margin. One threshold for every family: per-tensor int8 passed GPT-2 at 0.85
-    # and failed Llama, so a per-family threshold would have hidden the real defect.
+    # int8 (blockwise weights, see onnx_export.quantize_int8): a bounded logit scale, above
+    # what correct blockwise int8 gives and well below a wrong quantization scale's errors,
+    # which are of the order of the logits themselves (docs/performance-notes.md); top-1 as
+    # fp16's, with a tight tie margin. One threshold for every family: a defect may show in
+    # one family only, and a per-family threshold would hide it there.
     "onnx-int8": Tolerance(max_rel_diff=0.15, min_top1=0.95),
 }
 
@@ -192,7 +192,7 @@ def verify_decoder(
 ) -> VerifyReport:
     """Run the three cases on `fn` (an artifact) and on the PyTorch model; report diffs.
     Pass one `reference` to several calls with the same seed to compute PyTorch's side once."""
-    spec: ModelShape = model_spec(model)
+    spec: ModelShape = model_shape(model)
     tol = tolerance or TOLERANCES[fmt]
     report = VerifyReport(fmt=fmt, tolerance=asdict(tol), seed=seed)
     ref = reference if reference is not None and reference.model is model else Reference(model)

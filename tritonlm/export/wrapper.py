@@ -52,7 +52,7 @@ def as_float32(model):
     return model
 
 
-def model_spec(model) -> ModelShape:
+def model_shape(model) -> ModelShape:
     """Shape facts of a loaded HF causal LM (raises ValueError for other architectures)."""
     return ModelShape.from_hf_config(model.config)
 
@@ -63,7 +63,7 @@ class FlatCacheDecoder(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self.spec = model_spec(model)
+        self.spec = model_shape(model)
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         from transformers import DynamicCache
@@ -110,14 +110,3 @@ class DecoderInputs:
             feed[name] = t.numpy()
         return feed
 
-
-def empty_past(spec: ModelShape, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
-    shape = (batch, spec.num_kv_heads, 0, spec.head_dim)
-    return tuple(torch.zeros(shape, dtype=dtype) for _ in range(2 * spec.num_layers))
-
-
-def positions_from_mask(mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Position ids of the last `new_tokens` columns: count of attended tokens before each, HF style."""
-    pos = mask.long().cumsum(-1) - 1
-    pos = pos.clamp(min=0)
-    return pos[:, -new_tokens:]

@@ -9,11 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# task name -> module under tritonlm.glue holding a `Handler` class
+# task name -> (module under tritonlm.glue, its handler class)
 TASKS = {
-    "echo": "tritonlm.glue.echo",
-    "forward": "tritonlm.glue.forward",
-    "generate": "tritonlm.glue.generate",
+    "echo": ("tritonlm.glue.echo", "EchoHandler"),
+    "forward": ("tritonlm.glue.forward", "ForwardHandler"),
+    "generate": ("tritonlm.glue.generate", "GenerateHandler"),
 }
 
 
@@ -33,5 +33,5 @@ def make_handler(config: dict[str, Any], args: dict[str, str]):
             f"model '{config.get('name')}': parameters.task is {task!r}; expected one of {sorted(TASKS)} "
             '(add parameters { key: "task" value: { string_value: "generate" } } to config.pbtxt)'
         )
-    module = importlib.import_module(TASKS[task])
-    return module.Handler(config, params, args)
+    module_name, class_name = TASKS[task]
+    return getattr(importlib.import_module(module_name), class_name)(config, params, args)

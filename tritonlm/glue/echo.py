@@ -9,7 +9,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
-class Handler:
+class EchoHandler:
     def __init__(self, config, params, args):
         self.name = config["name"]
 

@@ -23,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 from tritonlm.export.forward_runtime import ForwardBatcher, Layout, onnx_run_fn, torchscript_run_fn
 
 
-class Handler:
+class ForwardHandler:
     def __init__(self, config, params, args):
         self.name = config["name"]
         fmt = params.get("format", "onnx") or "onnx"

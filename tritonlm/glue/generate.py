@@ -32,7 +32,7 @@ def instance_device(settings: EngineSettings, args) -> EngineSettings:
     return settings
 
 
-class Handler:
+class GenerateHandler:
     def __init__(self, config, params, args):
         self.name = config["name"]
         if not pb_utils.using_decoupled_model_transaction_policy(config):
@@ -43,7 +43,8 @@ class Handler:
         # The engine thread drops the GIL inside every torch op and needs it back after
         # each (thousands per step); when the response thread holds it, Python makes the
         # engine wait up to the switch interval, 5 ms by default. This process serves only
-        # this model: 0.5 ms. Measured at 32 int8 streams: served / in-process 0.77 -> 0.87.
+        # this model: 0.5 ms, which brings served throughput closer to in-process
+        # (docs/performance-notes.md).
         sys.setswitchinterval(0.0005)
         model_dir = Path(args["model_repository"])
         self.settings = instance_device(EngineSettings.from_params(params, model_dir), args)

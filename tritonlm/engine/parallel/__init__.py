@@ -30,16 +30,18 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
-from tritonlm.engine.parallel.runner import (
-    ParallelConfig,
-    ParallelError,
-    ParallelRunner,
-    WorkerFailure,
-    kv_bytes_per_token_per_rank,
-    rank_devices,
-    validate_parallel,
-)
+if TYPE_CHECKING:
+    from tritonlm.engine.parallel.runner import (
+        ParallelConfig,
+        ParallelError,
+        ParallelRunner,
+        WorkerFailure,
+        kv_bytes_per_token_per_rank,
+        rank_devices,
+        validate_parallel,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +56,23 @@ __all__ = [
     "validate_parallel",
 ]
 
+# Resolved on first use (PEP 562), not at import: the model's forward pass imports
+# parallel.comm (Comm, ONE_RANK) and parallel.runner imports the model, so importing this
+# package must not import parallel.runner, or loading the model would import itself.
+_FROM_RUNNER = {name for name in __all__ if name != "load_parallel_runner"}
+
+
+def __getattr__(name: str):
+    if name in _FROM_RUNNER:
+        from tritonlm.engine.parallel import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def load_parallel_runner(settings) -> ParallelRunner:
     """The runner for a model's settings; in Triton, a lost worker also unloads the model."""
+    from tritonlm.engine.parallel.runner import ParallelConfig, ParallelError, ParallelRunner
     from tritonlm.engine.settings import SettingsError
 
     try:

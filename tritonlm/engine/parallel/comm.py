@@ -7,25 +7,30 @@ torch.multiprocessing's shared-memory handles). It carries `init`, `connect`,
 blocks on it while idle, so an idle model needs no heartbeat, and the parent's death
 is an EOF there.
 
-Data plane: a torch.distributed process group of the runner's own (not the global
-default group, so several models, or a test, can hold groups in one process): gloo
-over loopback on CPU, NCCL on GPUs. It carries all-reduces, the logits gather and the
-pipeline's activations; every op has the `parallel_timeout_s` deadline, so a hung peer
-fails the step instead of blocking it forever (a dead peer fails it at once: the
-socket closes).
+Data plane: what a tensor-parallel shard's forward pass calls, `Comm` (all-reduce, the
+logits gather; `ONE_RANK` is the world of one rank, where both do nothing) and
+`row_parallel`. ProcessComm implements it over a torch.distributed process group of the
+runner's own (not the global default group, so several models, or a test, can hold
+groups in one process): gloo over loopback on CPU, NCCL on GPUs. It carries all-reduces,
+the logits gather and the pipeline's activations; every op has the `parallel_timeout_s`
+deadline, so a hung peer fails the step instead of blocking it forever (a dead peer
+fails it at once: the socket closes).
 """
 
 from __future__ import annotations
 
 import datetime
 import pickle
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from tritonlm.engine.batch import StepBatch
-from tritonlm.engine.runners.transformer import Comm
+
+if TYPE_CHECKING:
+    from tritonlm.engine.runners.layers import Linear
 
 LOOPBACK = "127.0.0.1"
 
@@ -73,6 +78,30 @@ def slice_batch(batch: StepBatch, lo: int, hi: int) -> StepBatch:
 
 
 # ---------------------------------------------------------------------------- data plane
+
+
+class Comm:
+    """The collectives a tensor-parallel shard needs; this base is the world of one rank
+    (no-op all-reduce, identity gather). ProcessComm implements them."""
+
+    rank = 0
+    world = 1
+
+    def allreduce(self, t: torch.Tensor) -> None:  # in place, sum over ranks
+        pass
+
+    def gather_cols(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        return t  # [..., widths[r]] of every rank r -> [..., sum(widths)] on rank 0 (None elsewhere)
+
+
+ONE_RANK = Comm()
+
+
+def row_parallel(p: Linear, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """x @ w summed over ranks, then the bias once. World 1: exactly p(x)."""
+    y = p.matmul(x)  # [..., out], this rank's partial sum
+    comm.allreduce(y)
+    return y if p.b is None else y + p.b
 
 
 def backend_for(device: str) -> str:

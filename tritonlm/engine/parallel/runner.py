@@ -1,7 +1,7 @@
 """ParallelRunner: the engine-side face of a model split over processes.
 
 The engine process is rank 0: it holds share 0 (1/N of the weights and of the KV cache,
-a runners.transformer.Transformer slice) and computes like any other rank; ranks 1..N-1
+a runners.model.Transformer slice) and computes like any other rank; ranks 1..N-1
 are worker processes it starts (children of the engine process, see worker.py). It
 implements the Runner protocol so the Engine is unchanged: `allocate_kv(num_slots)` has
 every rank allocate its share and returns None (the KVCacheManager keeps doing block
@@ -41,9 +41,9 @@ import torch
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.parallel.comm import ProcessComm, batch_fields, make_store, pack, unpack
 from tritonlm.engine.kv_cache import KVPool
+from tritonlm.engine.parallel.shard import split_range
 from tritonlm.engine.parallel.steps import load_shard, memory_line, micro_batch_bounds, run_pp_step, run_tp_step
 from tritonlm.engine.runners.base import plan_step
-from tritonlm.engine.runners.transformer import split_range
 from tritonlm.engine.settings import SettingsError
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.engine.threads import named_thread

@@ -1,7 +1,7 @@
 """What every rank runs for one step, and how a rank loads its share (engine process and workers alike).
 
-A rank's share is a runners.transformer.Transformer (tensor_slice or layer_slice of the
-whole model) plus the KV pool it allocated for its own layers and kv heads.
+A rank's share is a runners.model.Transformer (shard.tensor_slice or shard.layer_slice of
+the whole model) plus the KV pool it allocated for its own layers and kv heads.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import torch
 
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVPool
-from tritonlm.engine.parallel.comm import ProcessComm, slice_batch
+from tritonlm.engine.parallel.comm import Comm, ProcessComm, slice_batch
+from tritonlm.engine.parallel.shard import layer_slice, split_range, tensor_slice
 from tritonlm.engine.runners.base import plan_step
-from tritonlm.engine.runners.transformer import Comm, Transformer, split_range
+from tritonlm.engine.runners.model import Transformer
 
 # ---------------------------------------------------------------------------- one step, any rank
 
@@ -77,8 +78,8 @@ def load_shard(
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), **({"dtype": dtype} if dtype is not None else {}))
     full = Transformer.from_hf(hf.eval(), device, dtype)
     del hf
-    share = full.tensor_slice(rank, world) if mode == "tensor" else full.layer_slice(rank, world)
-    width = full.lm_head.w.shape[1]
+    share = tensor_slice(full, rank, world) if mode == "tensor" else layer_slice(full, rank, world)
+    width = full.lm_head.plain().w.shape[1]
     del full
     gc.collect()
     share.block_weights()  # CPU float: the same blocked weights as TorchRunner's

@@ -39,7 +39,7 @@ def load_runner(
     device           "cpu" or "cuda[:i]"
     dtype            torch: compute dtype (default: the model's); onnx: KV dtype (default: the
                      artifact's declared past dtype)
-    int8             torch only: int8 weights (CPU, float32 compute; see Transformer.quantize_int8)
+    int8             torch only: int8 weights (CPU, float32 compute; see runners.quant.quantize_int8)
     attention        torch only: "auto" | "paged" | "gather", how decode steps read the KV
                      pool (TorchRunner; the runner's `attention` says what it uses)
     """

@@ -162,9 +162,9 @@ def gather_kv(cache: torch.Tensor, rows: torch.Tensor, bsz: int, out: torch.Tens
     """cache [S, Hkv, D] gathered at kv_rows(...) -> [B, Hkv, L, D] contiguous.
 
     This copy is the per-step price of a paged cache without a paged-attention kernel.
-    index_select copies whole rows and measured 3-4x faster than advanced indexing
-    (cache[slot_table]) on CPU; `out` (a Workspace buffer) avoids a fresh allocation,
-    whose page faults cost as much as the copy itself for large contexts."""
+    index_select copies whole rows, which is cheaper than advanced indexing
+    (cache[slot_table]) on CPU (docs/performance-notes.md); `out` (a Workspace buffer)
+    avoids a fresh allocation, whose page faults would add to every large-context copy."""
     num_slots, heads, dim = cache.shape
     flat = cache.view(num_slots * heads, dim)  # [S*Hkv, D]
     if out is None:

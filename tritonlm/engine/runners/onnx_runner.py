@@ -129,7 +129,7 @@ class OnnxRunner:
         self.max_positions = self.spec.max_positions if self.spec.architecture == "gpt2" else None
 
     def allocate_kv(self, num_slots: int) -> KVPool:
-        return KVPool.for_spec(self.spec, num_slots, self.device)
+        return KVPool.for_shape(self.spec, num_slots, self.device)
 
     def close(self) -> None:
         pass

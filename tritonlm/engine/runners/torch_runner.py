@@ -1,12 +1,12 @@
 """TorchRunner: our own forward pass over a Hugging Face model's weights, paged KV cache.
 
-A thin wrapper: the weights and the layer functions are runners.transformer.Transformer
-(the same code the tensor/pipeline-parallel ranks run on their shares). Per layer,
-attention writes the new keys/values into the pool in place, then either reads them in
-place through the slot table (tritonlm's C++ paged-attention kernel: decode-width steps,
-CPU, float32) or gathers each sequence's keys into [B, Hkv, L, D] and runs
+A thin wrapper: the weights and the forward pass are runners.model.Transformer (the same
+code the tensor/pipeline-parallel ranks run on their shares), int8 is runners.quant. Per
+layer, attention writes the new keys/values into the pool in place, then either reads them
+in place through the slot table (tritonlm's C++ paged-attention kernel: decode-width
+steps, CPU, float32) or gathers each sequence's keys into [B, Hkv, L, D] and runs
 scaled_dot_product_attention with a boolean mask (key exists AND causal); see
-transformer.py.
+runners/layers.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.runners.base import check_pool, plan_step
-from tritonlm.engine.runners.transformer import Transformer
+from tritonlm.engine.runners.model import Transformer
+from tritonlm.engine.runners.quant import calibrate, quantize_int8, rotate_residual
 
 
 class TorchRunner:
@@ -30,7 +31,7 @@ class TorchRunner:
         attention: str = "auto", int8_keep_float: Callable[[str], bool] | None = None,
     ):
         """int8: weights of every projection and the LM head in int8 (CPU, float32 compute);
-        int8_keep_float(name) -> True leaves that projection float (Transformer.quantize_int8).
+        int8_keep_float(name) -> True leaves that projection float (quant.quantize_int8).
         attention: "auto" / "paged" use the paged-attention kernel where it can run (see
         `self.attention` and `self.attention_why`; "paged" does not raise, the loader
         refuses it); "gather" never does."""
@@ -45,9 +46,9 @@ class TorchRunner:
         self.config = model.config
         self.max_positions = self.transformer.max_positions  # GPT-2: a hard limit; RoPE: none (None)
         if int8:
-            self.transformer.rotate_residual()  # Llama family: outliers spread before calibration sees them
-            self._calibrate()
-            self.transformer.quantize_int8(keep_float=int8_keep_float)
+            rotate_residual(self.transformer)  # Llama family: outliers spread before calibration sees them
+            calibrate(self.transformer)
+            quantize_int8(self.transformer, keep_float=int8_keep_float)
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
         self.attention, self.attention_why = "gather", "asked for"
         if attention != "gather":
@@ -67,24 +68,8 @@ class TorchRunner:
         model.eval()
         return cls(model, device=device, dtype=dtype, int8=int8, attention=attention)
 
-    def _calibrate(self, rows: int = 8, length: int = 64, seed: int = 0) -> None:
-        """One float pass over seeded random tokens, recording each projection's input range
-        per channel for SmoothQuant (Transformer.quantize_int8). LLMs' outlier channels are
-        properties of the weights, present whatever the text, so no dataset is needed."""
-        from tritonlm.engine.kv_cache import KVCacheManager
-
-        ids = torch.randint(0, self.spec.vocab_size, (rows, length), generator=torch.Generator().manual_seed(seed))
-        length = min(length, self.max_positions or length)
-        cache = KVCacheManager(self.spec, (rows * (length // 16 + 2) + 1) * 16 * self.spec.bytes_per_token, 16,
-                               allocate_kv=self.allocate_kv)
-        for b in range(rows):
-            cache.allocate(b, length)
-        self.transformer.observe_activations(True)
-        self.forward(StepBatch.build(ids[:, :length].tolist(), [0] * rows, [cache.slots(b, length) for b in range(rows)]),
-                     cache.pool)
-
     def allocate_kv(self, num_slots: int) -> KVPool:
-        return KVPool.for_spec(self.spec, num_slots, self.device)
+        return KVPool.for_shape(self.spec, num_slots, self.device)
 
     def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         check_pool(self.spec, self.device, pool)

@@ -1,0 +1,79 @@
+"""The Transformer forward pass gives the recorded logits (data/golden_logits.npz).
+
+Every variant of make_golden_logits.VARIANTS (float32 plain, oneDNN-blocked with and
+without tritonlm's C++ ops, int8 with and without them, two tensor-parallel ranks, two
+pipeline stages), for tiny-gpt2 and a tiny grouped-query Llama, over a packed prefill,
+two decode steps and a verify step. On a host whose HostFacts match the recording's (CPU
+features, torch version, thread count, kernels built) the logits must be the same bits:
+a refactoring may not change one. Elsewhere other kernels run, so they are compared
+within float32 rounding (int8: within a bound a wrong layout or scale would exceed), and
+a warning says why it could not compare bits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+FLOAT_ATOL = 2e-5  # float32 logits of magnitude ~5 after other kernels' summation orders
+INT8_ATOL_SHARE = 0.1  # of the largest logit: 7-bit activations without VNNI move int8 logits this much at most
+
+
+def _load_maker():
+    """make_golden_logits.py beside this file, whatever pytest's import mode."""
+    path = Path(__file__).resolve().parent / "make_golden_logits.py"
+    spec = importlib.util.spec_from_file_location("make_golden_logits", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+maker = _load_maker()
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return maker.load_golden()
+
+
+@pytest.fixture(scope="module")
+def computed():
+    return maker.compute_logits()
+
+
+def test_golden_logits_are_reproduced(recorded, computed):
+    facts, golden = recorded
+    here = maker.HostFacts.here()
+    assert set(computed) == set(golden), "the variants or steps changed: rerun make_golden_logits.py if intended"
+    bitwise = here == facts
+    if not bitwise:
+        warnings.warn(f"golden logits compared within tolerance, not bit for bit: recorded on {facts}, "
+                      f"this host is {here}", stacklevel=1)
+    failures = []
+    for key in sorted(golden):
+        want, got = torch.from_numpy(golden[key]), torch.from_numpy(computed[key])
+        assert got.shape == want.shape, f"{key}: shape {tuple(got.shape)}, recorded {tuple(want.shape)}"
+        diff = (got - want).abs().max().item()
+        if bitwise:
+            ok = torch.equal(got, want)
+        elif "/int8" in key:
+            ok = diff <= INT8_ATOL_SHARE * want.abs().max().item()
+        else:
+            ok = diff <= FLOAT_ATOL
+        if not ok:
+            failures.append(f"{key}: max abs diff {diff:.3g}")
+    how = "bit for bit" if bitwise else "within tolerance (another host: see the printed facts)"
+    assert not failures, f"logits differ from the recording ({how}):\n" + "\n".join(failures)
+
+
+def test_golden_file_is_small_and_raw_float32(recorded):
+    _, golden = recorded
+    assert maker.DATA.stat().st_size < 1_000_000
+    assert all(a.dtype == np.float32 for a in golden.values())

@@ -1,0 +1,62 @@
+"""A model's layers as one C++ DecoderStack (decoder_stack.cpp), for decode-width steps.
+
+    build_decoder_stack(model) -> torch.classes.tritonlm.DecoderStack | None
+    torch.ops.tritonlm.decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table,
+                                     positions, cos, sin, rows)   (Transformer.run_layers)
+
+The stack runs the same ops as Transformer.run_layers' Python loop, in the same order,
+through torch's C++ dispatcher, so the logits are the same bits; what it saves is the
+interpreter's and torch's Python dispatch per op (docs/performance-notes.md, "The decode
+step"). It references the layers' weights, it does not copy them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from tritonlm.engine.runners.layers import INT8_REDUCE_RANGE, BlockedLinear, Int8Linear, Linear, gelu_tanh
+
+if TYPE_CHECKING:
+    from tritonlm.engine.runners.model import Transformer
+
+
+def build_decoder_stack(model: Transformer) -> object | None:
+    """The model's layers as one DecoderStack, or None where its ops do not cover them. It
+    takes Llama-family layers (RMSNorm, silu(gate) * up) and GPT-2's (LayerNorm, gelu tanh
+    over fc) whose projections are all oneDNN-blocked float32 or int8 through the fused
+    int8 op (the C++ kernels must be loaded: Transformer.use_paged_kernel)."""
+    if not model.layers:
+        return None
+    rms = model.layers[0].ln_attn.rms
+    if model.act is F.silu:
+        act = "silu_mul"
+    elif model.act is gelu_tanh:
+        act = "gelu_tanh"
+    else:
+        return None
+
+    def runs_in_stack(p: Linear) -> bool:
+        return isinstance(p, BlockedLinear) or (isinstance(p, Int8Linear) and p.fused_op)
+
+    for L in model.layers:
+        mlp_in = L.gate_up if act == "silu_mul" else L.fc
+        if mlp_in is None or L.ln_attn.rms != rms or L.ln_mlp.rms != rms:
+            return None
+        if not all(runs_in_stack(p) for p in (L.qkv, L.o, mlp_in, L.down)):
+            return None
+        norms = [t for n in (L.ln_attn, L.ln_mlp) for t in (n.w, n.b) if t is not None]
+        if any(t.dtype != torch.float32 for t in norms):
+            return None
+    stack = torch.classes.tritonlm.DecoderStack(model.heads)
+    for L in model.layers:
+        for p in (L.qkv, L.o, L.gate_up if act == "silu_mul" else L.fc, L.down):
+            if isinstance(p, BlockedLinear):
+                stack.add_float(p.blocked, p.b)
+            else:
+                stack.add_int8(p.packed, p.smooth, p.b, INT8_REDUCE_RANGE)
+        a, m = L.ln_attn, L.ln_mlp
+        stack.add_layer(a.w, a.b, a.eps, m.w, m.b, m.eps, rms, act, L.attn_scale)
+    return stack

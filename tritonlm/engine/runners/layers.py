@@ -1,0 +1,377 @@
+"""The pieces a transformer layer is made of, as plain tensors and functions.
+
+    projections   one class per weight format, each computing y = x @ W + b through the
+                  same call, `apply(x, bias)`: FloatLinear (w [in, out], `x @ w`),
+                  BlockedLinear (oneDNN's blocked layout, the CPU float default) and
+                  Int8Linear (per-output-channel int8, every token's activations quantized
+                  alone). Slicing and quantization read FloatLinear's plain weights
+                  (`Linear.plain`); the other formats are made from it last.
+    norms         Norm (LayerNorm or RMSNorm)
+    RoPE          rope_inv_freq, rope_cos_sin, apply_rope
+    attention     paged_attention: the new K/V written into the pool in place, each row's
+                  keys and values gathered through its slot table, SDPA with the key mask
+                  (the C++ paged_attention_qkv op does the same in one call for
+                  decode-width steps; Transformer.self_attention picks the path)
+    activations   activation(name), gelu_tanh
+    Layer         one decoder layer's weights
+
+Shapes: B batch, T new tokens per row (padded width), L keys per row (max past+new),
+C hidden, H query heads, Hkv key/value heads, D head_dim, S pool slots.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tritonlm.engine.runners.base import ForwardBatch, gather_kv
+
+# ---------------------------------------------------------------------------- projections
+
+
+# Dynamic int8 (fbgemm) quantizes activations to uint8 per call. Without VNNI its AVX2
+# kernel sums pairs of u8*s8 products in int16 and can saturate, so activations are then
+# limited to 7 bits (reduce_range), as torch.ao's dynamic Linear does; VNNI accumulates
+# in int32 and keeps all 8.
+INT8_REDUCE_RANGE = not (hasattr(torch.cpu, "_is_vnni_supported") and torch.cpu._is_vnni_supported())
+
+BLOCKED_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's prepacked linear runs on any x86 CPU
+
+
+def blocked_rows(rows: int) -> int:
+    """The row count a blocked matmul runs with: `rows` rounded up to a bucket.
+
+    oneDNN compiles kernels per matmul shape, the row count included, and keeps them beyond
+    its primitive cache's reach, while a server sees every row count from 1 to its token
+    budget (batch sizes, prefill chunks): buckets bound the shapes a process ever compiles,
+    and cost little, as small-M steps are bound by streaming the weights, not by the rows
+    (docs/performance-notes.md, "The decode step").
+        1-8 exact, then multiples of 8 to 64, of 16 to 256, of 64 to 1024, of 256 beyond."""
+    for limit, step in ((8, 1), (64, 8), (256, 16), (1024, 64)):
+        if rows <= limit:
+            return -(-rows // step) * step
+    return -(-rows // 256) * 256
+
+
+def owned_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A contiguous copy (never a view: the full model's storage must be freeable)."""
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
+
+
+class PinnedRows:
+    """Int8Linear's input buffers: [>= 1 + rows, in], row 0 pinned to (1, -1, 0, ...). One
+    per input width, shared by all of a model's int8 projections (they run one at a time),
+    so a wide prefill chunk costs one buffer per width, not one per projection."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[int, torch.Tensor] = {}
+
+    def take(self, rows: int, width: int) -> torch.Tensor:
+        buf = self._bufs.get(width)
+        if buf is None or buf.shape[0] < rows + 1:
+            buf = torch.zeros(max(rows + 1, 0 if buf is None else buf.shape[0] * 3 // 2), width)
+            buf[0, 0], buf[0, 1] = 1.0, -1.0
+            self._bufs[width] = buf
+        return buf
+
+
+class Linear:
+    """y = x @ W + b in one weight format. `apply(x, bias)` is the format's matmul, adding
+    `bias` when given (inside the kernel where it can); calling the projection adds its own
+    bias, `matmul` none (a row-parallel projection adds it once, after the all-reduce)."""
+
+    b: torch.Tensor | None  # [out]
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        return self.apply(x, self.b)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], no bias
+        return self.apply(x, None)
+
+    def plain(self) -> "FloatLinear":
+        """The plain float weights that slicing and quantization read; ValueError, saying why,
+        for formats that no longer hold them."""
+        raise NotImplementedError
+
+    def opaque_weight(self) -> tuple[object, int] | None:
+        """(the weight object, its bytes) when it is not a tensor with storage of its own
+        (prepacked formats), for memory accounting; None when its tensors can be measured."""
+        return None
+
+
+@dataclass(eq=False)
+class FloatLinear(Linear):
+    """w stored [in, out], contiguous (GPT-2's Conv1D layout; nn.Linear weights are
+    transposed once at load, as `x @ w.t()` through a view is slower on the CPU)."""
+
+    w: torch.Tensor  # [in, out]
+    b: torch.Tensor | None  # [out]
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = x @ self.w
+        return y if bias is None else y + bias
+
+    def plain(self) -> "FloatLinear":
+        return self
+
+
+@dataclass(eq=False)
+class BlockedLinear(Linear):
+    """The float weight reordered once into oneDNN's blocked layout (what inductor's CPU
+    weight prepacking does): a decode step streams every weight from memory, and the blocked
+    kernel streams it faster than `x @ w` does (docs/performance-notes.md, "The decode step").
+    Rows are padded to a bucket (blocked_rows)."""
+
+    blocked: torch.Tensor  # opaque oneDNN tensor holding [out, in]
+    b: torch.Tensor | None  # [out]
+    nbytes: int  # of `blocked` (an opaque tensor: no storage to measure)
+
+    @staticmethod
+    def from_float(p: Linear) -> "BlockedLinear":
+        """p's weights blocked, the same values up to summation order; no [in, out] copy is kept."""
+        p = p.plain()
+        w = p.w.t().contiguous()  # [out, in]
+        blocked = torch.ops.mkldnn._reorder_linear_weight(w, None)  # None: any batch size
+        return BlockedLinear(blocked, owned_copy(p.b), w.numel() * w.element_size())
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        rows = flat.shape[0]
+        padded = blocked_rows(rows)
+        if padded != rows:  # zero rows up to the bucket; their outputs are dropped
+            flat = F.pad(flat, (0, 0, 0, padded - rows))
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.blocked, bias, "none", [], "")  # [M', out]
+        return y[:rows].view(*x.shape[:-1], y.shape[-1])
+
+    def plain(self) -> FloatLinear:
+        raise ValueError("blocked weights cannot be sliced or quantized: slice or quantize the plain model, then block")
+
+    def opaque_weight(self) -> tuple[object, int]:
+        return self.blocked, self.nbytes
+
+
+@dataclass(eq=False)
+class Int8Linear(Linear):
+    """Per-output-channel int8 weights prepacked for PyTorch's dynamic quantized linear
+    (fbgemm), float32 activations quantized per token; b stays float, outside the pack."""
+
+    packed: object  # torch.ops.quantized LinearPackedParams (int8 [out, in] + scales)
+    b: torch.Tensor | None  # [out]
+    nbytes: int  # of `packed` (opaque: no storage to measure)
+    in_features: int  # the pinned row's width
+    smooth: torch.Tensor | None = None  # [in] 1/s of SmoothQuant's migration, when not folded upstream
+    pinned: PinnedRows = field(default_factory=PinnedRows, repr=False)  # shared by the model's int8 projections
+    fused_op: bool = False  # through torch.ops.tritonlm.int8_linear (scaling, kernel, rescale, bias: one op)
+
+    @staticmethod
+    def from_float(w: torch.Tensor, b: torch.Tensor | None, smooth: torch.Tensor | None = None) -> "Int8Linear":
+        """w [in, out] float32 quantized symmetrically, one scale per output channel
+        (max |w| of the channel / 127). smooth [in]: what x is multiplied by first, at run time."""
+        w = w.t().contiguous()  # [out, in]
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()  # [out]
+        zero = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensor creation warns of deprecation; the kernel needs it
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(q, None)
+        return Int8Linear(packed, owned_copy(b), w.numel() + 8 * w.shape[0], w.shape[1], smooth=smooth)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
+        # The kernel quantizes its whole input with one range (min..max of the tensor), so
+        # one row's outliers would coarsen every other row's, and a request's output would
+        # depend on what shares its batch. Each row is scaled to max |x| = 1 and a pinned
+        # row (1, -1, 0, ...) fixes the range to [-1, 1]: every token is quantized alone,
+        # the same in any batch. The pinned row is row 0 of a reused buffer, the scaled rows
+        # are written after it (no concatenation). [M, in] -> [1 + M, in] -> [M, out]
+        # SmoothQuant's division where it could not be folded upstream is applied here too.
+        # With the C++ ops (`fused_op`) all of it, the rescale and the bias are one op.
+        flat = x.reshape(-1, x.shape[-1])
+        rows = flat.shape[0]
+        buf = self.pinned.take(rows, self.in_features)
+        if self.fused_op:
+            y = torch.ops.tritonlm.int8_linear(flat.contiguous(), self.smooth, bias, self.packed, buf, INT8_REDUCE_RANGE)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if self.smooth is not None:
+            flat = flat * self.smooth
+        scale = flat.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1] (faster than vector_norm(inf))
+        torch.div(flat, scale, out=buf[1 : rows + 1])
+        y = torch.ops.quantized.linear_dynamic(buf[: rows + 1], self.packed, INT8_REDUCE_RANGE)
+        y = (y[1:] * scale).view(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+    def plain(self) -> FloatLinear:
+        raise ValueError("int8 weights cannot be sliced: slice the float model, then quantize each share")
+
+    def opaque_weight(self) -> tuple[object, int]:
+        return self.packed, self.nbytes
+
+
+# ---------------------------------------------------------------------------- norms, activations, a layer
+
+
+@dataclass
+class Norm:
+    w: torch.Tensor  # [C]
+    b: torch.Tensor | None  # [C] (LayerNorm) / None (RMSNorm)
+    eps: float
+    rms: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
+        if not self.rms:
+            return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
+        if x.dtype == torch.float32 and self.w.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.w, self.eps)  # one kernel, the same math in float32
+        # RMSNorm as HF computes it: in float32, back to the input dtype, then the weight
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.w * x32.to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")  # GPT-2's tanh approximation
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    table = {
+        "gelu_new": gelu_tanh,
+        "gelu_pytorch_tanh": gelu_tanh,
+        "gelu_fast": gelu_tanh,
+        "gelu": F.gelu,
+        "silu": F.silu,
+        "swish": F.silu,
+        "relu": F.relu,
+    }
+    if name not in table:
+        raise ValueError(f"unsupported activation {name!r} (supported: {sorted(table)})")
+    return table[name]
+
+
+@dataclass
+class Layer:
+    ln_attn: Norm
+    ln_mlp: Norm
+    qkv: Linear  # fused [q | k | v]: [C, (H + 2 Hkv) D], column-parallel under TP
+    o: Linear  # [H*D, C] row-parallel under TP
+    down: Linear  # [F, C] row-parallel under TP
+    # GPT-2: fc [C, F] -> act; Llama: act(gate(x)) * up(x) with gate | up fused: [C, 2F]
+    fc: Linear | None = None
+    gate_up: Linear | None = None
+    attn_scale: float = 1.0
+
+
+PROJECTION_NAMES = ("qkv", "o", "down", "fc", "gate_up")  # a Layer's projection fields
+
+
+# ---------------------------------------------------------------------------- rotary
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] float32, attention_scaling) for the config's RoPE.
+
+    Static RoPE variants only: default, linear, llama3, yarn. Length-dependent ones
+    (dynamic, longrope) change the frequencies with the sequence length and are refused."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if not params and isinstance(legacy, dict):
+        params = dict(legacy)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"rope partial_rotary_factor={partial} is not supported (only 1.0)")
+    if rope_type == "default":
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
+        return inv, 1.0
+    if rope_type in ("linear", "llama3", "yarn"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        return inv.float(), float(scaling)
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported by TorchRunner (supported: default, linear, llama3, yarn)"
+    )
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """positions [B, T] -> cos, sin [B, T, 1, D] (broadcast over heads)."""
+    freqs = positions.unsqueeze(-1).float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+    cos = (emb.cos() * scaling).to(dtype).unsqueeze(2)
+    sin = (emb.sin() * scaling).to(dtype).unsqueeze(2)
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by half: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+# The paged-attention kernel reads every key once per query row in plain loops: for
+# decode steps (T = 1) and speculative verification (T = K + 1) that beats copying K/V;
+# a long prefill chunk is matmul work that SDPA's blocked kernel does better.
+PAGED_KERNEL_MAX_WIDTH = 8
+
+
+@dataclass
+class StepContext:
+    """What every layer of one step shares. With the paged-attention kernel (`kernel`),
+    only plan and rope are used; otherwise the gather path's index, buffers and mask."""
+
+    plan: ForwardBatch
+    mask: torch.Tensor | None  # [B, 1, T, L] bool
+    rows: torch.Tensor | None  # [B*Hkv*L] gather index (kv_rows)
+    k_buf: torch.Tensor | None  # [B, Hkv, L, D] workspace for the gathered keys, reused by every layer
+    v_buf: torch.Tensor | None  # [B, Hkv, L, D]
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [B, T, 1, D] (Llama)
+    kernel: bool = False  # torch.ops.tritonlm.paged_attention_qkv reads the pool directly
+    slot_table: torch.Tensor | None = None  # [B, L] int64 contiguous, for the kernel
+    # gather path, padded batch: [N] plan.packed, the valid tokens' rows of [B*T]; the
+    # layers' row-wise work runs on those N rows, attention on the padded [B, T] layout
+    packed: torch.Tensor | None = None
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """cache [S, Hkv, D] <- new [B, T, Hkv, D] at slots [B, T] (padding slots are scratch 0)."""
+    cache.index_copy_(0, slots.reshape(-1), new.reshape(-1, *new.shape[2:]).to(cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [B, T, H, D]
+    k: torch.Tensor,  # [B, T, Hkv, D]
+    v: torch.Tensor,  # [B, T, Hkv, D]
+    k_cache: torch.Tensor,  # [S, Hkv, D]
+    v_cache: torch.Tensor,  # [S, Hkv, D]
+    ctx: StepContext,
+    scale: float,
+) -> torch.Tensor:  # [B, T, H*D]
+    bsz = q.shape[0]
+    write_kv(k_cache, ctx.plan.write_slots, k)
+    write_kv(v_cache, ctx.plan.write_slots, v)
+    keys = gather_kv(k_cache, ctx.rows, bsz, out=ctx.k_buf).to(q.dtype)  # [B, Hkv, L, D]
+    values = gather_kv(v_cache, ctx.rows, bsz, out=ctx.v_buf).to(q.dtype)  # [B, Hkv, L, D]
+    _, width, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    if group == 1:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask, scale=scale)
+        return out.transpose(1, 2).reshape(bsz, width, heads * dim)  # [B, H, T, D] -> [B, T, H*D]
+    # GQA: the `group` query heads that share a kv head become query rows of that head
+    # (query head h reads kv head h // group), so each key block is loaded once per kv
+    # head, not once per query head. [B, T, Hkv, G, D] -> [B, Hkv, G*T, D]; the mask
+    # [B, 1, T, L] repeats over the group: [B, 1, G*T, L].
+    q_rows = q.view(bsz, width, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(bsz, kv_heads, group * width, dim)
+    mask = ctx.mask if width == 1 else ctx.mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(bsz, 1, group * width, -1)
+    out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)  # [B, Hkv, G*T, D]
+    return out.view(bsz, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4).reshape(bsz, width, heads * dim)

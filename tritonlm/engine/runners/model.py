@@ -1,0 +1,385 @@
+"""One transformer (GPT-2 or Llama family): its weights as plain tensors and its forward pass.
+
+gpt-fast style: the weights are pulled out of a loaded HF model (from_hf) into the pieces
+of runners.layers (GPT-2 Conv1D and Llama Linear layouts unified to `y = x @ w + b`,
+w [in, out], Llama's q/k/v fused into one `qkv` and gate/up into one `gate_up`), and
+forward() = embed -> run_layers -> head. The same code runs everywhere:
+
+    whole model     Transformer.from_hf(model, device, dtype)                    (TorchRunner)
+    tensor parallel parallel.shard.tensor_slice(model, rank, world), with a ProcessComm
+    pipeline        parallel.shard.layer_slice(model, stage, stages); stages call embed,
+                    run_layers and head themselves (parallel/steps.py)
+    int8            runners.quant (rotate_residual, calibrate, quantize_int8) on the plain weights
+    CPU float       block_weights(): oneDNN's blocked layout, after all of the above
+
+Per layer, attention writes the new keys/values into the pool in place and reads them
+through each row's slot table (layers.paged_attention; with tritonlm's C++ ops on,
+decode-width steps take torch.ops.tritonlm.paged_attention_qkv, and run all the layers
+in one C++ call: kernels.decoder_stack). The LM head runs only on the rows whose logits
+are wanted: each row's last valid token, or every new token with all_logits.
+
+A padded batch (prefill chunks of different widths) runs packed: norms, projections and
+the MLP see only the N real tokens (ForwardBatch.packed), attention the padded [B, T] layout.
+
+Shapes: B batch, T new tokens per row (padded width), L keys per row (max past+new),
+N real tokens of a padded batch, C hidden, H query heads, Hkv key/value heads, D head_dim,
+F MLP width, V vocab (V' a rank's share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tritonlm.engine.kv_cache import KVPool
+from tritonlm.engine.model_shape import ModelShape
+from tritonlm.engine.parallel.comm import ONE_RANK, Comm, row_parallel
+from tritonlm.engine.runners.base import ForwardBatch, Workspace, kv_rows
+from tritonlm.engine.runners.layers import (
+    BLOCKED_DTYPES,
+    PAGED_KERNEL_MAX_WIDTH,
+    PROJECTION_NAMES,
+    BlockedLinear,
+    FloatLinear,
+    Int8Linear,
+    Layer,
+    Linear,
+    Norm,
+    StepContext,
+    activation,
+    apply_rope,
+    blocked_rows,
+    paged_attention,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+
+def tensor_bytes(*objs) -> int:
+    """Bytes of the distinct tensor storages reachable from objs (Linear/Norm/Layer/KVPool/lists/tensors)."""
+    seen: dict[int, int] = {}
+
+    def visit(o) -> None:
+        if isinstance(o, torch.Tensor):
+            seen.setdefault(o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
+        elif isinstance(o, Linear) and o.opaque_weight() is not None:
+            weight, nbytes = o.opaque_weight()
+            seen[id(weight)] = nbytes
+            visit(o.b)
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                visit(x)
+        elif isinstance(o, (Linear, Norm, Layer, KVPool)):
+            for x in vars(o).values():
+                visit(x)
+
+    for o in objs:
+        visit(o)
+    return sum(seen.values())
+
+
+@dataclass(eq=False)
+class Transformer:
+    """Weights and forward pass of a whole model, a tensor-parallel rank's or a stage's share.
+
+    forward() = embed -> run_layers -> head under torch.inference_mode(); a pipeline stage
+    calls the parts it holds itself, under inference_mode too (entered once per step, as
+    entering it has a cost that shows on small models)."""
+
+    spec: ModelShape  # the whole model's shape; spec.dtype is the compute and KV dtype
+    layers: list[Layer]  # the layers held (a stage: layers [l0, l1) of the model)
+    wte: torch.Tensor | None  # [V', C] embedding rows [vocab_lo, vocab_lo + V'); None past stage 0
+    wpe: torch.Tensor | None  # [P', C] GPT-2's learned positions, rows [pos_lo, pos_lo + P')
+    ln_f: Norm | None  # None before the last stage
+    lm_head: Linear | None  # [C, V'] (tied: a view of wte)
+    act: Callable[[torch.Tensor], torch.Tensor]
+    inv_freq: torch.Tensor | None  # [D/2] Llama's RoPE
+    rope_scaling: float
+    max_positions: int | None  # GPT-2's learned positions are a hard limit; RoPE has none
+    device: torch.device
+    heads: int  # query heads held (a TP rank: heads [h0, h1))
+    kv_heads: int  # key/value heads held, and in this shard's KV pool
+    vocab_lo: int = 0
+    pos_lo: int = 0
+    head_widths: list[int] = field(default_factory=list)  # TP: LM head columns of every rank, for the gather
+    # tritonlm's C++ ops (use_paged_kernel): decode-width steps' attention (paged_attention_qkv),
+    # and for float32 RMSNorm / SwiGLU models the fused norms and activation at every width
+    paged_kernel: bool = False
+    # with the C++ ops, float32 / int8 layers (Llama family, GPT-2) also as one torch.classes.tritonlm.DecoderStack:
+    # decode-width steps run every layer in one call (kernels.decoder_stack.build_decoder_stack)
+    decoder_stack: object | None = field(default=None, repr=False)
+    workspace: Workspace = field(default_factory=Workspace, repr=False)  # gathered K/V, reused step to step
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    @property
+    def hidden(self) -> int:
+        return int(self.layers[0].ln_attn.w.shape[0])
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return len(self.head_widths) > 1
+
+    @property
+    def tied_head(self) -> bool:
+        """The LM head is a view of the embedding (tied weights share one tensor)."""
+        head = self.lm_head
+        if not isinstance(head, FloatLinear) or self.wte is None:
+            return False
+        w = head.w
+        return (
+            head.b is None and w.shape[1] == self.wte.shape[0]
+            and w.untyped_storage().data_ptr() == self.wte.untyped_storage().data_ptr()
+        )
+
+    # ---- from a Hugging Face model ----------------------------------------------------
+    @staticmethod
+    def from_hf(model, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "Transformer":
+        """The weights of a loaded GPT2LMHeadModel / LlamaForCausalLM (shared, not copied,
+        when device and dtype already match). ValueError for other architectures."""
+        cfg = model.config
+        device = torch.device(device)
+        if dtype is None:
+            dtype = next(model.parameters()).dtype
+        spec = ModelShape.from_hf_config(cfg, dtype=dtype)
+
+        def t(p: torch.Tensor | None) -> torch.Tensor | None:
+            return None if p is None else p.detach().to(device, dtype)
+
+        def lin(*ms) -> FloatLinear:  # nn.Linear weights [out, in], side by side -> [in, sum(out)], contiguous
+            w = torch.cat([t(m.weight) for m in ms], dim=0).t().contiguous()
+            if all(m.bias is None for m in ms):
+                return FloatLinear(w, None)
+            return FloatLinear(w, torch.cat([t(m.bias) if m.bias is not None else w.new_zeros(m.out_features) for m in ms]))
+
+        def conv(m) -> FloatLinear:  # GPT-2 Conv1D: weight already [in, out]
+            return FloatLinear(t(m.weight), t(m.bias))
+
+        layers = []
+        if spec.architecture == "gpt2":
+            if getattr(cfg, "add_cross_attention", False):
+                raise ValueError("GPT-2 with add_cross_attention=True is not supported")
+            tr, eps = model.transformer, cfg.layer_norm_epsilon
+            for i, blk in enumerate(tr.h):
+                scale = spec.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+                if cfg.scale_attn_by_inverse_layer_idx:
+                    scale /= float(i + 1)
+                layers.append(Layer(
+                    ln_attn=Norm(t(blk.ln_1.weight), t(blk.ln_1.bias), eps, rms=False),
+                    ln_mlp=Norm(t(blk.ln_2.weight), t(blk.ln_2.bias), eps, rms=False),
+                    qkv=conv(blk.attn.c_attn), o=conv(blk.attn.c_proj),
+                    fc=conv(blk.mlp.c_fc), down=conv(blk.mlp.c_proj),
+                    attn_scale=scale,
+                ))
+            wte, wpe = t(tr.wte.weight), t(tr.wpe.weight)  # [V, C], [P, C]
+            ln_f = Norm(t(tr.ln_f.weight), t(tr.ln_f.bias), eps, rms=False)
+            act, inv_freq, scaling, max_positions = activation(cfg.activation_function), None, 1.0, spec.max_positions
+        else:
+            base, eps = model.model, cfg.rms_norm_eps
+            for blk in base.layers:
+                at, mlp = blk.self_attn, blk.mlp
+                layers.append(Layer(
+                    ln_attn=Norm(t(blk.input_layernorm.weight), None, eps, rms=True),
+                    ln_mlp=Norm(t(blk.post_attention_layernorm.weight), None, eps, rms=True),
+                    qkv=lin(at.q_proj, at.k_proj, at.v_proj), o=lin(at.o_proj),  # one matmul for q, k and v
+                    gate_up=lin(mlp.gate_proj, mlp.up_proj), down=lin(mlp.down_proj),
+                    attn_scale=spec.head_dim**-0.5,
+                ))
+            wte, wpe = t(base.embed_tokens.weight), None
+            ln_f = Norm(t(base.norm.weight), None, eps, rms=True)
+            inv_freq, scaling = rope_inv_freq(cfg, spec.head_dim)
+            act, inv_freq, max_positions = activation(cfg.hidden_act), inv_freq.to(device), None
+        return Transformer(
+            spec=spec, layers=layers, wte=wte, wpe=wpe, ln_f=ln_f,
+            # the LM head stays a view [C, V] of whatever lm_head holds (of wte when tied): no second copy
+            lm_head=FloatLinear(t(model.lm_head.weight).t(), t(model.lm_head.bias)),
+            act=act, inv_freq=inv_freq, rope_scaling=scaling, max_positions=max_positions,
+            device=device, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+        )
+
+    # ---- weights ------------------------------------------------------------------------
+    def block_weights(self) -> bool:
+        """Every float projection and the LM head in oneDNN's blocked layout, in place
+        (BlockedLinear). Only on the CPU, for the dtypes oneDNN's linear takes, when torch
+        has oneDNN, and after any slicing, calibration or int8 quantization (they need the
+        plain weights); int8 projections stay as they are, and in an int8 model only those
+        quantize_int8 kept float are blocked. Returns whether it could run."""
+        if not (self.device.type == "cpu" and self.dtype in BLOCKED_DTYPES and torch.backends.mkldnn.is_available()):
+            return False
+        if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False  # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: plain x @ w
+        for layer in self.layers:
+            for name in PROJECTION_NAMES:
+                proj = getattr(layer, name)
+                if isinstance(proj, FloatLinear):  # int8 stays packed
+                    setattr(layer, name, BlockedLinear.from_float(proj))
+        if isinstance(self.lm_head, FloatLinear):
+            # a tied head was a view of wte: the blocked copy is its own (the embedding lookup keeps wte)
+            self.lm_head = BlockedLinear.from_float(self.lm_head)
+        return True
+
+    def projections(self) -> list[Linear]:
+        """Every projection that int8 quantizes: the layers' and the LM head."""
+        return list(self.projection_names().values())
+
+    def projection_names(self) -> dict[str, Linear]:
+        """The projections by name: "layers.{i}.{qkv|o|fc|gate_up|down}" and "lm_head"."""
+        out = {f"layers.{i}.{n}": getattr(L, n) for i, L in enumerate(self.layers)
+               for n in PROJECTION_NAMES if getattr(L, n) is not None}
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head
+        return out
+
+    @property
+    def weights_int8(self) -> bool:
+        return any(isinstance(p, Int8Linear) for p in self.projections())
+
+    # ---- memory -------------------------------------------------------------------------
+    def allocate_kv(self, num_slots: int) -> KVPool:
+        """A pool for the layers and kv heads this shard holds."""
+        return KVPool.allocate(num_slots, len(self.layers), self.kv_heads, self.spec.head_dim, self.dtype, self.device)
+
+    def weight_bytes(self) -> int:
+        return tensor_bytes(self.layers, self.wte, self.wpe, self.ln_f, self.lm_head, self.inv_freq)
+
+    # ---- forward ------------------------------------------------------------------------
+    def _lookup(self, table: torch.Tensor, idx: torch.Tensor, lo: int) -> torch.Tensor:  # idx [B, T] -> [B, T, C]
+        if not self.vocab_parallel:
+            return F.embedding(idx, table)
+        local = idx - lo  # rows outside [lo, lo + rows) belong to another rank: zeros here
+        inside = (local >= 0) & (local < table.shape[0])
+        out = F.embedding(local.clamp(0, table.shape[0] - 1), table)
+        return out * inside.unsqueeze(-1).to(out.dtype)
+
+    def embed(self, plan: ForwardBatch) -> torch.Tensor:  # [B, T, C] (TP: this rank's part of the sum)
+        x = self._lookup(self.wte, plan.input_ids, self.vocab_lo)
+        if self.wpe is not None:
+            x = x + self._lookup(self.wpe, plan.positions, self.pos_lo)
+        return x
+
+    def use_paged_kernel(self) -> tuple[bool, str]:
+        """Turn on tritonlm's C++ ops (the paged-attention kernel for decode-width steps, the
+        fused norms and activation, the fused int8 projection, the decoder stack) when they
+        can run here: float32 on the CPU, and the kernels build. Returns (on, why)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return False, f"the kernel runs float32 on the CPU; this model computes {self.dtype} on {self.device}"
+        from tritonlm.engine.kernels import kernels_available
+        from tritonlm.engine.kernels.decoder_stack import build_decoder_stack
+
+        self.paged_kernel, why = kernels_available()
+        for p in self.projections():
+            if isinstance(p, Int8Linear):
+                p.fused_op = self.paged_kernel
+        self.decoder_stack = build_decoder_stack(self) if self.paged_kernel else None
+        return self.paged_kernel, why
+
+    def _context(self, plan: ForwardBatch, pool: KVPool) -> StepContext:
+        rope = None
+        if self.inv_freq is not None:
+            rope = rope_cos_sin(plan.positions, self.inv_freq, self.rope_scaling, self.dtype)
+        if self.paged_kernel and plan.width <= PAGED_KERNEL_MAX_WIDTH and pool.k[0].dtype == torch.float32:
+            return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, kernel=True,
+                               slot_table=plan.slot_table.contiguous())
+        shape = (plan.batch_size, self.kv_heads, plan.max_total, self.spec.head_dim)  # [B, Hkv, L, D]
+        return StepContext(
+            plan=plan,
+            mask=plan.key_mask().unsqueeze(1),
+            rows=kv_rows(plan.slot_table, self.kv_heads),
+            k_buf=self.workspace.take("k", shape, pool.k[0].dtype, self.device),
+            v_buf=self.workspace.take("v", shape, pool.v[0].dtype, self.device),
+            rope=rope,
+            packed=plan.packed,
+        )
+
+    def self_attention(self, x: torch.Tensor, layer: Layer, li: int, ctx: StepContext, pool: KVPool) -> torch.Tensor:
+        """x [B, T, C] -> [B, T, heads*D], before the out-projection; packed (ctx.packed):
+        x [N, C] -> [N, heads*D], only attention itself sees the padded [B, T] layout."""
+        d = self.spec.head_dim
+        qkv = layer.qkv(x)  # [B, T, (H + 2 Hkv) D] or [N, (H + 2 Hkv) D]
+        if ctx.kernel:  # RoPE, the K/V write and attention read in place through the slot table: one op
+            cos, sin = ctx.rope if ctx.rope is not None else (None, None)
+            return torch.ops.tritonlm.paged_attention_qkv(
+                qkv.contiguous(), pool.k[li], pool.v[li], ctx.plan.write_slots, ctx.slot_table, ctx.plan.positions,
+                cos, sin, self.heads, layer.attn_scale)
+        bsz, width = ctx.plan.batch_size, ctx.plan.width
+        if ctx.packed is not None:  # zeros at the padding: finite keys and values, written to scratch only
+            qkv = qkv.new_zeros(bsz * width, qkv.shape[-1]).index_copy_(0, ctx.packed, qkv)
+        qkv = qkv.view(bsz, width, -1)
+        qk_width = (self.heads + self.kv_heads) * d
+        qk = qkv[..., :qk_width].view(bsz, width, self.heads + self.kv_heads, d)  # [B, T, H + Hkv, D]
+        if ctx.rope is not None:  # q and k rotated in one pass (half the small ops of two)
+            qk = apply_rope(qk, *ctx.rope)
+        q, k = qk.split([self.heads, self.kv_heads], dim=2)  # [B, T, H, D], [B, T, Hkv, D]
+        v = qkv[..., qk_width:].view(bsz, width, self.kv_heads, d)  # [B, T, Hkv, D]
+        out = paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)  # [B, T, H*D]
+        if ctx.packed is None:
+            return out
+        return out.view(bsz * width, -1).index_select(0, ctx.packed)  # [N, H*D]
+
+    def mlp_inner(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """x [..., C] -> [..., F] ([B, T] or packed [N] rows), everything before the down projection."""
+        if layer.fc is not None:
+            return self.act(layer.fc(x))
+        gate_up = layer.gate_up(x)  # [B, T, 2F]
+        if self.paged_kernel and self.act is F.silu and gate_up.dtype == torch.float32:
+            return torch.ops.tritonlm.silu_mul(gate_up.contiguous())  # one pass, no [B, T, F] temporaries
+        gate, up = gate_up.chunk(2, dim=-1)  # [B, T, F] each
+        return self.act(gate) * up
+
+    def _fused_norm(self, norm: Norm, x: torch.Tensor) -> bool:
+        return self.paged_kernel and norm.rms and x.dtype == torch.float32 and norm.w.dtype == torch.float32
+
+    def norm(self, norm: Norm, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
+        if self._fused_norm(norm, x):
+            return torch.ops.tritonlm.rms_norm(x.contiguous(), norm.w, norm.eps)
+        return norm(x)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add and the next norm, one op with the kernels."""
+        if self._fused_norm(norm, x):
+            return torch.ops.tritonlm.add_rms_norm(x.contiguous(), delta.contiguous(), norm.w, norm.eps)
+        x = x + delta
+        return x, norm(x)
+
+    def run_layers(self, plan: ForwardBatch, x: torch.Tensor, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor:
+        """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP.
+        A padded batch runs packed ([N, C] between the layers) and comes back [B, T, C], zeros at the padding."""
+        ctx = self._context(plan, pool)
+        if ctx.kernel and self.decoder_stack is not None and comm.world == 1:  # every layer in one call
+            cos, sin = ctx.rope if ctx.rope is not None else (None, None)
+            return torch.ops.tritonlm.decoder_stack(
+                self.decoder_stack, x, pool.k, pool.v, plan.write_slots, ctx.slot_table, plan.positions, cos, sin,
+                blocked_rows(x.shape[0] * x.shape[1]))
+        shape = x.shape
+        if ctx.packed is not None:  # [B, T, C] -> [N, C]: the padding never reaches a matmul
+            x = x.reshape(-1, shape[-1]).index_select(0, ctx.packed)
+        delta = None  # what the last block adds to the residual stream, added with the next norm
+        for li, layer in enumerate(self.layers):
+            x, h = (x, self.norm(layer.ln_attn, x)) if delta is None else self.add_norm(x, delta, layer.ln_attn)
+            delta = row_parallel(layer.o, self.self_attention(h, layer, li, ctx, pool), comm)
+            x, h = self.add_norm(x, delta, layer.ln_mlp)
+            delta = row_parallel(layer.down, self.mlp_inner(h, layer), comm)
+        x = x if delta is None else x + delta
+        if ctx.packed is None:
+            return x
+        return x.new_zeros(shape[0] * shape[1], shape[-1]).index_copy_(0, ctx.packed, x).view(shape)  # [B, T, C]
+
+    def head(self, plan: ForwardBatch, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        """x [B, T, C] -> float32 logits [B, V'] (last valid token of each row) or [B, T, V']."""
+        if not all_logits:
+            rows = torch.arange(plan.batch_size, device=x.device)
+            x = x[rows, plan.num_new - 1]  # [B, C]: only the rows whose logits are wanted
+        return self.lm_head(self.norm(self.ln_f, x)).float()
+
+    @torch.inference_mode()
+    def forward(self, plan: ForwardBatch, all_logits: bool, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor | None:
+        """Logits (float32, [B, V] or [B, T, V]) on rank 0; None on the other TP ranks."""
+        x = self.embed(plan)
+        comm.allreduce(x)
+        x = self.run_layers(plan, x, pool, comm)
+        return comm.gather_cols(self.head(plan, x, all_logits), self.head_widths)
