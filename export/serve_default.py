@@ -5,13 +5,7 @@ the same as `tritonlm serve-default ...` (what `make serve` runs).
     python export/serve_default.py --model tiny-gpt2 --repo /tmp/repo --http-port 8000
 """
 
-import os
 import sys
-
-try:
-    import tritonlm  # noqa: F401
-except ImportError:  # a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tritonlm.export.cli import main
 

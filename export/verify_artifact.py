@@ -9,14 +9,8 @@ Prints max logit diff and top-1 agreement per case; exits 1 when out of toleranc
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
-
-try:
-    import tritonlm  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> int:

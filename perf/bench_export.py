@@ -19,19 +19,15 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-try:
-    import tritonlm  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import numpy as np
 import torch
+
+from tritonlm.perf.machine import describe_cpu
 
 PROMPT = 8
 
@@ -180,7 +176,7 @@ def main() -> int:
     from tritonlm.export.onnx_export import export_decoder_onnx, quantize_int8
     from tritonlm.export.torchscript_export import export_decoder_torchscript
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs", flush=True)
+    print(f"CPU: {describe_cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     bw = measure_bandwidth()
     print(f"memory bandwidth: torch read {bw['torch_read'] / 1e9:.1f} GB/s, numpy copy {bw['numpy_copy'] / 1e9:.1f} GB/s "
           f"-> {bw['best'] / 1e9:.1f} GB/s", flush=True)

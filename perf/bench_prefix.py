@@ -14,22 +14,20 @@ results/bench_prefix/.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from tritonlm.engine.engine import Engine  # noqa: E402
-from tritonlm.engine.kv_cache import KVCacheManager  # noqa: E402
-from tritonlm.engine.request import GenerationRequest, SamplingParams  # noqa: E402
-from tritonlm.engine.runners.torch_runner import TorchRunner  # noqa: E402
-from tritonlm.engine.scheduler import SchedulerConfig  # noqa: E402
-from tritonlm.perf.machine import describe_cpu  # noqa: E402
-from tritonlm.perf.report import plot_xy, table, write_csv  # noqa: E402
+from tritonlm.engine.engine import Engine
+from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.request import GenerationRequest, SamplingParams
+from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.engine.scheduler import SchedulerConfig
+from tritonlm.models.loading import load_model
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.report import add_out_arg, plot_xy, table, write_csv
+from tritonlm.perf.stats import percentile
 
 SYSTEM = (
     "You are the support assistant of a company that runs language models for its customers. "
@@ -42,11 +40,6 @@ QUESTIONS = [
     "Can I export my data?", "What models do you serve?", "How fast is the streaming API?",
     "Where do I find my invoices?", "Can I raise my rate limit?",
 ]
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def run(model, tok, prompts: list[list[int]], warm: list[int] | None, caching: bool, max_tokens: int) -> dict:
@@ -87,8 +80,8 @@ def run(model, tok, prompts: list[list[int]], warm: list[int] | None, caching: b
     ttft = [first[r.request_id] - t0 for r in reqs]
     return {
         "caching": "on" if caching else "off",
-        "ttft_p50_s": statistics.median(ttft),
-        "ttft_p99_s": percentile(ttft, 0.99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
         "output_tok_s": len(reqs) * max_tokens / wall,
         "wall_s": wall,
         "cached_tokens": cache.hit_tokens,
@@ -98,12 +91,10 @@ def run(model, tok, prompts: list[list[int]], warm: list[int] | None, caching: b
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "bench_prefix"))
+    ap.add_argument("--requests", type=int, default=32, help="requests arriving at once, per workload (default 32)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates (default 32)")
+    add_out_arg(ap, "bench_prefix")
     args = ap.parse_args()
-    from tritonlm.models.loading import load_model
-
     model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
 
     def chat(system: str, question: str) -> list[int]:

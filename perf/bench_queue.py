@@ -25,23 +25,22 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-import struct
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import grpc
+from tritonclient.grpc import service_pb2_grpc
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
-
-from tritonlm.export.repository import write_generation_model  # noqa: E402
-from tritonlm.perf.serverstats import engine_gauges  # noqa: E402
-from tritonlm.server import TritonServer, free_ports  # noqa: E402
+from tritonlm.perf.benchrepo import tiny_model_repo
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.rawgrpc import infer_request, output_int, raw_tensor
+from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, style_axes
+from tritonlm.perf.serverstats import engine_gauges, is_idle, wait_idle
+from tritonlm.perf.stats import percentile
+from tritonlm.server import TritonServer, free_ports
 
 MODEL = "tiny"
 PROMPTS = [
@@ -52,83 +51,30 @@ PROMPTS = [
 ]
 
 
-# ---- the machine -----------------------------------------------------------------------
-
-
-def cpu_description() -> dict:
-    """CPU model name and the matrix-instruction flags that decide CPU inference speed."""
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    import os
-
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "avx512_vnni": "avx512_vnni" in flags,
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx": any(f.startswith("amx") for f in flags),
-    }
-
-
-def cpu_line(cpu: dict) -> str:
-    flags = ", ".join(f"{k} {'yes' if cpu[k] else 'no'}" for k in ("avx512_vnni", "avx512_bf16", "amx"))
-    return f"{cpu['cpu']} ({cpu['cores']} cores; {flags})"
-
-
-# ---- the model and the server ------------------------------------------------------------
-
-
-def write_repo(repo: Path, max_num_seqs: int, max_queue_size: int) -> None:
-    from tritonlm.models.builtin import build_tiny
-
-    model, tok = build_tiny("tiny-gpt2")
-    write_generation_model(repo, MODEL, model, tok, max_num_seqs=max_num_seqs, max_queue_size=max_queue_size)
-
-
 def gauges(server: TritonServer) -> dict[str, float]:
     return engine_gauges(server.metrics_url, MODEL)
 
 
-def wait_idle(server: TritonServer, timeout_s: float = 120.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        g = gauges(server)
-        if g and all(v == 0 for v in g.values()):
-            return g
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the server did not go idle within {timeout_s:.0f} s: {g}")
-        time.sleep(0.2)
+def wait_until_idle(server: TritonServer, timeout_s: float = 120.0) -> None:
+    g, _ = wait_idle(server.metrics_url, MODEL, timeout_s)
+    if not is_idle(g):
+        raise SystemExit(f"the server did not go idle within {timeout_s:.0f} s: {g}")
 
 
 # ---- requests ------------------------------------------------------------------------------
 
 
-def request_proto(rid: str, prompt: str, max_tokens: int) -> service_pb2.ModelInferRequest:
-    r = service_pb2.ModelInferRequest(model_name=MODEL, id=rid)
-    text = prompt.encode()
-    for name, dtype, raw in (
-        ("text_input", "BYTES", struct.pack("<I", len(text)) + text),
-        ("max_tokens", "INT32", np.array([max_tokens], np.int32).tobytes()),
-        ("stream", "BOOL", b"\x01"),
-        ("end_id", "INT32", np.array([-1], np.int32).tobytes()),  # never stop early: every stream is max_tokens long
-    ):
-        t = r.inputs.add()
-        t.name, t.datatype = name, dtype
-        t.shape.append(1)
-        r.raw_input_contents.append(raw)
-    return r
+def request_proto(rid: str, prompt: str, max_tokens: int):
+    return infer_request(MODEL, rid, [
+        raw_tensor("text_input", "BYTES", [prompt.encode()]),
+        raw_tensor("max_tokens", "INT32", [max_tokens]),
+        raw_tensor("stream", "BOOL", [True]),
+        raw_tensor("end_id", "INT32", [-1]),  # never stop early: every stream is max_tokens long
+    ])
 
 
 @dataclass
-class Stream:
+class MeasuredStream:
     """One measured streaming request: when each response arrived."""
 
     rid: str
@@ -138,17 +84,16 @@ class Stream:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def run_stream(stub, stream: Stream, prompt: str, max_tokens: int) -> None:
+def run_stream(stub, stream: MeasuredStream, prompt: str, max_tokens: int) -> None:
     try:
         for response in stub.ModelStreamInfer(iter([request_proto(stream.rid, prompt, max_tokens)]), timeout=600):
             stream.times.append(time.perf_counter())
             if response.error_message:
                 stream.error = response.error_message
                 continue
-            ir = response.infer_response
-            for out, raw in zip(ir.outputs, ir.raw_output_contents):
-                if out.name == "num_output_tokens":
-                    stream.num_output_tokens = int(np.frombuffer(raw, np.int32)[0])
+            tokens = output_int(response, "num_output_tokens")
+            if tokens is not None:
+                stream.num_output_tokens = tokens
     except grpc.RpcError as e:
         stream.error = f"{e.code().name}: {e.details()}"
     finally:
@@ -204,7 +149,7 @@ class Queued:
 # ---- one phase -------------------------------------------------------------------------------
 
 
-def per_token_gaps(stream: Stream, start: float, end: float) -> list[float]:
+def per_token_gaps(stream: MeasuredStream, start: float, end: float) -> list[float]:
     """Gaps between consecutive responses that both arrived in [start, end] (the first
     response is the prefill's, so gaps start from it; the final one may be empty)."""
     t = [x for x in stream.times if start <= x <= end]
@@ -212,7 +157,7 @@ def per_token_gaps(stream: Stream, start: float, end: float) -> list[float]:
 
 
 def run_phase(server: TritonServer, stub, queued: int, running: int, max_tokens: int, queued_max_tokens: int, tag: str) -> dict:
-    streams = [Stream(f"{tag}-m{i}") for i in range(running)]
+    streams = [MeasuredStream(f"{tag}-m{i}") for i in range(running)]
     threads = [threading.Thread(target=run_stream, args=(stub, s, PROMPTS[i % len(PROMPTS)], max_tokens), daemon=True)
                for i, s in enumerate(streams)]
     for t in threads:
@@ -243,7 +188,7 @@ def run_phase(server: TritonServer, stub, queued: int, running: int, max_tokens:
     waiting_at_end = gauges(server).get("requests_waiting", 0)
     if queue is not None:
         queue.close()
-    wait_idle(server)
+    wait_until_idle(server)
     errors = [s.error for s in streams if s.error] + (queue.errors[:3] if queue else [])
     gaps = [g for s in streams for g in per_token_gaps(s, start, first_end)]
     whole = [s.times[-1] - s.times[0] for s in streams]
@@ -255,9 +200,9 @@ def run_phase(server: TritonServer, stub, queued: int, running: int, max_tokens:
         "tokens": sum(s.num_output_tokens for s in streams),
         "window_s": max(0.0, first_end - start),
         "gaps": len(gaps),
-        "itl_median_ms": 1000 * statistics.median(gaps) if gaps else float("nan"),
+        "itl_median_ms": 1000 * percentile(gaps, 50),
         "itl_mean_ms": 1000 * statistics.fmean(gaps) if gaps else float("nan"),
-        "itl_p90_ms": 1000 * float(np.percentile(gaps, 90)) if gaps else float("nan"),
+        "itl_p90_ms": 1000 * percentile(gaps, 90),
         "stream_s": statistics.fmean(whole),
         "queue_fill_s": (full_at - fill_start) if full_at else float("nan"),
         "waiting_at_end": waiting_at_end,
@@ -271,7 +216,7 @@ def run_phase(server: TritonServer, stub, queued: int, running: int, max_tokens:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "bench_queue"))
+    add_out_arg(ap, "bench_queue")
     ap.add_argument("--queued", type=int, default=1000, help="requests waiting behind the running ones in phase B")
     ap.add_argument("--running", type=int, default=4, help="measured streams (= max_num_seqs)")
     ap.add_argument("--max-tokens", type=int, default=200, help="tokens each measured stream generates")
@@ -280,14 +225,9 @@ def main() -> int:
     ap.add_argument("--goal", type=float, default=1.05, help="B/A at most this")
     args = ap.parse_args()
     out = Path(args.out)
-    repo = out / "repo"
-    if repo.exists():
-        import shutil
-
-        shutil.rmtree(repo)
-    write_repo(repo, max_num_seqs=args.running, max_queue_size=max(2000, 2 * args.queued))
-    cpu = cpu_description()
-    server = TritonServer(repo, *free_ports(3), log_path=out / "tritonserver.log")
+    tiny_model_repo(out / "repo", MODEL, max_num_seqs=args.running, max_queue_size=max(2000, 2 * args.queued))
+    cpu = describe_cpu()
+    server = TritonServer(out / "repo", *free_ports(3), log_path=out / "tritonserver.log")
     server.start(timeout_s=300)
     rows: list[dict] = []
     try:
@@ -314,7 +254,7 @@ def main() -> int:
     ratio = b / a if a else float("nan")
     am, bm = med("A", "itl_mean_ms"), med("B", "itl_mean_ms")
     print()
-    print(f"CPU: {cpu_line(cpu)}")
+    print(f"CPU: {cpu}")
     print(f"model: tiny-gpt2 (seeded), max_num_seqs {args.running}; {args.running} streams x {args.max_tokens} tokens; "
           f"phase B: {args.queued} more requests waiting ({args.queued_max_tokens} tokens each)")
     print()
@@ -333,34 +273,24 @@ def main() -> int:
               "itl_p90_ms", "stream_s", "queue_fill_s", "waiting_at_end", "errors"]
     with open(out / "bench_queue.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["# cpu", cpu["cpu"], "cores", cpu["cores"], "avx512_vnni", cpu["avx512_vnni"], "avx512_bf16", cpu["avx512_bf16"],
-                    "amx", cpu["amx"]])
+        w.writerow(["# cpu", cpu])
         w.writerow(fields)
         for r in rows:
             w.writerow([f"{r[k]:.4f}" if isinstance(r[k], float) else r[k] for k in fields])
         w.writerow(["# summary", "itl_median_ms A", f"{a:.4f}", "B", f"{b:.4f}", "B/A", f"{ratio:.4f}", "goal", args.goal,
                     "itl_mean_ms A", f"{am:.4f}", "B", f"{bm:.4f}", "B/A", f"{bm / am:.4f}"])
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = optional_figure(figsize=(6, 4))
+    if drawn:
+        fig, ax = drawn
         for phase, color in (("A", "tab:blue"), ("B", "tab:orange")):
             pts = [(r["round"], r["itl_median_ms"], r["itl_p90_ms"]) for r in rows if r["phase"] == phase]
             label = "A: 4 running, none waiting" if phase == "A" else f"B: 4 running, {args.queued} waiting"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=label + " (median)")
             ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", linestyle="--", color=color, label=label + " (p90)")
-        ax.set_xlabel("round")
-        ax.set_ylabel("inter-token latency of the running streams, ms")
-        ax.set_title(f"B/A = {ratio:.3f}  ({cpu['cpu'][:40]})", fontsize=9)
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "bench_queue.png", dpi=120)
-    except ImportError:
-        pass
+        style_axes(ax, "round", "inter-token latency of the running streams, ms", legend_size=7)
+        ax.set_title(f"B/A = {ratio:.3f}  ({cpu[:40]})", fontsize=9)
+        save_figure(fig, out / "bench_queue.png", dpi=120)
     print(f"\nwrote {out / 'bench_queue.csv'}")
     return 0
 

@@ -31,19 +31,18 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tritonlm.engine.batch import StepBatch  # noqa: E402
-from tritonlm.engine.runners import load_runner  # noqa: E402
-from tritonlm.engine.runners.base import gather_kv, kv_rows  # noqa: E402
+from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.runners import load_runner
+from tritonlm.engine.runners.base import gather_kv, kv_rows
+from tritonlm.paths import REPO_ROOT
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.steptime import time_calls
 
 BLOCK = 16
 
@@ -69,16 +68,10 @@ def scattered_slots(batch: int, length: int, seed: int) -> tuple[torch.Tensor, i
     return table[:, :length], num_blocks * BLOCK
 
 
-def time_it(fn, warmup: int, reps: int) -> tuple[float, float]:
+def fastest_and_median(fn, warmup: int, reps: int) -> tuple[float, float]:
     """(fastest, median) seconds over reps: on a shared machine the fastest run is the
     least disturbed by others' work, the median shows how noisy it was."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    times = time_calls(fn, reps, warmup)
     return min(times), statistics.median(times)
 
 
@@ -96,7 +89,7 @@ def bench_one(runner, kind: str, batch: int, ctx: int, warmup: int, reps: int) -
         past_len=torch.full((batch,), past, dtype=torch.int64),
         slot_table=table,
     )
-    step_s, step_med = time_it(lambda: runner.forward(step, pool), warmup, reps)
+    step_s, step_med = fastest_and_median(lambda: runner.forward(step, pool), warmup, reps)
 
     rows = kv_rows(table if kind == "torch" else table[:, :past], spec.num_kv_heads)
     buf = torch.empty(rows.numel() * spec.head_dim, dtype=spec.dtype)
@@ -106,9 +99,8 @@ def bench_one(runner, kind: str, batch: int, ctx: int, warmup: int, reps: int) -
             for cache in pool.k + pool.v:
                 gather_kv(cache, rows, batch, out=buf)  # [B, Hkv, L, D]
 
-    gather_s, _ = time_it(gather, 1, reps)
+    gather_s, _ = fastest_and_median(gather, 1, reps)
     kv_bytes = batch * ctx * spec.bytes_per_token
-    del pool
     return {
         "runner": kind,
         "batch": batch,
@@ -145,6 +137,7 @@ def main(argv=None) -> int:
 
     model = gpt2_small()
     rows = []
+    print(f"# CPU: {describe_cpu()}")
     print(f"# torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} (others' work skews times)")
     with tempfile.TemporaryDirectory() as tmp:
         for kind in kinds:
@@ -172,7 +165,7 @@ def main(argv=None) -> int:
                     )
             del runner
 
-    out = ROOT / args.out
+    out = REPO_ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -18,15 +18,15 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from tritonlm.engine.engine import Engine  # noqa: E402
-from tritonlm.engine.kv_cache import KVCacheManager  # noqa: E402
-from tritonlm.engine.request import GenerationRequest, SamplingParams  # noqa: E402
-from tritonlm.engine.runners.torch_runner import TorchRunner  # noqa: E402
-from tritonlm.engine.scheduler import SchedulerConfig  # noqa: E402
-from tritonlm.engine.speculative import DraftModelDrafter, PromptLookupDrafter  # noqa: E402
+from tritonlm.engine.engine import Engine
+from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.request import GenerationRequest, SamplingParams
+from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.engine.scheduler import SchedulerConfig
+from tritonlm.engine.speculative import DraftModelDrafter, PromptLookupDrafter
+from tritonlm.models.loading import load_model
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.report import add_out_arg
 
 PASSAGE = (
     "Triton Inference Server is an open source inference serving software that streamlines AI inferencing. "
@@ -76,19 +76,18 @@ def run(model, tok, mode: str, prompt: str, max_tokens: int, k: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--k", type=int, default=6)
-    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "bench_speculative"))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=96, help="tokens generated, greedy (default 96)")
+    ap.add_argument("--k", type=int, default=6, help="draft tokens proposed per target pass, at most (default 6)")
+    add_out_arg(ap, "bench_speculative")
     args = ap.parse_args()
-    from tritonlm.models.loading import load_model
-
     model, tok, _ = load_model("smollm2-135m")
     messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     rows = [run(model, tok, mode, prompt, args.max_tokens, args.k) for mode in ("off", "prompt_lookup", "self_draft")]
     base = rows[0]
-    print(f"\nSmolLM2-135M, greedy, {args.max_tokens} tokens, K <= {args.k}, copying a passage from the prompt")
+    print(f"\nCPU: {describe_cpu()}")
+    print(f"SmolLM2-135M, greedy, {args.max_tokens} tokens, K <= {args.k}, copying a passage from the prompt")
     print(f"{'mode':<14} {'tok/s':>7} {'speed-up':>9} {'target passes':>14} {'tokens/pass':>12} {'acceptance':>11} {'same text':>10}")
     for r in rows:
         same = r["text"] == base["text"]

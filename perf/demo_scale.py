@@ -18,9 +18,9 @@ different is lost; the goal is 0. The script exits 1 when a request was lost.
 
     .venv/bin/python perf/demo_scale.py [--clients 16] [--measure 15] [--after 5]
 
-Writes results/demo_scale/demo_scale.csv (one row per phase). On a 2-core machine the
-second replica adds little or nothing (both share the same cores; the CPU count is
-printed): the point here is the restart without loss, not the speed-up.
+Writes results/demo_scale/demo_scale.csv (one row per phase). On a machine with few cores
+the second replica adds little (both share the same cores; the CPU is printed): the point
+here is the restart without loss, not the speed-up.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from tritonlm.perf.machine import describe_cpu  # noqa: E402
-from tritonlm.server import free_ports  # noqa: E402
+from tritonlm.paths import REPO_ROOT
+from tritonlm.perf.benchrepo import tiny_model_repo
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.serverstats import metric_sum, read_metrics
+from tritonlm.server import free_ports
 
 MODEL = "tiny"
 PROMPTS = [
@@ -65,8 +65,8 @@ PROMPTS = [
 MAX_TOKENS = 16
 OUT_DIR = REPO_ROOT / "results" / "demo_scale"
 
-# nginx in front of the replicas. Why the retry settings look like this (measured on
-# tritonserver 2.51 through `tritonlm serve`, see deploy/README.md):
+# nginx in front of the replicas. Why the retry settings look like this (tritonserver
+# through `tritonlm serve`; deploy/README.md):
 #   * a draining replica (SIGTERM) stops accepting on its HTTP port, but the socket stays
 #     bound until the process exits: the kernel still completes the TCP handshake and Triton
 #     then RESETS the connection without reading the request. nginx has already written the
@@ -74,7 +74,7 @@ OUT_DIR = REPO_ROOT / "results" / "demo_scale"
 #     not retry: the client would get a 502. `non_idempotent` lets it retry;
 #   * once the replica has exited, connections are refused: `error`, retried for any method;
 #   * 503 is Triton's UNAVAILABLE (not ready, shutting down) and 502 a proxy's "no upstream":
-#     answers from something that could not take the request, retried (not seen in the runs).
+#     answers from something that could not take the request, retried.
 # Retrying a POST is safe here because a generation request has no side effects: the reset
 # case never reached the model, and the only other case `error` + `non_idempotent` covers
 # (a replica killed mid-request, e.g. at its drain deadline) reruns a request whose answer
@@ -123,19 +123,8 @@ def nginx_binary() -> str:
     return found
 
 
-def build_repo(repo: Path) -> None:
-    """repo/tiny: the seeded tiny-gpt2, served by the tritonlm backend."""
-    from tritonlm.export.repository import write_generation_model
-    from tritonlm.models.builtin import build_tiny
-
-    write_generation_model(repo, MODEL, *build_tiny("tiny-gpt2"))
-
-
-def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, str]:
-    """transformers' greedy generate() on the same weights: the text each prompt must get."""
-    from tritonlm.models.builtin import build_tiny
-
-    model, tok = build_tiny("tiny-gpt2")
+def reference_texts(model, tok, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """transformers' greedy generate() on the served weights: the text each prompt must get."""
     refs = {}
     for p in prompts:
         ids = tok(p, return_tensors="pt")
@@ -192,12 +181,10 @@ class Replica:
     def successes(self) -> int:
         """Triton's own count of requests this process ran (it starts at 0 in a new process)."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=2) as r:
-                text = r.read().decode()
+            samples = read_metrics(f"http://127.0.0.1:{self.metrics}/metrics", timeout_s=2)
         except (urllib.error.URLError, OSError):
             return 0
-        m = re.search(rf'^nv_inference_request_success{{model="{MODEL}"[^}}]*}} (\S+)', text, re.M)
-        return int(float(m.group(1))) if m else 0
+        return int(metric_sum(samples, "nv_inference_request_success", MODEL) or 0)
 
     def terminate_and_wait(self, timeout_s: float = 120) -> int:
         """SIGTERM (what Kubernetes sends): the replica drains and exits; its exit code."""
@@ -399,11 +386,11 @@ def run_demo(clients: int = 16, measure_s: float = 15.0, after_s: float = 5.0, m
     cpu = describe_cpu()
     log(f"CPU: {cpu}")
     log(f"{os.cpu_count()} CPUs: both replicas, nginx and the {clients} client threads share them "
-        f"(with 2 cores a second replica adds little)")
+        f"(with few cores a second replica adds little)")
     with tempfile.TemporaryDirectory(prefix="tritonlm-scale-") as tmp_name:
         tmp = Path(tmp_name)
         repo = tmp / "repo"
-        build_repo(repo)
+        model, tok = tiny_model_repo(repo, MODEL)
         a, b = Replica("A", repo, tmp), Replica("B", repo, tmp)
         nginx_one = Nginx(tmp, [a.http])
         nginx_two = Nginx(tmp, [a.http, b.http])
@@ -422,7 +409,7 @@ def run_demo(clients: int = 16, measure_s: float = 15.0, after_s: float = 5.0, m
         try:
             a.start()
             b.start()
-            refs = reference_texts(PROMPTS, max_tokens)  # while the replicas load
+            refs = reference_texts(model, tok, PROMPTS, max_tokens)  # while the replicas load
             a.wait_ready()
             b.wait_ready()
             nginx_one.start()

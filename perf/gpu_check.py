@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
+from tritonlm.paths import REPO_ROOT
+from tritonlm.perf.machine import describe_cpu, describe_gpu
 
 
 class UtilizationSampler:
@@ -81,8 +81,8 @@ def main() -> int:
 
     rows: list[dict] = []
     dev = torch.device(args.device)
-    name = torch.cuda.get_device_name(dev) if on_gpu else "cpu (dry run)"
-    print(f"device: {name}, free {free_memory_bytes(args.device) / 2**30:.1f} GiB")
+    name = describe_gpu(args.device) if on_gpu else "cpu (dry run)"
+    print(f"device: {name}, free {free_memory_bytes(args.device) / 2**30:.1f} GiB; CPU: {describe_cpu()}")
 
     def sync() -> None:
         if on_gpu:

@@ -2,10 +2,10 @@
 
 The int8 model (`dtype: int8`: residual rotation, SmoothQuant, per-channel int8 weights,
 per-token int8 activations) is built again with some projections left float32
-(Transformer.quantize_int8's keep_float), and each variant is measured:
+(runners.quant.quantize_int8's keep_float), and each variant is measured:
     float_share  of the projections' weights kept float
     agree        teacher-forced greedy agreement with transformers' float32 generate()
-                 (tritonlm.perf.agreement), on bench_precision.py's prompts
+                 (tritonlm.perf.agreement), on bench_precision.py's prompts (tritonlm/perf/agreement.py)
     step_ms      median decode step at batch --batch, context --context (tok_s = batch / step)
 
 Variants: int8 as served; the LM head kept; every down; every MLP (gate_up and down) and
@@ -14,7 +14,7 @@ the head; every o, down and the head; the first half of the layers and the head;
 layer kept whole, to see whether a few layers carry the error.
 
     .venv/bin/python perf/int8_sensitivity.py              # 32 prompts x 128 tokens
-    .venv/bin/python perf/int8_sensitivity.py --per-layer  # + one row per layer (~10 s each)
+    .venv/bin/python perf/int8_sensitivity.py --per-layer  # + one row per layer
 Prints the CPU it ran on; writes results/int8_sensitivity/int8_sensitivity.csv.
 """
 
@@ -22,20 +22,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench_precision import smollm2_and_reference, step_ms  # noqa: E402
-from tritonlm.engine.runners.torch_runner import TorchRunner  # noqa: E402
-from tritonlm.engine.runners.transformer import Transformer  # noqa: E402
-from tritonlm.perf.agreement import teacher_forced_agreement  # noqa: E402
-from tritonlm.perf.machine import describe_cpu  # noqa: E402
-from tritonlm.perf.report import write_csv  # noqa: E402
+from tritonlm.engine.runners.layers import Int8Linear
+from tritonlm.engine.runners.model import Transformer
+from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.perf.agreement import smollm2_reference, teacher_forced_agreement
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.report import add_out_arg, write_csv
+from tritonlm.perf.steptime import decode_step_ms
 
 
 def layer_of(name: str) -> int | None:
@@ -71,20 +69,20 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--per-layer", action="store_true", help="also each layer kept float, alone")
-    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "int8_sensitivity"))
+    add_out_arg(ap, "int8_sensitivity")
     args = ap.parse_args()
     cpu = describe_cpu()
     print(f"CPU: {cpu}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    model, prompts, reference = smollm2_and_reference(args.prompts, args.tokens)
+    model, prompts, reference = smollm2_reference(args.prompts, args.tokens)
     params = {n: p.w.numel() for n, p in Transformer.from_hf(model).projection_names().items()}  # float, unsliced
     rows = []
     print(f"\n{'kept float':<24} {'float_share':>11} {'agree':>7} {'step_ms':>8} {'tok_s':>7}", flush=True)
     for name, keep in variants(model.config.num_hidden_layers, args.per_layer):
         runner = TorchRunner(model, int8=True, int8_keep_float=keep)
-        kept = [n for n, p in runner.transformer.projection_names().items() if p.packed is None]
+        kept = [n for n, p in runner.transformer.projection_names().items() if not isinstance(p, Int8Linear)]
         share = sum(params[n] for n in kept) / sum(params.values())
         agree = teacher_forced_agreement(runner, prompts, reference)
-        ms = step_ms(runner, args.batch, args.context, args.reps)
+        ms = decode_step_ms(runner, args.batch, args.context, args.reps)
         rows.append({"kept_float": name, "float_share": round(share, 3), "agree": round(agree.fraction, 4),
                      "agreed": agree.agreed, "total": agree.total, "batch": args.batch, "context": args.context,
                      "step_ms": round(ms, 2), "tok_s": round(args.batch / ms * 1000, 1), "cpu": cpu})

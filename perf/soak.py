@@ -29,7 +29,6 @@ import argparse
 import csv
 import random
 import re
-import struct
 import sys
 import threading
 import time
@@ -37,17 +36,16 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import grpc
+from tritonclient.grpc import service_pb2_grpc
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
-
-from tritonlm.export.repository import write_generation_model  # noqa: E402
-from tritonlm.perf.machine import describe_cpu  # noqa: E402
-from tritonlm.perf.serverstats import engine_gauges, process_tree_rss  # noqa: E402
-from tritonlm.server import TritonServer, free_ports  # noqa: E402
+from tritonlm.perf.benchrepo import tiny_model_repo
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.rawgrpc import RawTensor, infer_request, is_final, output_int, raw_tensor
+from tritonlm.perf.report import add_out_arg, optional_figure, save_figure
+from tritonlm.perf.serverstats import process_tree_rss, wait_idle
+from tritonlm.perf.stats import percentile
+from tritonlm.server import TritonServer, free_ports
 
 MODEL = "tiny"
 WORDS = ("the a city river old new small robot wanted to see how far it could go before night fell "
@@ -55,53 +53,7 @@ WORDS = ("the a city river old new small robot wanted to see how far it could go
 REQUEST_TIMEOUT_S = 120.0  # a stream still open after this is a hung request
 
 
-# ---- the model, the server, its memory ---------------------------------------------------------
-
-
-def write_repo(repo: Path):
-    """The model's folder; returns its tokenizer."""
-    from tritonlm.models.builtin import build_tiny
-
-    model, tok = build_tiny("tiny-gpt2")
-    write_generation_model(repo, MODEL, model, tok)
-    return tok
-
-
-def gauges(server: TritonServer) -> dict[str, float]:
-    return engine_gauges(server.metrics_url, MODEL)
-
-
-def wait_idle(server: TritonServer, timeout_s: float = 60.0) -> tuple[dict[str, float], float]:
-    """(the gauges once all are 0, or the last ones seen; seconds waited)."""
-    t0 = time.monotonic()
-    while True:
-        g = gauges(server)
-        if g and all(v == 0 for v in g.values()):
-            return g, time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            return g, time.monotonic() - t0
-        time.sleep(0.2)
-
-
 # ---- requests ------------------------------------------------------------------------------------
-
-
-def tensor(name: str, dtype: str, values, shape=None):
-    if dtype == "BYTES":
-        raw = b"".join(struct.pack("<I", len(v)) + v for v in values)
-    else:
-        raw = np.array(values, dtype={"INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.uint64}[dtype]).tobytes()
-    return name, dtype, list(shape if shape is not None else [len(values)]), raw
-
-
-def proto(rid: str, tensors) -> service_pb2.ModelInferRequest:
-    r = service_pb2.ModelInferRequest(model_name=MODEL, id=rid)
-    for name, dtype, shape, raw in tensors:
-        t = r.inputs.add()
-        t.name, t.datatype = name, dtype
-        t.shape.extend(shape)
-        r.raw_input_contents.append(raw)
-    return r
 
 
 PROMPT_TOKENS = (1, 4, 16, 32, 64, 96)  # + max_tokens (at most 128) stays within tiny-gpt2's 256 positions
@@ -127,17 +79,17 @@ def prompt(rng: random.Random) -> bytes:
 
 # (what is wrong, the input its error must name, the tensors)
 BAD = [
-    ("max_tokens -1", "max_tokens", lambda p: [tensor("text_input", "BYTES", [p]), tensor("max_tokens", "INT32", [-1])]),
-    ("temperature NaN", "temperature", lambda p: [tensor("text_input", "BYTES", [p]), tensor("temperature", "FP32", [float("nan")])]),
-    ("100 stop words", "stop_words", lambda p: [tensor("text_input", "BYTES", [p]), tensor("stop_words", "BYTES", [b"x"] * 100)]),
-    ("invalid UTF-8", "text_input", lambda p: [tensor("text_input", "BYTES", [b"\xff\xfe" + p])]),
-    ("empty prompt", "text_input", lambda p: [tensor("text_input", "BYTES", [b""])]),
-    ("prompt over the context", "text_input", lambda p: [tensor("text_input", "BYTES", [b"word " * 400])]),
-    ("top_p 0", "top_p", lambda p: [tensor("text_input", "BYTES", [p]), tensor("top_p", "FP32", [0.0])]),
-    ("unknown input pad_id", "pad_id", lambda p: [tensor("text_input", "BYTES", [p]), tensor("pad_id", "INT32", [0])]),
-    ("max_tokens as FP32", "max_tokens", lambda p: [tensor("text_input", "BYTES", [p]), tensor("max_tokens", "FP32", [4.0])]),
-    ("max_tokens shape [2]", "max_tokens", lambda p: [tensor("text_input", "BYTES", [p]), tensor("max_tokens", "INT32", [4, 4])]),
-    ("no text_input", "text_input", lambda p: [tensor("max_tokens", "INT32", [4])]),
+    ("max_tokens -1", "max_tokens", lambda p: [raw_tensor("text_input", "BYTES", [p]), raw_tensor("max_tokens", "INT32", [-1])]),
+    ("temperature NaN", "temperature", lambda p: [raw_tensor("text_input", "BYTES", [p]), raw_tensor("temperature", "FP32", [float("nan")])]),
+    ("100 stop words", "stop_words", lambda p: [raw_tensor("text_input", "BYTES", [p]), raw_tensor("stop_words", "BYTES", [b"x"] * 100)]),
+    ("invalid UTF-8", "text_input", lambda p: [raw_tensor("text_input", "BYTES", [b"\xff\xfe" + p])]),
+    ("empty prompt", "text_input", lambda p: [raw_tensor("text_input", "BYTES", [b""])]),
+    ("prompt over the context", "text_input", lambda p: [raw_tensor("text_input", "BYTES", [b"word " * 400])]),
+    ("top_p 0", "top_p", lambda p: [raw_tensor("text_input", "BYTES", [p]), raw_tensor("top_p", "FP32", [0.0])]),
+    ("unknown input pad_id", "pad_id", lambda p: [raw_tensor("text_input", "BYTES", [p]), raw_tensor("pad_id", "INT32", [0])]),
+    ("max_tokens as FP32", "max_tokens", lambda p: [raw_tensor("text_input", "BYTES", [p]), raw_tensor("max_tokens", "FP32", [4.0])]),
+    ("max_tokens shape [2]", "max_tokens", lambda p: [raw_tensor("text_input", "BYTES", [p]), raw_tensor("max_tokens", "INT32", [4, 4])]),
+    ("no text_input", "text_input", lambda p: [raw_tensor("max_tokens", "INT32", [4])]),
 ]
 
 
@@ -163,17 +115,17 @@ def one_request(stub, rng: random.Random, rid: str, t_zero: float, cancel_fracti
         rec = Record("cancel" if cancel else "good", time.perf_counter() - t_zero)
         stream = cancel or rng.random() < 0.7
         max_tokens = rng.choice([64, 96, 128]) if cancel else rng.choice([4, 8, 16, 32, 64, 128])
-        tensors = [tensor("text_input", "BYTES", [p]), tensor("max_tokens", "INT32", [max_tokens]),
-                   tensor("stream", "BOOL", [stream]), tensor("end_id", "INT32", [-1])]
+        tensors = [raw_tensor("text_input", "BYTES", [p]), raw_tensor("max_tokens", "INT32", [max_tokens]),
+                   raw_tensor("stream", "BOOL", [stream]), raw_tensor("end_id", "INT32", [-1])]
         if rng.random() < 0.3:
-            tensors += [tensor("temperature", "FP32", [0.8]), tensor("top_k", "INT32", [40]),
-                        tensor("seed", "UINT64", [rng.randrange(2**32)])]
+            tensors += [raw_tensor("temperature", "FP32", [0.8]), raw_tensor("top_k", "INT32", [40]),
+                        raw_tensor("seed", "UINT64", [rng.randrange(2**32)])]
         if rng.random() < 0.1:
-            tensors.append(tensor("stop_words", "BYTES", [b"robot", b"night"]))
+            tensors.append(raw_tensor("stop_words", "BYTES", [b"robot", b"night"]))
         cancel_after = rng.randint(1, 8) if cancel else None
         what = name = ""
     t0 = time.perf_counter()
-    call = stub.ModelStreamInfer(iter([proto(rid, tensors)]), timeout=REQUEST_TIMEOUT_S)
+    call = stub.ModelStreamInfer(iter([infer_request(MODEL, rid, tensors)]), timeout=REQUEST_TIMEOUT_S)
     responses = finals = 0
     error = None
     try:
@@ -186,12 +138,9 @@ def one_request(stub, rng: random.Random, rid: str, t_zero: float, cancel_fracti
                 error = response.error_message
                 finals += 1
                 continue
-            param = response.infer_response.parameters.get("triton_final_response")
-            if param is not None and param.bool_param:
+            if is_final(response):
                 finals += 1
-                for out, raw in zip(response.infer_response.outputs, response.infer_response.raw_output_contents):
-                    if out.name == "num_output_tokens":
-                        rec.tokens = int(np.frombuffer(raw, np.int32)[0])
+                rec.tokens = output_int(response, "num_output_tokens") or 0
             elif cancel_after is not None and responses >= cancel_after:
                 call.cancel()
     except grpc.RpcError as e:
@@ -218,15 +167,11 @@ def one_request(stub, rng: random.Random, rid: str, t_zero: float, cancel_fracti
     return rec
 
 
-def stream_of(tensors) -> bool:
-    return any(t[0] == "stream" and t[3] == b"\x01" for t in tensors)
+def stream_of(tensors: list[RawTensor]) -> bool:
+    return any(t.name == "stream" and t.data == b"\x01" for t in tensors)
 
 
 # ---- the run ---------------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def main() -> int:
@@ -238,17 +183,13 @@ def main() -> int:
     ap.add_argument("--bad-fraction", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rss-every", type=float, default=10.0, help="seconds between RSS samples under load")
-    ap.add_argument("--out", default=str(REPO_ROOT / "results" / "soak"))
+    add_out_arg(ap, "soak")
     args = ap.parse_args()
     warmup = min(args.warmup, args.duration / 4)
     out = Path(args.out)
-    repo = out / "repo"
-    if repo.exists():
-        import shutil
-
-        shutil.rmtree(repo)
-    make_prompts(write_repo(repo), seed=args.seed)
-    server = TritonServer(repo, *free_ports(3), log_path=out / "tritonserver.log")
+    _, tok = tiny_model_repo(out / "repo", MODEL)
+    make_prompts(tok, seed=args.seed)
+    server = TritonServer(out / "repo", *free_ports(3), log_path=out / "tritonserver.log")
     server.start(timeout_s=300)
     records: list[Record] = []
     lock = threading.Lock()
@@ -286,7 +227,7 @@ def main() -> int:
             deadline = time.monotonic() + REQUEST_TIMEOUT_S
             while active[0] and time.monotonic() < deadline:
                 time.sleep(0.05)
-            g, waited = wait_idle(server)
+            g, waited = wait_idle(server.metrics_url, MODEL)
             time.sleep(1.0)  # a last metrics refresh, freed memory returned
             rss, procs = process_tree_rss(server.process.pid)
             return rss, procs, g, waited
@@ -412,13 +353,9 @@ def main() -> int:
         for t, rss, procs in rss_samples:
             w.writerow([f"{t:.1f}", f"{rss / 2**20:.2f}", procs, "under load"])
         w.writerow([f"{t_end:.1f}", f"{rss_end / 2**20:.2f}", procs_end, "end (idle)"])
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    drawn = optional_figure(2, 1, figsize=(7, 6), sharex=True)
+    if drawn:
+        fig, (ax1, ax2) = drawn
         ax1.plot([r["minute"] for r in minute_rows], [r["ttft_p99_ms"] for r in minute_rows], marker="o", label="TTFT p99")
         ax1.plot([r["minute"] for r in minute_rows], [r["ttft_p50_ms"] for r in minute_rows], marker=".", label="TTFT p50")
         ax1.set_ylabel("ms")
@@ -430,10 +367,7 @@ def main() -> int:
         ax2.set_xlabel("minute")
         ax2.set_ylabel("server RSS (all processes), MiB")
         ax2.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "soak.png", dpi=120)
-    except ImportError:
-        pass
+        save_figure(fig, out / "soak.png", dpi=120)
     print(f"\nwrote {out / 'soak_minutes.csv'}, {out / 'soak_summary.csv'}, {out / 'soak_rss.csv'}")
     return 0 if not unexpected and g_end.get("kv_cache_used_bytes") == 0 else 1
 

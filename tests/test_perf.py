@@ -22,6 +22,7 @@ from tritonlm.paths import REPO_ROOT
 from tritonlm.perf import diagnose, llm
 from tritonlm.perf.analyzer import Measure
 from tritonlm.perf.inputs import input_args
+from tritonlm.perf.stats import percentile
 from tritonlm.perf.target import Target
 from tritonlm.perf.testmodels import write_streaming_model, write_token_model
 from tritonlm.perf.variants import ModelConfig
@@ -257,7 +258,7 @@ def test_llm_dataset_lengths_and_export_parser(triton_server, target, tmp_path, 
         assert timing.latency_ms >= PREFILL_MS + (asked - 1) * TOKEN_MS
     assert metrics.output_tokens == sum(r["request_inputs"]["max_tokens"] for r in requests)
     assert metrics.ttft_ms["p50"] <= PREFILL_MS + 25
-    itl_median = llm.percentile([t.itl_ms for t in metrics.timings if t.itl_ms is not None], 50)
+    itl_median = percentile([t.itl_ms for t in metrics.timings if t.itl_ms is not None], 50)
     assert TOKEN_MS - 3 <= itl_median <= TOKEN_MS + 6
 
 

@@ -13,6 +13,8 @@ from tritonlm.perf import diagnose, llm
 from tritonlm.perf.analyzer import error_text, parse_loads
 from tritonlm.perf.inputs import parse_shape, synth_input_data, vocab_size_of
 from tritonlm.perf.report import table
+from tritonlm.perf.serverstats import parse_prometheus
+from tritonlm.perf.stats import percentile
 from tritonlm.perf.variants import (
     MARKER,
     ModelConfig,
@@ -223,7 +225,7 @@ def test_percentile_matches_numpy():
 
     values = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6, 5.0]
     for q in (0, 10, 50, 90, 99, 100):
-        assert llm.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
 
 
 def test_llm_input_data_and_datasets(tmp_path):
@@ -263,12 +265,12 @@ def _metrics(util, success, inferences, executions, queue_us, compute_us, gpu=Fa
 
 
 def test_prometheus_samples_to_operating_point():
-    parsed = diagnose.parse_prometheus('a{x="1",y="q\\"z"} 2.5\nb 3\n# c 4\nbad line\n')
+    parsed = parse_prometheus('a{x="1",y="q\\"z"} 2.5\nb 3\n# c 4\nbad line\n')
     assert parsed == {("a", (("x", "1"), ("y", 'q\\"z'))): 2.5, ("b", ()): 3.0}
     samples = [
-        diagnose.Sample(0.0, diagnose.parse_prometheus(_metrics(0.1, 100, 100, 50, 1000, 2000, gpu=True))),
-        diagnose.Sample(0.5, diagnose.parse_prometheus(_metrics(0.8, 300, 500, 100, 21000, 42000, gpu=True))),
-        diagnose.Sample(1.0, diagnose.parse_prometheus(_metrics(0.9, 500, 900, 150, 41000, 82000, gpu=True))),
+        diagnose.Sample(0.0, parse_prometheus(_metrics(0.1, 100, 100, 50, 1000, 2000, gpu=True))),
+        diagnose.Sample(0.5, parse_prometheus(_metrics(0.8, 300, 500, 100, 21000, 42000, gpu=True))),
+        diagnose.Sample(1.0, parse_prometheus(_metrics(0.9, 500, 900, 150, 41000, 82000, gpu=True))),
     ]
     s = diagnose.summarize_samples(samples, "m")
     assert s["source"] == "gpu"
@@ -276,8 +278,8 @@ def test_prometheus_samples_to_operating_point():
     assert (s["requests"], s["inferences"], s["executions"]) == (400, 800, 100)
     assert s["avg_batch"] == pytest.approx(8.0)
     assert s["queue_us"] == pytest.approx(100.0) and s["compute_us"] == pytest.approx(200.0)
-    cpu = [diagnose.Sample(0, diagnose.parse_prometheus(_metrics(0.3, 0, 0, 0, 0, 0))),
-           diagnose.Sample(1, diagnose.parse_prometheus(_metrics(0.4, 10, 10, 10, 0, 0)))]
+    cpu = [diagnose.Sample(0, parse_prometheus(_metrics(0.3, 0, 0, 0, 0, 0))),
+           diagnose.Sample(1, parse_prometheus(_metrics(0.4, 10, 10, 10, 0, 0)))]
     assert diagnose.summarize_samples(cpu, "m")["source"] == "cpu"
     assert diagnose.summarize_samples(cpu, "m")["utilization"] == pytest.approx(0.4)
 

@@ -75,3 +75,26 @@ def positional_agreement(generated: list[list[int]], continuations: list[list[in
     """Free-running outputs against the reference, position by position."""
     agreed = sum(a == b for g, c in zip(generated, continuations) for a, b in zip(g, c))
     return Agreement(agreed, sum(len(c) for c in continuations))
+
+
+# the prompts bench_precision.py and int8_sensitivity.py measure agreement on: short
+# instructions and openings of several kinds, so no single style decides the figure
+SUBJECTS = ["a harbour town", "black holes", "the printing press", "a jazz trio", "desert plants",
+            "a lost passport", "solar panels", "ancient Egypt"]
+FORMS = ["Describe {} in a few sentences.", "What is interesting about {}?", "Write a diary entry about {}.",
+         "Notes on {}:\n-"]
+
+
+def smollm2_reference(n_prompts: int, tokens: int, log=print):
+    """(SmolLM2-135M in float32, the first n_prompts of the prompts above as token ids,
+    transformers' float32 greedy continuation of each, `tokens` long)."""
+    import time
+
+    from tritonlm.models.loading import load_model
+
+    model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
+    prompts = [tok(f.format(s)).input_ids for s in SUBJECTS for f in FORMS][:n_prompts]
+    t0 = time.perf_counter()
+    reference = reference_continuations(model, prompts, tokens)
+    log(f"reference: transformers float32 greedy, {len(prompts)} x {tokens} tokens ({time.perf_counter() - t0:.0f} s)")
+    return model, prompts, reference

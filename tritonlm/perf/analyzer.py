@@ -216,8 +216,8 @@ def measure_point(
         if result.returncode == 0 and csv.exists():
             if _export_complete(export) or attempt == 1:
                 break
-            # perf_analyzer 2.51 has exited 0 with its CSV written and a 0-byte export (seen
-            # once under a busy CI host's load): measure this point again rather than fail
+            # perf_analyzer can exit 0 with its CSV written and an empty or cut-off export
+            # (a busy host): measure this point again rather than fail
             print(" perf_analyzer left an empty profile export, measuring again ...", end="", flush=True)
             continue
         if "Failed to obtain stable measurement" in out and measure.retry_unstable and attempt == 0:

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from tritonlm.perf import report
+from tritonlm.perf import harness, report
 from tritonlm.perf.analyzer import Measure, Point, measure_point, warm_up
 from tritonlm.perf.target import PerfError, Target
 from tritonlm.perf.variants import VariantError, VariantSpec, make_variant, read_config, remove_variant
@@ -131,16 +131,10 @@ def write_outputs(result: BatchingResult, out: Path, model: str) -> list[Path]:
         report.write_csv(out / "batching.csv", result.summary_rows()),
         report.write_csv(out / "batching_points.csv", result.detail_rows()),
     ]
-    plt = report._plt()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = report.pyplot().subplots(1, 2, figsize=(11, 4.2))
     conc = [int(p.load) for p in result.batched]
     ax1.plot(conc, [p.throughput for p in result.batched], "o-", label="dynamic batching")
     ax1.plot(conc, [p.throughput for p in result.unbatched], "s-", label="no batching")
-    ax1.set_xlabel("concurrency")
-    ax1.set_ylabel("throughput (inferences/s)")
-    ax1.set_title(f"{model}: throughput")
-    ax1.legend()
-    ax1.grid(alpha=0.3)
     ax2.plot(conc, [p.p99_ms for p in result.batched], "o-", label="batched p99")
     ax2.plot(conc, [p.p50_ms for p in result.batched], "o--", label="batched p50")
     ax2.plot(conc, [p.p99_ms for p in result.unbatched], "s-", label="unbatched p99")
@@ -148,57 +142,29 @@ def write_outputs(result: BatchingResult, out: Path, model: str) -> list[Path]:
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(conc, [str(c) for c in conc])
-    ax2.set_xlabel("concurrency")
-    ax2.set_ylabel("latency (ms)")
-    ax2.set_title("latency")
-    ax2.legend(fontsize=8)
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    png = out / "batching.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    files.append(png)
+    report.style_axes(ax1, "concurrency", "throughput (inferences/s)", f"{model}: throughput", legend_size=None)
+    ax1.legend()
+    report.style_axes(ax2, "concurrency", "latency (ms)", "latency")
+    files.append(report.save_figure(fig, out / "batching.png"))
     return files
 
 
 def add_parser(sub) -> None:
-    from tritonlm.perf import common
-
-    p = sub.add_parser("batching", help="dynamic batching on vs off: throughput, latency, server batch size")
-    p.add_argument("--model", required=True)
+    p = harness.harness_parser(sub, "batching", "dynamic batching on vs off: throughput, latency, server batch size")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="list '1,2,4' or doubling range '1:64' (default 1..64)")
     p.add_argument("--max-batch-size", type=int, default=None, help="max_batch_size of both variants (default: the model's)")
     p.add_argument("--max-queue-delay-us", type=int, default=None, help="queue delay of the batched variant (default: the model's, else 1000)")
     p.add_argument("--keep-variants", action="store_true", help="leave the two variants loaded and on disk")
-    common.add_target_args(p)
-    common.add_measure_args(p)
-    common.add_input_args(p)
-    common.add_results_arg(p, "batching")
-    p.set_defaults(func=main)
+    harness.add_harness_args(p, "batching", main)
 
 
 def main(args: argparse.Namespace) -> int:
-    from tritonlm.perf import common
-
-    loads = common.loads_from(args.concurrency)
+    loads = harness.loads_from(args.concurrency)
     out = report.results_dir(args.results, "batching")
-    with common.open_target(args, [args.model], log_path=out / "tritonserver.log") as target:
-        if target.is_decoupled(args.model):
-            raise PerfError(f"model '{args.model}' is decoupled (streaming): use `tritonlm perf llm` for it")
-        measure = common.measure_from_args(args)
-        work = out / "raw"
-        work.mkdir(exist_ok=True)
-        inputs = common.model_input_args(target, args.model, args, work)
+    with harness.open_measurement(args, out, decoupled_advice="use `tritonlm perf llm` for it") as (target, setup):
         result = run_batching(
-            target,
-            args.model,
-            loads,
-            measure,
-            inputs,
-            work,
-            max_batch_size=args.max_batch_size,
-            max_queue_delay_us=args.max_queue_delay_us,
-            keep_variants=args.keep_variants,
+            target, args.model, loads, setup.measure, setup.input_args, setup.workdir,
+            max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us, keep_variants=args.keep_variants,
         )
     print()
     print(

@@ -17,13 +17,13 @@ turns that plus the measured p99 and the budget into a verdict:
 from __future__ import annotations
 
 import argparse
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 
-from tritonlm.perf import report
+from tritonlm.perf import harness, report
 from tritonlm.perf.analyzer import Measure, Point, measure_point, warm_up
+from tritonlm.perf.serverstats import metric_sum, parse_prometheus
 from tritonlm.perf.target import Target
 
 UNDER_BATCHED = "under-batched"
@@ -34,29 +34,6 @@ LIGHT_LOAD = "light load"
 NEAR_SATURATION = "near saturation"
 OVER_BUDGET = "over budget"
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-# --- Prometheus samples ------------------------------------------------------------------------
-def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(metric name, sorted label pairs): value} from Prometheus text exposition."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line.strip())
-        if not m:
-            continue
-        name, labels, value = m.groups()
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        pairs = tuple(sorted(_LABEL.findall(labels or "")))
-        out[(name, pairs)] = v
-    return out
-
 
 @dataclass
 class Sample:
@@ -65,10 +42,7 @@ class Sample:
 
     def total(self, name: str, model: str | None = None) -> float | None:
         """Sum of a metric over its series (only the model's series when given); None if absent."""
-        found = [
-            v for (n, labels), v in self.values.items() if n == name and (model is None or ("model", model) in labels)
-        ]
-        return sum(found) if found else None
+        return metric_sum(self.values, name, model)
 
     def mean(self, name: str) -> float | None:
         found = [v for (n, _), v in self.values.items() if n == name]
@@ -237,43 +211,29 @@ def run_diagnose(
 
 
 def add_parser(sub) -> None:
-    from tritonlm.perf import common
-
-    p = sub.add_parser("diagnose", help="sample Triton metrics under load and classify the operating point")
-    p.add_argument("--model", required=True)
+    p = harness.harness_parser(sub, "diagnose", "sample Triton metrics under load and classify the operating point")
     p.add_argument("--p99-ms", type=float, required=True, help="p99 latency budget in milliseconds")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=float, default=None, help="load to hold (default concurrency 8)")
     load.add_argument("--request-rate", type=float, default=None, help="hold this request rate instead")
     p.add_argument("--sample-interval-ms", type=int, default=250, help="metrics sampling period (default 250)")
-    common.add_target_args(p)
-    common.add_measure_args(p, interval_ms=3000)
-    common.add_input_args(p)
-    common.add_results_arg(p, "diagnose")
-    p.set_defaults(func=main)
+    harness.add_harness_args(p, "diagnose", main, interval_ms=3000)
 
 
 def main(args: argparse.Namespace) -> int:
-    from tritonlm.perf import common
-
     mode = "request_rate" if args.request_rate else "concurrency"
     load = args.request_rate or args.concurrency or 8
     out = report.results_dir(args.results, "diagnose")
-    with common.open_target(args, [args.model], log_path=out / "tritonserver.log") as target:
-        target.metrics_text()  # fail early, with a clear message, if the metrics port is wrong
-        decoupled = target.is_decoupled(args.model)
-        measure = common.measure_from_args(args, decoupled)
-        work = out / "raw"
-        work.mkdir(exist_ok=True)
-        inputs = common.model_input_args(target, args.model, args, work)
-        warm_up(target, args.model, measure, inputs, work)
+    with harness.open_measurement(args, out) as (target, setup):
+        target.metrics_text()  # fail before the measurement, with a clear message, if the metrics port is wrong
+        warm_up(target, args.model, setup.measure, setup.input_args, setup.workdir)
         print(
             f"[diagnose {args.model}] holding {mode.replace('_', ' ')} {load:g} while sampling {target.metrics_url} ...",
             end="",
             flush=True,
         )
         diagnosis, op, point, summary, samples = run_diagnose(
-            target, args.model, load, measure, inputs, work, args.p99_ms, mode=mode, interval_s=args.sample_interval_ms / 1000
+            target, args.model, load, setup.measure, setup.input_args, setup.workdir, args.p99_ms, mode=mode, interval_s=args.sample_interval_ms / 1000
         )
     print(f" {len(samples)} samples", flush=True)
     row = {

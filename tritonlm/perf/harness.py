@@ -1,4 +1,6 @@
-"""Command-line pieces every harness shares: where the server is, how to measure, what to send."""
+"""What every `tritonlm perf` harness shares around its own logic: the command-line options
+(where the server is, how to measure, what to send, where results go), and opening the server
+and the measurement (tritonlm/perf/target.py, tritonlm/perf/analyzer.py) from them."""
 
 from __future__ import annotations
 
@@ -6,12 +8,20 @@ import argparse
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from tritonlm.perf.analyzer import Measure, parse_loads
 from tritonlm.perf.inputs import input_args
 from tritonlm.perf.target import ManagedServer, PerfError, Target
+
+
+def harness_parser(sub, name: str, help_text: str, **kwargs) -> argparse.ArgumentParser:
+    """The harness's subcommand of `tritonlm perf`, with the --model it measures."""
+    p = sub.add_parser(name, help=help_text, **kwargs)
+    p.add_argument("--model", required=True)
+    return p
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +70,20 @@ def add_input_args(p: argparse.ArgumentParser) -> None:
 
 def add_results_arg(p: argparse.ArgumentParser, harness: str) -> None:
     p.add_argument("--results", default=None, help=f"results folder (default results/{harness})")
+
+
+def add_harness_args(
+    p: argparse.ArgumentParser, harness: str, main: Callable[[argparse.Namespace], int], *, interval_ms: int = 2000,
+    inputs: bool = True,
+) -> None:
+    """The option groups of a harness's subcommand (inputs: the generated input data's), and
+    main as what it runs."""
+    add_target_args(p)
+    add_measure_args(p, interval_ms=interval_ms)
+    if inputs:
+        add_input_args(p)
+    add_results_arg(p, harness)
+    p.set_defaults(func=main)
 
 
 def measure_from_args(args: argparse.Namespace, decoupled: bool = False) -> Measure:
@@ -125,17 +149,50 @@ def open_target(args: argparse.Namespace, models: list[str], log_path: Path | No
             target.close()
 
 
+@dataclass(frozen=True)
+class MeasureSetup:
+    """How to measure a model, and what to send it: the arguments every measured point takes."""
+
+    measure: Measure
+    workdir: Path  # perf_analyzer's raw CSVs and profile exports
+    input_args: list[str]
+
+
+def raw_dir(out: Path) -> Path:
+    """Where perf_analyzer's own files go: `raw/` inside the results folder."""
+    work = out / "raw"
+    work.mkdir(exist_ok=True)
+    return work
+
+
+def measure_setup(target: Target, args: argparse.Namespace, out: Path, *, decoupled: bool = False) -> MeasureSetup:
+    """The measurement the options ask for, and the model's input data (derived from its
+    config, or --input-data)."""
+    measure = measure_from_args(args, decoupled)
+    work = raw_dir(out)
+    return MeasureSetup(measure, work, model_input_args(target, args.model, args, work))
+
+
+@contextlib.contextmanager
+def open_measurement(
+    args: argparse.Namespace, out: Path, *, decoupled_advice: str | None = None
+) -> Iterator[tuple[Target, MeasureSetup]]:
+    """The server with --model ready (open_target, its log in out) and how to measure that
+    model (measure_setup). decoupled_advice: what to use instead, for a harness that cannot
+    measure a decoupled (streaming) model; a PerfError says it."""
+    with open_target(args, [args.model], log_path=out / "tritonserver.log") as target:
+        decoupled = target.is_decoupled(args.model)
+        if decoupled and decoupled_advice:
+            raise PerfError(f"model '{args.model}' is decoupled (streaming): {decoupled_advice}")
+        yield target, measure_setup(target, args, out, decoupled=decoupled)
+
+
 def model_input_args(target: Target, model: str, args: argparse.Namespace, workdir: Path) -> list[str]:
+    """perf_analyzer's input options for the model, as the input-data options ask."""
     try:
         return input_args(
-            target.config(model),
-            workdir,
-            input_data=args.input_data,
-            shapes=args.shape,
-            seq_len=args.seq_len,
-            vocab_size=args.vocab_size,
-            string_length=args.string_length,
-            past_len=args.past_len,
+            target.config(model), workdir, input_data=args.input_data, shapes=args.shape, seq_len=args.seq_len,
+            vocab_size=args.vocab_size, string_length=args.string_length, past_len=args.past_len,
         )
     except ValueError as e:
         raise PerfError(str(e)) from None

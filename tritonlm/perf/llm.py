@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tritonlm.perf import report
+from tritonlm.perf import harness, report
 from tritonlm.perf.analyzer import Measure, measure_point, warm_up
+from tritonlm.perf.jsonl import read_jsonl
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.stats import summarize
 from tritonlm.perf.target import PerfError
 
 TEXT_OUTPUT = "text_output"
@@ -43,30 +45,6 @@ _WORDS = (
     "reads the weights and the cache so the scheduler decides who runs each step and how much "
     "memory each sequence may hold before the queue grows and latency follows"
 ).split()
-
-
-# --- statistics --------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); q in [0, 100]."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def summarize(values: Sequence[float]) -> dict[str, float]:
-    if not values:
-        return {"avg": float("nan"), "min": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "max": float("nan")}
-    return {
-        "avg": sum(values) / len(values),
-        "min": min(values),
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "max": max(values),
-    }
 
 
 # --- the profile export parser -------------------------------------------------------------------
@@ -241,19 +219,15 @@ class Prompt:
 def load_dataset(path: Path) -> list[Prompt]:
     """JSONL, one object a line: `prompt` (or `text_input`) and `max_tokens` (or `output_tokens`)."""
     prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                text = obj.get("prompt", obj.get("text_input"))
-                max_tokens = int(obj.get("max_tokens", obj.get("output_tokens", 0)))
-                if not isinstance(text, str) or max_tokens < 1:
-                    raise ValueError("needs a string `prompt` and a positive `max_tokens`")
-            except (ValueError, TypeError, AttributeError) as e:
-                raise PerfError(f"{path}:{n}: {e}") from None
-            prompts.append(Prompt(text, max_tokens))
+    for n, obj in read_jsonl(path, PerfError):
+        text = obj.get("prompt", obj.get("text_input"))
+        try:
+            max_tokens = int(obj.get("max_tokens", obj.get("output_tokens", 0)))
+        except (ValueError, TypeError):
+            max_tokens = 0
+        if not isinstance(text, str) or max_tokens < 1:
+            raise PerfError(f"{path}:{n}: needs a string `prompt` and a positive `max_tokens`")
+        prompts.append(Prompt(text, max_tokens))
     if not prompts:
         raise PerfError(f"{path}: no prompts")
     return prompts
@@ -316,23 +290,6 @@ def openai_input_data(prompts: Sequence[Prompt], model: str, endpoint: str = "co
     return {"data": data}
 
 
-def cpu_model() -> str:
-    """The CPU's name and how many cores this process may use (figures depend on both)."""
-    import os
-    import platform
-
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name}, {cores} cores"
-
-
 def token_counter(tokenizer: str | None) -> Callable[[str], int] | None:
     """Count tokens by re-tokenizing with a tokenizer.json file or a Hugging Face tokenizer folder."""
     if not tokenizer:
@@ -392,36 +349,21 @@ def run_llm(
 def write_outputs(results: list[LlmMetrics], out: Path, model: str) -> list[Path]:
     rows = [r.row() for r in results]
     files = [report.write_csv(out / "llm.csv", rows)]
-    plt = report._plt()
+    fig, (ax1, ax2) = report.pyplot().subplots(1, 2, figsize=(11, 4.2))
     conc = [r.load for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax1.plot(conc, [r.ttft_ms["p50"] for r in results], "o-", label="TTFT p50")
     ax1.plot(conc, [r.ttft_ms["p99"] for r in results], "o--", label="TTFT p99")
     ax1.plot(conc, [r.itl_ms["avg"] for r in results], "s-", label="ITL avg")
     ax1.plot(conc, [r.latency_ms["p99"] for r in results], "^:", label="request latency p99")
-    ax1.set_xlabel("concurrency")
-    ax1.set_ylabel("ms")
-    ax1.set_title(f"{model}: latency")
-    ax1.legend(fontsize=8)
-    ax1.grid(alpha=0.3)
+    report.style_axes(ax1, "concurrency", "ms", f"{model}: latency")
     ax2.plot(conc, [r.output_tokens_per_s for r in results], "o-")
-    ax2.set_xlabel("concurrency")
-    ax2.set_ylabel("output tokens/s")
-    ax2.set_title("throughput")
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    png = out / "llm.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    files.append(png)
+    report.style_axes(ax2, "concurrency", "output tokens/s", "throughput", legend_size=None)
+    files.append(report.save_figure(fig, out / "llm.png"))
     return files
 
 
 def add_parser(sub) -> None:
-    from tritonlm.perf import common
-
-    p = sub.add_parser("llm", help="streaming LLM metrics: TTFT, inter-token latency, tokens/s (decoupled model, gRPC)")
-    p.add_argument("--model", required=True)
+    p = harness.harness_parser(sub, "llm", "streaming LLM metrics: TTFT, inter-token latency, tokens/s (decoupled model, gRPC)")
     p.add_argument("--concurrency", default="1,2,4,8", help="concurrencies (default 1,2,4,8)")
     src = p.add_argument_group("prompts (default: generated)")
     src.add_argument("--dataset", type=Path, default=None, help="JSONL with prompt and max_tokens per line")
@@ -444,10 +386,7 @@ def add_parser(sub) -> None:
                     help="completions (default) or chat (needs the model's chat template)")
     oa.add_argument("--compare-grpc", action="store_true",
                     help="with --openai: also measure gRPC direct at the same loads and print the frontend's overhead")
-    common.add_target_args(p)
-    common.add_measure_args(p, interval_ms=5000)
-    common.add_results_arg(p, "llm")
-    p.set_defaults(func=main)
+    harness.add_harness_args(p, "llm", main, interval_ms=5000, inputs=False)
 
 
 class _ViaOpenAI:
@@ -499,9 +438,7 @@ def overhead_rows(direct: list[LlmMetrics], via: list[LlmMetrics]) -> list[dict]
 
 
 def main(args: argparse.Namespace) -> int:
-    from tritonlm.perf import common
-
-    concurrencies = common.loads_from(args.concurrency)
+    concurrencies = harness.loads_from(args.concurrency)
     out = report.results_dir(args.results, "llm")
     count_tokens = token_counter(args.tokenizer)
     if args.openai is not None and args.input_data:
@@ -512,12 +449,11 @@ def main(args: argparse.Namespace) -> int:
         raise PerfError("--compare-grpc compares gRPC with the OpenAI API: add --openai [URL]")
     direct: list[LlmMetrics] = []
     via: list[LlmMetrics] = []
-    with common.open_target(args, [args.model], log_path=out / "tritonserver.log") as target:
+    with harness.open_target(args, [args.model], log_path=out / "tritonserver.log") as target:
         if not target.is_decoupled(args.model):
             raise PerfError(f"model '{args.model}' is not decoupled: perf llm measures streaming models; use `tritonlm perf sla`")
-        measure = common.measure_from_args(args, decoupled=True)
-        work = out / "raw"
-        work.mkdir(exist_ok=True)
+        measure = harness.measure_from_args(args, decoupled=True)
+        work = harness.raw_dir(out)
         prompts = None if args.input_data else _synthetic_or_dataset(args)
         per_point = None
         if not args.time_windows and not args.requests:
@@ -547,7 +483,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"wrote {f}")
     if direct and via:
         rows = overhead_rows(direct, via)
-        cpu = cpu_model()
+        cpu = describe_cpu()
         print()
         print(report.table(rows, title=f"OpenAI frontend overhead: output tok/s through it / gRPC direct (CPU: {cpu})"))
         print(f"wrote {report.write_csv(out / 'overhead.csv', [{**r, 'cpu': cpu} for r in rows])}")

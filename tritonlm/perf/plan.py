@@ -26,41 +26,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from tritonlm.perf.jsonl import read_jsonl
+
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 KB, MB, GB = 1000, 1000**2, 1000**3
 
+
+def _gpt2(layers: int, heads: int, width: int) -> dict:
+    return {"model_type": "gpt2", "n_layer": layers, "n_head": heads, "n_embd": width, "n_positions": 1024, "vocab_size": 50257}
+
+
+def _llama(layers: int, heads: int, kv_heads: int, hidden: int, intermediate: int, positions: int,
+           vocab: int = 32000, tied: bool = False) -> dict:
+    return {
+        "model_type": "llama", "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "hidden_size": hidden, "intermediate_size": intermediate, "max_position_embeddings": positions,
+        "vocab_size": vocab, "tie_word_embeddings": tied,
+    }
+
+
 # Hugging Face style configs of well-known shapes (enough for the arithmetic; no weights).
 BUILTIN: dict[str, dict] = {
-    "distilgpt2": {"model_type": "gpt2", "n_layer": 6, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257},
-    "gpt2": {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "vocab_size": 50257},
-    "gpt2-medium": {"model_type": "gpt2", "n_layer": 24, "n_head": 16, "n_embd": 1024, "n_positions": 1024, "vocab_size": 50257},
-    "gpt2-large": {"model_type": "gpt2", "n_layer": 36, "n_head": 20, "n_embd": 1280, "n_positions": 1024, "vocab_size": 50257},
-    "gpt2-xl": {"model_type": "gpt2", "n_layer": 48, "n_head": 25, "n_embd": 1600, "n_positions": 1024, "vocab_size": 50257},
-    "smollm2-135m": {
-        "model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "hidden_size": 576, "intermediate_size": 1536, "max_position_embeddings": 8192, "vocab_size": 49152,
-        "tie_word_embeddings": True,
-    },
-    "llama-7b": {
-        "model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-        "hidden_size": 4096, "intermediate_size": 11008, "max_position_embeddings": 4096, "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    },
-    "llama-13b": {
-        "model_type": "llama", "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
-        "hidden_size": 5120, "intermediate_size": 13824, "max_position_embeddings": 4096, "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    },
-    "llama-70b": {
-        "model_type": "llama", "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "hidden_size": 8192, "intermediate_size": 28672, "max_position_embeddings": 4096, "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    },
-    "mistral-7b": {
-        "model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768, "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    },
+    "distilgpt2": _gpt2(6, 12, 768),
+    "gpt2": _gpt2(12, 12, 768),
+    "gpt2-medium": _gpt2(24, 16, 1024),
+    "gpt2-large": _gpt2(36, 20, 1280),
+    "gpt2-xl": _gpt2(48, 25, 1600),
+    "smollm2-135m": _llama(30, 9, 3, 576, 1536, 8192, vocab=49152, tied=True),
+    "llama-7b": _llama(32, 32, 32, 4096, 11008, 4096),
+    "llama-13b": _llama(40, 40, 40, 5120, 13824, 4096),
+    "llama-70b": _llama(80, 64, 8, 8192, 28672, 4096),
+    "mistral-7b": _llama(32, 32, 8, 4096, 14336, 32768),
 }
 
 # Memory as marketed (decimal GB); see the module docstring.
@@ -104,7 +100,7 @@ def _llama_like(config: dict) -> bool:
     return all(k in config for k in ("num_hidden_layers", "num_attention_heads", "hidden_size"))
 
 
-def model_spec(config: dict, kv_dtype: str = "fp16"):
+def model_shape(config: dict, kv_dtype: str = "fp16"):
     """tritonlm.engine.model_shape.ModelShape for the config, with the KV cache element type."""
     import torch
 
@@ -122,7 +118,7 @@ def model_spec(config: dict, kv_dtype: str = "fp16"):
 
 
 def bytes_per_token(config: dict, kv_dtype: str = "fp16") -> int:
-    return model_spec(config, kv_dtype).bytes_per_token
+    return model_shape(config, kv_dtype).bytes_per_token
 
 
 def param_count(config: dict) -> int:
@@ -208,23 +204,16 @@ def sequence_lengths(path: Path, count_tokens=None) -> list[int]:
     `output` text is counted with count_tokens (or ~4 characters per token)."""
     count = count_tokens or (lambda s: math.ceil(len(s) / 4))
     lengths = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PlanError(f"{path}:{n}: not JSON ({e})") from None
-            p = next((obj[k] for k in _PROMPT_KEYS if k in obj), None)
-            o = next((obj[k] for k in _OUTPUT_KEYS if k in obj), None)
-            if p is None and isinstance(obj.get("prompt"), str):
-                p = count(obj["prompt"])
-            if o is None and isinstance(obj.get("output"), str):
-                o = count(obj["output"])
-            if p is None or o is None:
-                raise PlanError(f"{path}:{n}: needs prompt_tokens and output_tokens (or prompt and output text)")
-            lengths.append(int(p) + int(o))
+    for n, obj in read_jsonl(path, PlanError):
+        p = next((obj[k] for k in _PROMPT_KEYS if k in obj), None)
+        o = next((obj[k] for k in _OUTPUT_KEYS if k in obj), None)
+        if p is None and isinstance(obj.get("prompt"), str):
+            p = count(obj["prompt"])
+        if o is None and isinstance(obj.get("output"), str):
+            o = count(obj["output"])
+        if p is None or o is None:
+            raise PlanError(f"{path}:{n}: needs prompt_tokens and output_tokens (or prompt and output text)")
+        lengths.append(int(p) + int(o))
     if not lengths:
         raise PlanError(f"{path}: no requests")
     return lengths
@@ -270,7 +259,7 @@ def make_plan(
     weights_override: int | None = None,
 ) -> CapacityPlan:
     name, config = load_model_config(model)
-    spec = model_spec(config, kv_dtype)
+    spec = model_shape(config, kv_dtype)
     weights_dtype = weights_dtype or ("fp16" if kv_dtype in ("fp8", "int8") else kv_dtype)
     params = param_count(config) if weights_override is None else 0
     weights = weights_override if weights_override is not None else weight_bytes(config, weights_dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,14 @@ def results_dir(given: str | Path | None, harness: str) -> Path:
     path = Path(given) if given else Path("results") / harness
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def add_out_arg(parser: argparse.ArgumentParser, name: str) -> None:
+    """--out for a benchmark script: its results folder, results/NAME in the repository by
+    default (wherever the script is started from)."""
+    from tritonlm.paths import REPO_ROOT
+
+    parser.add_argument("--out", default=str(REPO_ROOT / "results" / name), help=f"results folder (default results/{name})")
 
 
 def _fmt(v) -> str:
@@ -61,13 +70,44 @@ def write_csv(path: Path, rows: Sequence[dict]) -> Path:
     return path
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot drawing to files only (the Agg backend: no display needed);
+    ImportError where matplotlib is not installed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def optional_figure(*args, **kwargs):
+    """pyplot().subplots(*args, **kwargs): (figure, axes); None where matplotlib is not
+    installed, for scripts whose PNG is an extra next to their CSV."""
+    try:
+        plt = pyplot()
+    except ImportError:
+        return None
+    return plt.subplots(*args, **kwargs)
+
+
+def style_axes(ax, x_label: str, y_label: str, title: str = "", *, legend_size: int | None = 8) -> None:
+    """Labels, title, a light grid and (legend_size not None) the legend."""
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend_size is not None:
+        ax.legend(fontsize=legend_size)
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> Path:
+    """Lay out, write and close the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return Path(path)
 
 
 def plot_latency_vs_throughput(
@@ -78,39 +118,21 @@ def plot_latency_vs_throughput(
     percentiles: Sequence[str] = ("p50_ms", "p95_ms", "p99_ms"),
 ) -> Path:
     """Latency percentiles (p50 dashed, p95 dotted, p99 solid) against throughput, one colour per series."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    styles = {"p50_ms": "--", "p95_ms": ":", "p99_ms": "-"}
     for i, (name, rows) in enumerate(series.items()):
-        color = f"C{i}"
         x = [r["throughput_per_s"] for r in rows]
-        styles = {"p50_ms": "--", "p95_ms": ":", "p99_ms": "-"}
         for key in percentiles:
-            style = styles.get(key, "-.")
-            ax.plot(x, [r[key] for r in rows], style, marker="o", ms=3, color=color, label=f"{name} {key[:3]}")
+            ax.plot(x, [r[key] for r in rows], styles.get(key, "-."), marker="o", ms=3, color=f"C{i}", label=f"{name} {key[:3]}")
     if budget_ms is not None:
         ax.axhline(budget_ms, color="red", lw=1.2, label=f"p99 budget {budget_ms:g} ms")
-    ax.set_xlabel("throughput (inferences/s)")
-    ax.set_ylabel("latency (ms)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    style_axes(ax, "throughput (inferences/s)", "latency (ms)", title, legend_size=7)
+    return save_figure(fig, path)
 
 
 def plot_xy(path: Path, x_label: str, y_label: str, series: dict[str, tuple[Sequence[float], Sequence[float]]], title: str = "") -> Path:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for name, (x, y) in series.items():
         ax.plot(x, y, marker="o", ms=3, label=name)
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(y_label)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    style_axes(ax, x_label, y_label, title)
+    return save_figure(fig, path)

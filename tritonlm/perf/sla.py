@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tritonlm.perf import report
+from tritonlm.perf import harness, report
 from tritonlm.perf.analyzer import Point, sweep, warm_up
 from tritonlm.perf.target import PerfError
 
@@ -64,44 +64,32 @@ def write_outputs(result: SlaResult, out, model: str, mode: str) -> list:
 
 
 def add_parser(sub) -> None:
-    from tritonlm.perf import common
-
-    p = sub.add_parser(
+    p = harness.harness_parser(
+        sub,
         "sla",
-        help="highest throughput within a p99 latency budget",
+        "highest throughput within a p99 latency budget",
         description="Sweep load, report the best throughput whose p99 stays within --p99-ms. "
         "Exit status: 0 SLA met, 3 not met, 1 error.",
     )
-    p.add_argument("--model", required=True)
     p.add_argument("--p99-ms", type=float, required=True, help="p99 latency budget in milliseconds")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", default=None, help="concurrencies: '1,2,4' or doubling '1:64' (default 1:64)")
     load.add_argument("--request-rate", default=None, help="request rates per second instead: '50,100,200' or '50:800'")
     p.add_argument("--full", action="store_true", help="measure every load even after the budget is exceeded")
-    common.add_target_args(p)
-    common.add_measure_args(p)
-    common.add_input_args(p)
-    common.add_results_arg(p, "sla")
-    p.set_defaults(func=main)
+    harness.add_harness_args(p, "sla", main)
 
 
 def main(args: argparse.Namespace) -> int:
-    from tritonlm.perf import common
-
     if args.p99_ms <= 0:
         raise PerfError("--p99-ms must be positive")
     mode = "request_rate" if args.request_rate else "concurrency"
-    loads = common.loads_from(args.request_rate or args.concurrency or "1:64")
+    loads = harness.loads_from(args.request_rate or args.concurrency or "1:64")
     out = report.results_dir(args.results, "sla")
-    with common.open_target(args, [args.model], log_path=out / "tritonserver.log") as target:
-        decoupled = target.is_decoupled(args.model)
-        measure = common.measure_from_args(args, decoupled)
-        work = out / "raw"
-        work.mkdir(exist_ok=True)
-        inputs = common.model_input_args(target, args.model, args, work)
-        warm_up(target, args.model, measure, inputs, work)
+    with harness.open_measurement(args, out) as (target, setup):
+        warm_up(target, args.model, setup.measure, setup.input_args, setup.workdir)
         stop = None if args.full else over_budget_stopper(args.p99_ms)
-        points = sweep(target, args.model, loads, measure, inputs, mode=mode, workdir=work, label=f"sla {args.model}", stop=stop)
+        points = sweep(target, args.model, loads, setup.measure, setup.input_args, mode=mode, workdir=setup.workdir,
+                       label=f"sla {args.model}", stop=stop)
     result = SlaResult(points, args.p99_ms, best_within(points, args.p99_ms))
     print()
     print(

@@ -46,7 +46,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
-class TritonPythonModel:
+class StreamingTestModel:
     def initialize(self, args):
         params = json.loads(args["model_config"]).get("parameters", {})
         self.prefill_s = float(params["prefill_ms"]["string_value"]) / 1000.0
@@ -86,6 +86,9 @@ class TritonPythonModel:
     def finalize(self):
         for t in list(self.threads):
             t.join(timeout=10)
+
+
+TritonPythonModel = StreamingTestModel  # the name the Python backend looks up
 '''
 
 _TOKEN_CONFIG = """\
@@ -110,7 +113,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
-class TritonPythonModel:
+class TokenTestModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.vocab = int(config["output"][0]["dims"][-1])
@@ -128,6 +131,9 @@ class TritonPythonModel:
             np.put_along_axis(logits, ids[..., None], 1.0, axis=-1)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("logits", logits)]))
         return responses
+
+
+TritonPythonModel = TokenTestModel  # the name the Python backend looks up
 '''
 
 

@@ -14,7 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tritonlm.perf import report
+from tritonlm.perf import harness, report
 from tritonlm.perf.analyzer import Measure, Point, sweep, warm_up
 from tritonlm.perf.sla import best_within, over_budget_stopper
 from tritonlm.perf.target import PerfError, Target
@@ -160,10 +160,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def add_parser(sub) -> None:
-    from tritonlm.perf import common
-
-    p = sub.add_parser("tune", help="search queue delay x max batch size x instances within a p99 budget")
-    p.add_argument("--model", required=True)
+    p = harness.harness_parser(sub, "tune", "search queue delay x max batch size x instances within a p99 budget")
     p.add_argument("--p99-ms", type=float, required=True, help="p99 latency budget in milliseconds")
     p.add_argument("--queue-delays", default="0,500,2000", help="max_queue_delay_microseconds values (default 0,500,2000)")
     p.add_argument("--batch-sizes", default="4,8,16", help="max_batch_size values (default 4,8,16)")
@@ -171,32 +168,22 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="1:64", help="concurrency sweep per candidate (default doubling 1:64)")
     p.add_argument("--no-current", action="store_true", help="do not measure the model's current config as a baseline")
     p.add_argument("--write", type=Path, default=None, metavar="PATH", help="write the winning config.pbtxt here")
-    common.add_target_args(p)
-    common.add_measure_args(p)
-    common.add_input_args(p)
-    common.add_results_arg(p, "tune")
-    p.set_defaults(func=main)
+    harness.add_harness_args(p, "tune", main)
 
 
 def main(args: argparse.Namespace) -> int:
-    from tritonlm.perf import common
-
     if args.p99_ms <= 0:
         raise PerfError("--p99-ms must be positive")
     specs = candidate_specs(
         _ints(args.queue_delays, "--queue-delays"), _ints(args.batch_sizes, "--batch-sizes"), _ints(args.instances, "--instances")
     )
-    loads = common.loads_from(args.concurrency)
+    loads = harness.loads_from(args.concurrency)
     out = report.results_dir(args.results, "tune")
-    with common.open_target(args, [args.model], log_path=out / "tritonserver.log") as target:
-        if target.is_decoupled(args.model):
-            raise PerfError(f"model '{args.model}' is decoupled (streaming): tune batching for it with `tritonlm perf llm`")
-        measure = common.measure_from_args(args)
-        work = out / "raw"
-        work.mkdir(exist_ok=True)
-        inputs = common.model_input_args(target, args.model, args, work)
+    advice = "tune batching for it with `tritonlm perf llm`"
+    with harness.open_measurement(args, out, decoupled_advice=advice) as (target, setup):
         candidates, original = run_tune(
-            target, args.model, specs, loads, measure, inputs, work, args.p99_ms, include_current=not args.no_current
+            target, args.model, specs, loads, setup.measure, setup.input_args, setup.workdir, args.p99_ms,
+            include_current=not args.no_current,
         )
     rows = [c.row(args.p99_ms) for c in candidates]
     print()
