@@ -1,5 +1,5 @@
 """The generation model's contract (tritonlm/protocol.py INPUTS/OUTPUTS) is the one source
-of its config.pbtxt, the request parser, the client and the README tables: these tests
+of its config.pbtxt, the request parser, the client and the tables in docs/protocol.md: these tests
 fail when any of them drifts from it. No server needed."""
 
 from __future__ import annotations
@@ -59,18 +59,19 @@ def test_client_sends_the_contract_types():
     assert INPUT_TYPES == {t.name: t.dtype for t in INPUTS if t.optional}
 
 
-def test_readme_tables_are_the_contract():
-    readme = (REPO_ROOT / "README.md").read_text()
+def test_doc_tables_are_the_contract():
+    """docs/protocol.md holds the I/O tables (the README links there)."""
+    page = (REPO_ROOT / "docs" / "protocol.md").read_text()
     for direction, rows in (("inputs", INPUTS), ("outputs", OUTPUTS)):
         table = markdown_table(direction)
         header = table.splitlines()[0]
-        assert header in readme, f"README.md has no {direction} table ({header})"
-        # the README rows' names, in order: a clearer failure than the text comparison below
-        block = readme[readme.index(header):].split("\n\n", 1)[0]
+        assert header in page, f"docs/protocol.md has no {direction} table ({header})"
+        # the page's rows' names, in order: a clearer failure than the text comparison below
+        block = page[page.index(header):].split("\n\n", 1)[0]
         names = re.findall(r"^\| `([^`]+)` \|", block, flags=re.M)
-        assert names == [t.name for t in rows], f"README.md's {direction} table"
-        assert table in readme, (
-            f"README.md's {direction} table differs from tritonlm.protocol.markdown_table({direction!r}); paste:\n{table}"
+        assert names == [t.name for t in rows], f"docs/protocol.md's {direction} table"
+        assert table in page, (
+            f"docs/protocol.md's {direction} table differs from tritonlm.protocol.markdown_table({direction!r}); paste:\n{table}"
         )
 
 

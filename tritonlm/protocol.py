@@ -2,7 +2,7 @@
 
 INPUTS and OUTPUTS below are the one description of the generation model's tensors:
 the exported config.pbtxt (tritonlm/export/repository.py), the request parser here,
-the client (tritonlm/client/generate.py) and the tables in README.md ("Query it") are
+the client (tritonlm/client/generate.py) and the tables in docs/protocol.md are
 all derived from them, and tests/test_protocol_contract.py fails when they drift.
 Names follow what Triton LLM users and tools already send (TensorRT-LLM's ensemble,
 vLLM's backend, genai-perf). The Triton glue only moves tensors between Triton and
@@ -12,6 +12,7 @@ these functions, so every rule here is tested without a server.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -32,7 +33,7 @@ class Tensor:
               outputs: some responses leave it out (not written to config.pbtxt: Triton
               outputs have no such flag)
     default   inputs: the value a request without it gets; None: no value (see meaning)
-    meaning   one line for the README table
+    meaning   one line for the docs/protocol.md table
     """
 
     name: str
@@ -120,7 +121,7 @@ def _cell(value: Default) -> str:
 
 
 def markdown_table(direction: str = "inputs") -> str:
-    """The README table of the generation model's inputs (or outputs), from the contract."""
+    """The docs/protocol.md table of the generation model's inputs (or outputs), from the contract."""
     if direction == "inputs":
         lines = ["| input | type | shape | required | default | meaning |", "|---|---|---|---|---|---|"]
         lines += [
@@ -138,7 +139,7 @@ def markdown_table(direction: str = "inputs") -> str:
 @dataclass(frozen=True)
 class RequestLimits:
     """Bounds checked before any expensive work (decoding, tokenizing); each breach is an
-    error naming the input and the limit. From the model's settings (see README)."""
+    error naming the input and the limit. From the model's settings (docs/configuration.md)."""
 
     max_prompt_bytes: int = 262_144  # text_input, UTF-8 bytes
     max_words: int = 64  # entries in stop_words, and in bad_words
@@ -314,9 +315,13 @@ def _sp_number(key: str, v, integer: bool):
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise _sp_error(key, f"expected {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}")
     if not integer:
-        if not np.isfinite(v):
+        try:
+            value = float(v)  # an int past float's range overflows
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
             raise _sp_error(key, f"must be a finite number, got {v}")
-        return float(v)
+        return value
     lo, hi = (0, 2**64 - 1) if key == "seed" else (-(2**31), 2**31 - 1)  # the inputs' UINT64 / INT32 ranges
     if not lo <= v <= hi:
         raise _sp_error(key, f"must be in [{lo}, {hi}], got {v}")

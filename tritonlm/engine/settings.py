@@ -236,3 +236,134 @@ class EngineSettings:
         if s.speculative == "draft" and s.draft_model is None:
             raise SettingsError("draft_model: required with speculative 'draft' (a draft model's Hugging Face folder)")
         return s
+
+
+# ---- the parameters' documentation ---------------------------------------------------------
+# One row per config.pbtxt parameter, next to the parser above: docs/configuration.md holds
+# markdown_table()'s output, and tests/test_docs.py fails when the page differs from it, when
+# the parser reads a parameter that has no row here, or when a documented default is not what
+# the parser gives a config without that parameter.
+
+
+@dataclass(frozen=True)
+class ParameterDoc:
+    """One config.pbtxt parameter.
+
+    name     the key in `parameters { key: ... }`
+    default  the value a config without it gets, written as config.pbtxt would write it;
+             None: no value (`absent` says what happens then)
+    meaning  one line for the table
+    absent   with default None: what a config without it gets
+    """
+
+    name: str
+    default: str | None
+    meaning: str
+    absent: str = "-"
+
+
+_P = ParameterDoc
+
+# the generation model (task "generate"): EngineSettings.from_params
+GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
+    _P("task", None, "`generate`: the tritonlm backend runs this model as a generation model (required)", "required"),
+    _P("runtime", "torch",
+       "`torch`: tritonlm's own PyTorch forward pass over the paged KV cache; `onnx`: the exported decoder "
+       "(`onnx_model`) through ONNX Runtime"),
+    _P("hf_dir", "1/hf",
+       "the Hugging Face folder (config, weights, tokenizer), relative to the model folder; must stay inside"
+       " the model repository"),
+    _P("onnx_model", None,
+       "the exported `model.onnx`, relative to the model folder (exports write `../NAME_onnx/1/model.onnx`);"
+       " required with `runtime: onnx`"),
+    _P("device", "cpu",
+       "`cpu`, `cuda` or `cuda:N`; with `cuda` and an instance group of kind GPU, each instance runs on its "
+       "own GPU"),
+    _P("dtype", "float32",
+       "torch runtime precision, resolved at load and logged. `bfloat16` / `float16`: compute and KV in half"
+       " precision (half the KV bytes per token); `int8`: CPU only, weights int8 per output channel "
+       "(SmoothQuant-smoothed), activations quantized per token, compute and KV float32; `auto`: bfloat16 "
+       "where the device multiplies it natively (a GPU of compute capability 8.0+, a CPU with AVX512-BF16 or"
+       " AMX), else float32. Anything but float32 needs `runtime: torch` without model parallelism and may "
+       "change greedy text at near ties"),
+    _P("max_context", None,
+       "longest prompt + output in tokens; at most the model's positions", "the model's positions"),
+    _P("kv_cache_bytes", None,
+       "KV cache budget in bytes (`64MiB`, `1.5GiB` work); must hold one full-context sequence; wins over "
+       "`kv_cache_fraction`", "8 full-context sequences"),
+    _P("kv_cache_fraction", None, "KV cache budget as a fraction of the device's free memory at load, in (0, 1]"),
+    _P("kv_block_size", "16", "tokens per KV cache page"),
+    _P("max_num_seqs", "64", "most sequences in one forward pass"),
+    _P("max_num_batched_tokens", "512", "most new tokens in one forward pass (prefill is chunked to fit)"),
+    _P("max_queue_size", "1024", "requests that may wait; one more is refused as \"server busy\""),
+    _P("queue_timeout_s", "0", "seconds a request may wait in the queue before it fails; 0: no limit"),
+    _P("cancellation_check_period_ms", "100",
+       "how often each live request is asked whether its client cancelled or left; each ask is a round trip "
+       "to tritonserver"),
+    _P("stream_interval", "1",
+       "a stream's first token goes out at once, then one response every N tokens (and the final one); N > 1"
+       " trades smoothness for throughput at many streams"),
+    _P("default_max_tokens", "16", "new tokens for a request without `max_tokens`"),
+    _P("max_prompt_bytes", "0", "most UTF-8 bytes in `text_input`; 0: 32 x `max_context`"),
+    _P("max_words", "64", "most entries in `stop_words`, and in `bad_words`"),
+    _P("max_word_bytes", "256", "most bytes in one stop or bad word"),
+    _P("max_request_bytes", "0", "most bytes of all inputs together; 0: the limits above added up + 64 KiB"),
+    _P("use_kv_cache", "true", "`false` recomputes the whole sequence every step (a benchmark baseline only)"),
+    _P("enable_prefix_caching", "true",
+       "share the KV blocks of common prompt prefixes (a system prompt, earlier turns of a chat) across "
+       "requests; off with a `draft_model`"),
+    _P("num_threads", "0",
+       "torch intra-op threads; 0: torch's default (model-parallel ranks: the CPU count / ranks each)"),
+    _P("attention_backend", "auto",
+       "torch runtime, how decode steps read the KV cache. `paged`: tritonlm's C++ kernels read K/V in place"
+       " (CPU with float32 compute: `dtype` float32 or int8; compiled for the host CPU at the first load, "
+       "needs g++); `gather`: copy each sequence's K/V, then torch's SDPA; `auto`: `paged` where it runs, "
+       "else `gather` (logged)"),
+    _P("draft_model", None,
+       "speculative decoding: the draft model's Hugging Face folder, relative to the model folder (exports "
+       "write `../NAME_draft/1/hf`); must share the tokenizer"),
+    _P("speculative", None,
+       "`off`, `draft` (a draft model guesses) or `prompt_lookup` (guesses copied from the prompt and "
+       "output)", "`draft` with a `draft_model`, else `off`"),
+    _P("num_draft_tokens", "4",
+       "speculative decoding: most tokens guessed per step (a request's `num_draft_tokens` may ask fewer)"),
+    _P("prompt_lookup_ngram", "3", "prompt lookup: the longest n-gram matched against earlier text"),
+    _P("tensor_parallel_size", "1",
+       "N > 1: split every layer's heads and MLP columns over N processes; must divide the attention and "
+       "key/value heads"),
+    _P("pipeline_parallel_size", "1",
+       "N > 1: consecutive layer ranges on N processes; at most the number of layers; not together with "
+       "`tensor_parallel_size`"),
+    _P("pipeline_micro_batches", "0", "pipeline parallel: micro-batches per step; 0: one per stage"),
+    _P("parallel_timeout_s", "60",
+       "model parallelism: seconds one collective op (or a worker's start) may take before the model goes "
+       "out of service"),
+)
+
+# the forward-pass models run inside the tritonlm backend (task "forward", `tritonlm export
+# --runtime python`): read by tritonlm/glue/forward.py, documented here where tests can import it
+FORWARD_PARAMETERS: tuple[ParameterDoc, ...] = (
+    _P("task", None,
+       "`forward`: one forward pass per request, batched by Triton's dynamic batcher (required)", "required"),
+    _P("format", "onnx", "`onnx` (ONNX Runtime) or `torchscript`"),
+    _P("artifact", None, "the file in the version folder", "`model.onnx` / `model.pt`"),
+    _P("device", "cpu", "`cpu`, `cuda` or `cuda:N`"),
+    _P("threads", "0", "intra-op threads; 0: the runtime's own choice"),
+    _P("spin", None, "`true`: ONNX Runtime's idle threads busy-wait (lower latency, burns CPU)", "off"),
+    _P("max_positions", None,
+       "the model's context length: requests with positions beyond it are refused (exports write it)", "no "
+       "check"),
+)
+
+PARAMETER_TABLES = {"generate": GENERATE_PARAMETERS, "forward": FORWARD_PARAMETERS}
+
+
+def markdown_table(kind: str = "generate") -> str:
+    """The docs/configuration.md table of one model kind's config.pbtxt parameters."""
+    if kind not in PARAMETER_TABLES:
+        raise ValueError(f"kind {kind!r}: use one of {sorted(PARAMETER_TABLES)}")
+    lines = ["| parameter | default | meaning |", "|---|---|---|"]
+    for p in PARAMETER_TABLES[kind]:
+        default = p.absent if p.default is None else f"`{p.default}`"
+        lines.append(f"| `{p.name}` | {default} | {p.meaning} |")
+    return "\n".join(lines) + "\n"
