@@ -39,8 +39,12 @@ class Collector:
 
     def request(self, engine: Engine, prompt: str, stream: bool = True, **params) -> int:
         req = GenerationRequest(engine.encode(prompt), SamplingParams(**params), self._on_event, stream=stream)
-        engine.submit(req)
-        self.events[req.request_id] = []
+        self.events[req.request_id] = []  # before submit: a started engine may answer at once
+        try:
+            engine.submit(req)
+        except BaseException:  # refused (e.g. server busy): no request to follow
+            del self.events[req.request_id]
+            raise
         return req.request_id
 
     def _on_event(self, ev):

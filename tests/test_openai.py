@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -24,9 +23,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.genrepo import add_generation_model, hf_greedy, tiny
-from tests.waiting import wait_until
+from tests.waiting import HANG_GUARD_S, Output, wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
-from tritonlm.export.repository import write_generate_config
+from tritonlm.export.repository import write_generation_model
 from tritonlm.models.builtin import tiny_tokenizer
 from tritonlm.openai.server import EXIT_DEADLINE_S, OpenAIServer
 from tritonlm.paths import REPO_ROOT
@@ -38,23 +37,25 @@ CHATML = (
 )
 PROMPTS = ["The capital of France is", "Once upon a time there was a small robot who wanted", "Hi",
            "Café naïve — 你好，世界 🙂", "def main(): return"]
-LONG_CONTEXT = 1024
+LONG_CONTEXT = 8192
+LONG_TOKENS = LONG_CONTEXT - 100  # nearly the whole context: it outlasts whatever a test does mid-stream
 
 
 def add_long_model(repo, name, **parameters):
-    """A GPT-2 with 1024 positions (seeded weights, the tiny tokenizer): generations that last
-    seconds, so a test can act mid-stream."""
+    """A tiny Llama (seeded weights, the tiny tokenizer; RoPE: no position table) with room for
+    LONG_CONTEXT tokens: generations that last, so a test can act mid-stream however slow it
+    is next to the model."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tiny_tokenizer()
-    config = GPT2Config(vocab_size=len(tok), n_positions=LONG_CONTEXT, n_embd=128, n_layer=2, n_head=4,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=LONG_CONTEXT,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(7)
-    hf = repo / name / "1" / "hf"
-    GPT2LMHeadModel(config).eval().save_pretrained(hf)
-    tok.save_pretrained(hf)
-    write_generate_config(repo / name, name, max_context=LONG_CONTEXT, extra_parameters={k: str(v) for k, v in parameters.items()})
+    write_generation_model(repo, name, LlamaForCausalLM(config).eval(), tok, max_context=LONG_CONTEXT, **parameters)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def frontend(triton_server, triton_repo):
 
 @pytest.fixture(scope="module")
 def client(frontend):
-    return openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
 
 
 def chat_template_prompt(messages) -> str:
@@ -281,33 +282,32 @@ def test_a_full_queue_is_429_server_busy_and_a_disconnect_frees_the_kv_cache(fro
     assert metric(triton_server, "tritonlm_kv_cache_used_bytes", "long") == 0
     cancelled = metric(triton_server, "tritonlm_requests_finished_total", "long", reason="cancelled")
     # the official client sends extensions (ignore_eos) through extra_body
-    stream = client.completions.create(model="long", prompt="I hold the only slot", max_tokens=1000, stream=True,
+    stream = client.completions.create(model="long", prompt="I hold the only slot", max_tokens=LONG_TOKENS, stream=True,
                                        extra_body={"ignore_eos": True})
     assert next(iter(stream)).choices[0].text is not None
     assert metric(triton_server, "tritonlm_kv_cache_used_bytes", "long") > 0
     with cf.ThreadPoolExecutor(1) as pool:
         queued = pool.submit(client.completions.create, model="long", prompt="I wait", max_tokens=4)
-        assert wait_until(lambda: metric(triton_server, "tritonlm_requests_waiting", "long") == 1, 10)
+        assert wait_until(lambda: metric(triton_server, "tritonlm_requests_waiting", "long") == 1, HANG_GUARD_S)
         with pytest.raises(openai.RateLimitError) as busy:
             client.completions.create(model="long", prompt="no room", max_tokens=4)
         assert "server busy" in busy.value.body["message"] and busy.value.status_code == 429
-        # the client of the running stream goes away: its request is cancelled, its cache freed
-        t0 = time.monotonic()
+        # the client of the running stream goes away: its request is cancelled (not run to its
+        # end: the cancelled count below), its cache freed
         stream.close()
-        assert queued.result(timeout=30).usage.completion_tokens == 4  # it got the slot
-    assert wait_until(lambda: metric(triton_server, "tritonlm_kv_cache_used_bytes", "long") == 0, 10)
-    assert time.monotonic() - t0 < 10
+        assert queued.result(timeout=HANG_GUARD_S).usage.completion_tokens == 4  # it got the slot
+    assert wait_until(lambda: metric(triton_server, "tritonlm_kv_cache_used_bytes", "long") == 0, HANG_GUARD_S)
     assert metric(triton_server, "tritonlm_requests_finished_total", "long", reason="cancelled") == cancelled + 1
 
 
 def test_a_disconnect_while_queued_or_not_streaming_cancels_too(frontend, triton_server):
     cancelled = metric(triton_server, "tritonlm_requests_finished_total", "long", reason="cancelled")
     conn = http.client.HTTPConnection(frontend.url.removeprefix("http://"), timeout=30)
-    body = {"model": "long", "prompt": "a long answer nobody reads", "max_tokens": 1000, "ignore_eos": True}
+    body = {"model": "long", "prompt": "a long answer nobody reads", "max_tokens": LONG_TOKENS, "ignore_eos": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    assert wait_until(lambda: metric(triton_server, "tritonlm_kv_cache_used_bytes", "long") > 0, 10)
-    conn.close()  # not streamed: the answer would come in seconds; nobody waits for it
-    assert wait_until(lambda: metric(triton_server, "tritonlm_kv_cache_used_bytes", "long") == 0, 10)
+    assert wait_until(lambda: metric(triton_server, "tritonlm_kv_cache_used_bytes", "long") > 0, HANG_GUARD_S)
+    conn.close()  # not streamed: the answer would come at the end; nobody waits for it
+    assert wait_until(lambda: metric(triton_server, "tritonlm_kv_cache_used_bytes", "long") == 0, HANG_GUARD_S)
     assert metric(triton_server, "tritonlm_requests_finished_total", "long", reason="cancelled") == cancelled + 1
 
 
@@ -331,6 +331,18 @@ def test_32_concurrent_streams_all_complete_nothing_lost_or_duplicated(client, t
 
 
 # ---- `tritonlm openai` in front of a running Triton -------------------------------------------
+def stopped(proc: subprocess.Popen, out: Output, signal_name: str) -> None:
+    """After a stop signal: the command exits 0 saying "OpenAI API stopped" (past its own
+    EXIT_DEADLINE_S it exits by itself, non-zero; the wait here is only a hang guard)."""
+    try:
+        proc.wait(HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running {HANG_GUARD_S:.0f} s after {signal_name}; its output:\n{out.finish()}")
+    text = out.finish()
+    assert proc.returncode == 0 and "OpenAI API stopped" in text, (proc.returncode, EXIT_DEADLINE_S, text)
+
+
 def test_openai_command_in_front_of_a_running_triton(triton_server, triton_repo):
     (port,) = free_ports(1)
     proc = subprocess.Popen(
@@ -338,22 +350,17 @@ def test_openai_command_in_front_of_a_running_triton(triton_server, triton_repo)
          "--tokenizer", f"tiny={triton_repo / 'tiny_chat' / '1' / 'hf'}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    out = Output(proc.stdout)  # the ready line, whatever a library prints before it
     try:
-        line = proc.stdout.readline()
-        assert f"OpenAI API ready on http://127.0.0.1:{port}/v1" in line, line + proc.stdout.read() if proc.poll() else line
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert out.wait_for(f"OpenAI API ready on http://127.0.0.1:{port}/v1"), out.text
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
         # --tokenizer tiny=...: model tiny gets that folder's template; tiny_chat has no tokenizer here
         r = c.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
         assert r.choices[0].message.content == grpc(triton_server, chat_template_prompt(USER), max_tokens=4).text
         with pytest.raises(openai.BadRequestError, match="--repo"):
             c.chat.completions.create(model="tiny_chat", messages=USER, max_tokens=4)
         proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=EXIT_DEADLINE_S + 15)  # past its deadline it exits by itself
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"still running {EXIT_DEADLINE_S + 15:.0f} s after SIGINT; its output:\n{proc.communicate()[0]}")
-        assert proc.returncode == 0 and "OpenAI API stopped" in out, out
+        stopped(proc, out, "SIGINT")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -366,21 +373,20 @@ def test_openai_command_stops_gracefully_on_sigint_and_sigterm(sig):
     with SIGINT ignored, and SIGTERM's default would end it mid-response: the command handles
     both itself and stops as on Ctrl-C (exit 0, "OpenAI API stopped")."""
     port, unused = free_ports(2)  # nothing listens on `unused`: the frontend starts without Triton
+    # SIGINT ignored from the start, as `&` in a script does: the shell ignores it and execs the
+    # command (ignored signals stay ignored across exec). Not a preexec_fn: that forks this
+    # process, whose gRPC threads (earlier tests' clients) make a fork unsafe (gRPC's fork
+    # handlers skip, and the child can log poller errors or abort before its exec).
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tritonlm.cli", "openai", "--triton-url", f"127.0.0.1:{unused}", "--port", str(port)],
+        ["sh", "-c", 'trap "" INT; exec "$0" "$@"',
+         sys.executable, "-m", "tritonlm.cli", "openai", "--triton-url", f"127.0.0.1:{unused}", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # what `&` in a script does
     )
+    out = Output(proc.stdout)  # the ready line, whatever a library prints before it
     try:
-        line = proc.stdout.readline()
-        assert "OpenAI API ready" in line, line + (proc.stdout.read() if proc.poll() is not None else "")
+        assert out.wait_for("OpenAI API ready"), out.text
         proc.send_signal(sig)
-        try:
-            out, _ = proc.communicate(timeout=EXIT_DEADLINE_S + 15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"{sig.name} did not stop it; its output:\n{proc.communicate()[0]}")
-        assert proc.returncode == 0 and "OpenAI API stopped" in out, (proc.returncode, out)
+        stopped(proc, out, sig.name)
     finally:
         if proc.poll() is None:
             proc.kill()

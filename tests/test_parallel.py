@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.genrepo import add_generation_model, hf_greedy, tiny
-from tests.waiting import wait_until
+from tests.waiting import HANG_GUARD_S, wait_until
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.parallel import (
@@ -31,10 +31,10 @@ from tritonlm.engine.parallel import (
     kv_bytes_per_token_per_rank,
     validate_parallel,
 )
+from tritonlm.engine.parallel.shard import split_range
 from tritonlm.engine.parallel.steps import micro_batch_bounds
 from tritonlm.engine.runners import Runner
 from tritonlm.engine.runners.torch_runner import TorchRunner
-from tritonlm.engine.runners.transformer import split_range
 from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.engine.model_shape import ModelShape
 
@@ -375,13 +375,14 @@ def test_killed_worker_fails_the_step_at_once_and_reports_which_rank(hf_dirs):
         twin.step([(1, tokens(5, 1))])
         victim = runner.worker_pids[0]
         os.kill(victim, signal.SIGKILL)
-        assert wait_until(lambda: not runner.healthy, 5), "the monitor did not notice the dead worker"
+        assert wait_until(lambda: not runner.healthy, HANG_GUARD_S), "the monitor did not notice the dead worker"
         assert reasons and "rank 1" in reasons[0] and "SIGKILL" in reasons[0]
-        t0 = time.monotonic()
         batch = StepBatch.build([[7]], [5], [twin.cache.slots(1, 6)])
-        with pytest.raises(WorkerFailure, match=r"out of service .*rank 1.*reload the model"):
+        with pytest.raises(WorkerFailure, match=r"out of service .*rank 1.*reload the model") as failed:
             runner.forward(batch, None)
-        assert time.monotonic() - t0 < 2
+        # at once: refused before any rank is asked to step (no collective waited on the dead
+        # rank and failed: that would be the error's cause)
+        assert failed.value.__cause__ is None, failed.value.__cause__
         assert len(reasons) == 1  # the callback runs once
     finally:
         runner.close()
@@ -390,20 +391,20 @@ def test_killed_worker_fails_the_step_at_once_and_reports_which_rank(hf_dirs):
 
 def test_hung_worker_times_out_the_step_instead_of_hanging(hf_dirs):
     hf_dir, model = hf_dirs["gpt2"]
-    runner = start(hf_dir, "tensor", timeout_s=3.0)
+    # the timeout also bounds joining the process group and every step before the hang: long
+    # enough for a busy host, short enough that the test does not wait long for the hung step
+    runner = start(hf_dir, "tensor", timeout_s=10.0)
     try:
         twin = Twin(model, runner)
         twin.add(1)
         twin.step([(1, tokens(4, 1))])
         victim = runner.worker_pids[0]
         os.kill(victim, signal.SIGSTOP)  # alive but not answering
-        t0 = time.monotonic()
         batch = StepBatch.build([[7]], [4], [twin.cache.slots(1, 5)])
-        with pytest.raises(WorkerFailure):
+        with pytest.raises(WorkerFailure):  # raised, not hung (pytest's timeout guards a hang)
             runner.forward(batch, None)
-        assert time.monotonic() - t0 < 15
         assert not runner.healthy
-        assert wait_until(lambda: not alive(victim), 5)  # the stuck worker was killed
+        assert wait_until(lambda: not alive(victim), HANG_GUARD_S)  # the stuck worker was killed
     finally:
         runner.close()
 
@@ -432,7 +433,7 @@ def test_workers_die_with_their_parent(hf_dirs, tmp_path):
         assert pids and all(alive(p) for p in pids)
         parent.kill()
         parent.wait(timeout=10)
-        assert wait_until(lambda: not any(alive(p) for p in pids), 5), "orphaned workers"
+        assert wait_until(lambda: not any(alive(p) for p in pids), HANG_GUARD_S), "orphaned workers"
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -24,6 +24,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.waiting import HANG_GUARD_S, wait_until
 from tritonlm.cli import main as cli_main
 from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.paths import REPO_ROOT
@@ -227,19 +228,23 @@ def test_temporary_log_goes_after_a_clean_stop_and_stays_after_a_failed_start(tm
     bad.log_path.unlink()
 
     good = TritonServer(tmp_path, *free_ports(3), model_control="explicit")  # empty repository: fast
-    good.start(timeout_s=120)
+    good.start(timeout_s=HANG_GUARD_S)
     log = good.log_path
     assert log.is_file() and good.started
     assert good.stop() == 0
     assert not log.exists()
 
 
+# loads until the test lets it go (the release file): the Ctrl-C surely comes while it loads
 SLOW_MODEL = '''
 import pathlib, time
 class TritonPythonModel:
     def initialize(self, args):
         pathlib.Path({marker!r}).write_text("loading")
-        time.sleep(5)
+        for _ in range(6000):  # 10 minutes at most: a hang guard
+            if pathlib.Path({release!r}).exists():
+                break
+            time.sleep(0.1)
     def execute(self, requests):
         return []
 '''
@@ -279,25 +284,25 @@ def _live_members_of_group(pgid: int) -> list[int]:
 
 
 def test_ctrl_c_while_serve_starts_leaves_no_server_behind(tmp_path):
-    marker = tmp_path / "loading"
+    marker, release = tmp_path / "loading", tmp_path / "release"
     (tmp_path / "repo/slow/1").mkdir(parents=True)
-    (tmp_path / "repo/slow/1/model.py").write_text(SLOW_MODEL.format(marker=str(marker)))
+    (tmp_path / "repo/slow/1/model.py").write_text(SLOW_MODEL.format(marker=str(marker), release=str(release)))
     (tmp_path / "repo/slow/config.pbtxt").write_text(SLOW_CONFIG)
     http, grpc, metrics = free_ports(3)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tritonlm.cli", "serve", "--repo", str(tmp_path / "repo"),
          "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+         "--openai-port", "0",  # not the default port: another run may hold it (and it never starts here)
          "--log-file", str(tmp_path / "server.log")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: marker.exists() or proc.poll() is not None, HANG_GUARD_S)
         assert marker.exists(), "the slow model never started loading"
         (server_pid,) = _pids_with(f"--http-port={http}")
         os.kill(proc.pid, signal.SIGINT)  # the model is still loading: the server is not ready
-        out, _ = proc.communicate(timeout=90)
+        release.write_text("")  # now the load may end, and the server stop
+        out, _ = proc.communicate(timeout=HANG_GUARD_S)
         assert proc.returncode == 130, out
         assert "interrupted while starting; tritonserver stopped" in out and "tritonserver ready" not in out
         assert f"(log: {tmp_path / 'server.log'})" in out and "loading: slow" in (tmp_path / "server.log").read_text()
@@ -333,17 +338,15 @@ def test_parallel_worker_outlives_group_stop_signals_until_its_engine_lets_go():
         theirs.close()
         try:
             wanted = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
-            deadline = time.monotonic() + 60
-            while _ignored_signals(worker.pid) & wanted != wanted and time.monotonic() < deadline:
-                assert worker.poll() is None
-                time.sleep(0.05)
+            wait_until(lambda: _ignored_signals(worker.pid) & wanted == wanted or worker.poll() is not None, HANG_GUARD_S)
+            assert worker.poll() is None
             assert _ignored_signals(worker.pid) & wanted == wanted
             for sig in (signal.SIGTERM, signal.SIGINT):
                 worker.send_signal(sig)
-            time.sleep(0.5)
+            time.sleep(0.5)  # a chance to die wrongly (a slow host only makes it smaller)
             assert worker.poll() is None, "a stop signal killed the worker before its engine let go"
             ours.close()  # the engine goes away: the worker follows
-            assert worker.wait(timeout=60) == 0
+            assert worker.wait(timeout=HANG_GUARD_S) == 0
         finally:
             if worker.poll() is None:
                 worker.kill()

@@ -1,8 +1,15 @@
-"""Polling helper shared by the tests that watch processes and servers change state."""
+"""Waiting helpers shared by the tests that watch processes and servers change state.
+
+A test waits for the thing itself (a log line, a metric, a process exit), never for a fixed
+time: the host may be slow or busy. The timeouts here are hang guards only, long enough that
+no working run reaches them."""
 
 from __future__ import annotations
 
+import threading
 import time
+
+HANG_GUARD_S = 600.0  # what a wait for something that does happen gives it: reached only by a hang
 
 
 def wait_until(cond, timeout_s: float, step: float = 0.1) -> bool:
@@ -15,7 +22,7 @@ def wait_until(cond, timeout_s: float, step: float = 0.1) -> bool:
     return cond()
 
 
-def wait_for_requests(metrics_port: int, model: str, count: int, timeout_s: float = 30) -> bool:
+def wait_for_requests(metrics_port: int, model: str, count: int, timeout_s: float = HANG_GUARD_S) -> bool:
     """Wait until the model's engine holds `count` requests (waiting + running, from the
     server's metrics): a test that signals the server must know its requests are in."""
     from tritonlm.perf.serverstats import engine_gauges
@@ -28,3 +35,34 @@ def wait_for_requests(metrics_port: int, model: str, count: int, timeout_s: floa
         return g.get("requests_waiting", 0) + g.get("requests_running", 0)
 
     return wait_until(lambda: inside() >= count, timeout_s)
+
+
+class Output:
+    """A process's text output, read on a thread as it comes: a test waits for a line in it
+    (not for the first line: a library may print a warning before it) and shows all of it
+    when an assertion fails. The process's stdout belongs to this reader: wait on the
+    process itself (proc.wait), then read .text."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
+        self._thread.start()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def closed(self) -> bool:
+        """The process closed its output (it exited): nothing more will come."""
+        return not self._thread.is_alive()
+
+    def wait_for(self, text: str, timeout_s: float = HANG_GUARD_S) -> bool:
+        """Until text appears in the output, or the output ends without it."""
+        wait_until(lambda: text in self.text or self.closed, timeout_s)
+        return text in self.text
+
+    def finish(self, timeout_s: float = 30) -> str:
+        """All of it, once the process has exited (the reader reaches the end)."""
+        self._thread.join(timeout_s)
+        return self.text

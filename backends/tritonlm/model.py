@@ -6,14 +6,9 @@ All logic lives in the importable `tritonlm` package.
 """
 
 import json
-import os
-import sys
 
-try:
-    import tritonlm  # noqa: F401  (installed with `pip install -e .` or `pip install .`)
-except ImportError:  # running from a checkout: backends/tritonlm/model.py -> repo root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
-
+# The tritonlm package must be installed in the Python the stub runs (`make setup`,
+# `pip install .` in the container): tritonserver starts the first python on PATH.
 from tritonlm.glue import make_handler
 from tritonlm.glue.drain import watch_drain
 

@@ -68,7 +68,7 @@ def coalesce(batches: list[Batch]) -> Batch:
 
 
 class EventDispatcher:
-    """Sends on its own thread. Every response is a round trip to tritonserver (~0.1-0.4 ms);
+    """Sends on its own thread. Every response is a round trip to tritonserver;
     when steps come faster than the responses go (many streams, short steps: a GPU, a small
     model), the batches that queued up while it sent go out coalesced, one event per
     stream for all its new tokens, instead of the clients falling further behind."""

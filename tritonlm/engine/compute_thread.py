@@ -1,13 +1,12 @@
 """The one thread that runs a model's torch work: loading, warm-up, then every step.
 
 PyTorch's CPU kernels parallelize with OpenMP, and an OpenMP thread team belongs to the
-thread that started it. Measured on the 2-core test host (SmolLM2-135M, int8): once the
-main thread had run one parallel op, forward passes on a second thread kept only ~1.3 of
-the 2 cores busy and ran ~1.5x slower (batch-1 step 28 vs 18 ms, batch 32 similar); with
-the model loaded and run on the same thread they ran at full speed. A server loads the
-model on the thread that calls initialize() and steps on an engine thread, so the engine
-does both on this thread instead. torch.set_num_threads on the second thread, a passive
-OpenMP wait policy and one malloc arena did not help (measured).
+thread that started it: once the main thread has run one parallel op, forward passes on a
+second thread leave cores idle and run slower, while a model loaded and run on the same
+thread runs at full speed (docs/performance-notes.md). A server loads the model on the
+thread that calls initialize() and steps on an engine thread, so the engine does both on
+this thread instead. torch.set_num_threads on the second thread, a passive OpenMP wait
+policy and one malloc arena do not fix it (docs/performance-notes.md).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ ATTENTION_SLACK = 256  # and padded (query, key) pairs per useful token on top
 def group_prefill(chunks: list[tuple[Sequence, list[int]]]) -> list[list[tuple[Sequence, list[int]]]]:
     """Prefill chunks packed into passes, shortest first.
 
-    Every pass reads all the weights once (tens of ms on a CPU), so fewer passes are
+    Every pass reads all the weights once, so fewer passes are
     better; what sharing costs is padding. The runner drops padded positions before every
     projection and MLP (ForwardBatch.packed), so padding costs only attention: rows x widest
     chunk queries over the longest row's keys. A chunk joins the current pass while that
@@ -185,10 +185,10 @@ class ModelExecutor:
 
     @staticmethod
     def _greedy(fwd: ForwardResult) -> dict[int, int]:
-        """Row index -> next token for the rows on plain greedy, one argmax per pass: per row,
-        the torch calls on [V] took ~2.8 ms of a 44 ms step at batch 32 (SmolLM2, 2 cores).
-        A row whose winner is not finite is left to sample_row, which decides the same way
-        as alone."""
+        """Row index -> next token for the rows on plain greedy, one argmax per pass: the torch
+        calls on [V], made per row, would be a visible share of a batched step
+        (docs/performance-notes.md). A row whose winner is not finite is left to sample_row,
+        which decides the same way as alone."""
         out: dict[int, int] = {}
         for first, logits in fwd.passes:  # logits [B, V]; rows first .. first + B - 1
             picked = [

@@ -70,7 +70,7 @@ class KVPool:
         )
 
     @staticmethod
-    def for_spec(spec: ModelShape, num_slots: int, device: str | torch.device = "cpu") -> "KVPool":
+    def for_shape(spec: ModelShape, num_slots: int, device: str | torch.device = "cpu") -> "KVPool":
         return KVPool.allocate(num_slots, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
 
     @property

@@ -48,8 +48,8 @@ def build_engine(settings: EngineSettings, observer: EngineObserver | None = Non
     anything fails after the runner exists, the runner is closed (no worker outlives it).
 
     Loading runs on the thread that will run the engine's loop (ComputeThread): OpenMP
-    gives a forward pass on another thread than the one that loaded the model ~1.3 of
-    2 cores (compute_thread.py)."""
+    runs a forward pass slower on another thread than the one that loaded the model
+    (compute_thread.py)."""
     compute = ComputeThread()
     try:
         engine = compute.call(_load_and_build, settings, observer, runner, tokenizer)

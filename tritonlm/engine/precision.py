@@ -37,9 +37,8 @@ class Precision:
 
 def native_bf16(device: str | torch.device) -> tuple[bool, str]:
     """(does the device multiply bf16 natively, what was found). Without it, bf16 matmuls
-    are emulated and run slower than float32 (2.3x slower on one AVX-512 CPU without BF16).
-    With it (AMD EPYC, AVX512-BF16, no AMX; SmolLM2, context 192): the bf16 step was
-    1.2 / 1.4 / 1.5x faster than blocked float32 at batch 1 / 8 / 32."""
+    are emulated and run slower than float32; with it, a bf16 step runs faster than blocked
+    float32 (docs/performance-notes.md)."""
     device = torch.device(device)
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
