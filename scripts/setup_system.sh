@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # System pieces pip cannot install, from Debian's packages:
 #   libb64-0d  libb64.so.0d, which perf_analyzer links
-#   nginx      the load balancer of the replica demo (perf/demo_scale.py, tests/test_scale.py);
+#   nginx      the load balancer of the replica demo (perf/demo_scale.py, tests/integration/test_scale.py);
 #              run as the current user with its own config, never as the system service
 #   g++        compiles tritonlm's C++ kernels (paged attention, fused ops) for the host at first load
 #              (tritonlm/engine/kernels; without it decode falls back to the slower torch path)

@@ -3,7 +3,7 @@
 INPUTS and OUTPUTS below are the one description of the generation model's tensors:
 the exported config.pbtxt (tritonlm/export/repository.py), the request parser here,
 the client (tritonlm/client/generate.py) and the tables in docs/protocol.md are
-all derived from them, and tests/test_protocol_contract.py fails when they drift.
+all derived from them, and tests/unit/test_protocol.py fails when they drift.
 Names follow what Triton LLM users and tools already send (TensorRT-LLM's ensemble,
 vLLM's backend, genai-perf). The Triton glue only moves tensors between Triton and
 these functions, so every rule here is tested without a server.

@@ -66,14 +66,16 @@ class OutputProcessor:
             if out.error is not None:
                 self._fail(seq, out.error)
                 continue
-            used = self._append(seq, out.tokens, now)
-            if seq.request.stream and seq.state is not SeqState.FINISHED:
-                self._stream(seq)
-            if out.proposed:
+            used, finish_reason = self._append(seq, out.tokens, now)
+            if out.proposed:  # counted before the final event, which reports the totals
                 accepted = min(out.accepted, used)  # guesses after the sequence ended do not count
                 seq.draft_tokens += out.proposed
                 seq.accepted_draft_tokens += accepted
                 self._observe("on_speculation", out.proposed, accepted)
+            if finish_reason is not None:
+                self._finish(seq, finish_reason)
+            elif seq.request.stream:
+                self._stream(seq)
         generated = self.stats.tokens_generated - generated_before
         self._observe("on_step", step.batch_size, step.num_tokens, step.seconds, generated)
         self._flush()  # after the metrics: a client that saw its response finds it counted
@@ -86,8 +88,9 @@ class OutputProcessor:
         except Exception:  # metrics must never cost a client its response
             log.exception("metrics hook %s failed", hook)
 
-    def _append(self, seq: Sequence, tokens: list[tuple[int, float]], now: float) -> int:
-        """Add tokens in order until the sequence finishes; returns how many were used."""
+    def _append(self, seq: Sequence, tokens: list[tuple[int, float]], now: float) -> tuple[int, str | None]:
+        """Add tokens in order until the sequence should finish; returns how many were used
+        and the finish reason (None: it goes on). The caller finishes it."""
         for used, (token, logprob) in enumerate(tokens, start=1):
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -95,19 +98,16 @@ class OutputProcessor:
             seq.last_token_time = now
             eos = seq.sampling.eos_id
             if eos is not None and token == eos:
-                self._finish(seq, "stop")
-                return used
+                return used, "stop"
             seq.token_ids.append(token)
             self.stats.tokens_generated += 1
             text = seq.detok.update()
             self._report(seq, text, token, logprob)
             if seq.detok.stopped:
-                self._finish(seq, "stop")
-                return used
+                return used, "stop"
             if seq.num_output_tokens >= seq.request.params.max_tokens or seq.num_tokens >= self.max_context:
-                self._finish(seq, "length")
-                return used
-        return len(tokens)
+                return used, "length"
+        return len(tokens), None
 
     def _report(self, seq: Sequence, text: str, token: int, logprob: float) -> None:
         """Accumulate until the stream's next event or the final one."""

@@ -240,9 +240,9 @@ class EngineSettings:
 
 # ---- the parameters' documentation ---------------------------------------------------------
 # One row per config.pbtxt parameter, next to the parser above: docs/configuration.md holds
-# markdown_table()'s output, and tests/test_docs.py fails when the page differs from it, when
-# the parser reads a parameter that has no row here, or when a documented default is not what
-# the parser gives a config without that parameter.
+# markdown_table()'s output, and tests/unit/test_docs.py fails when the page differs from it,
+# when the parser reads a parameter that has no row here, or when a documented default is not
+# what the parser gives a config without that parameter.
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Helpers the tests share: import them from here, never from another test file."""

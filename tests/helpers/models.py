@@ -1,0 +1,208 @@
+"""Models, engines and forward passes the tests share.
+
+Seeded tiny models only (tiny-gpt2 from tritonlm.models.builtin, a tiny grouped-query
+Llama built here): nothing is downloaded. transformers' own generate() and forward pass
+are the references; the engine helpers drive an Engine step by step on the test's thread.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.engine import Engine
+from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.request import GenerationEvent, GenerationRequest, SamplingParams
+from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.engine.scheduler import SchedulerConfig
+from tritonlm.models.builtin import build_tiny
+
+LLAMA_VOCAB = 512  # tiny_llama's vocabulary; random_tokens draws from it
+ATOL = 1e-4  # float32 logits of a forward pass against transformers' own
+
+# prompts of mixed lengths and scripts (multi-byte characters included)
+MIXED_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time there was a small robot who wanted",
+    "Hi",
+    "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25",
+    "Café naïve — 你好，世界 🙂",
+    "def main(): return",
+]
+
+
+# ---------------------------------------------------------------------------- models
+
+
+@lru_cache(maxsize=None)
+def tiny(name: str = "tiny-gpt2"):
+    """(model, tokenizer) shared by every test of a process: the HF reference."""
+    return build_tiny(name)
+
+
+def tiny_llama(**overrides):
+    """Grouped-query Llama (4 query heads over 2 kv heads), tied embeddings, seeded weights;
+    overrides go to its LlamaConfig."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    args = dict(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        # tied random embeddings at the default 0.02 make every token predict itself
+        # (greedy text is one token repeated); larger weights give varied continuations
+        initializer_range=0.2,
+    )
+    args.update(overrides)
+    torch.manual_seed(77)
+    return LlamaForCausalLM(LlamaConfig(**args)).eval()
+
+
+def hf_greedy_text(prompt: str, max_tokens: int, builtin: str = "tiny-gpt2", **kwargs) -> list[int]:
+    """transformers' own generate(), greedy, on a built-in tiny model's tokens of `prompt`:
+    the reference token ids (EOS and after removed); kwargs go to generate()."""
+    model, tok = tiny(builtin)
+    ids = tok(prompt, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.eos_token_id, **kwargs)
+    new = out[0, ids.input_ids.shape[1]:].tolist()
+    if tok.eos_token_id in new:
+        new = new[: new.index(tok.eos_token_id)]
+    return new
+
+
+@torch.no_grad()
+def hf_greedy_ids(model, prompt: list[int], new: int) -> list[int]:
+    """transformers' own greedy generate() of exactly `new` tokens after prompt ids (EOS does not stop it)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+# ---------------------------------------------------------------------------- one forward pass
+
+
+def random_tokens(n: int, seed: int, vocab: int = LLAMA_VOCAB) -> list[int]:
+    """n seeded token ids in [3, vocab): no special ids of tiny_llama."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+@torch.no_grad()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] HF logits of the full sequence, run alone."""
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> None:
+    diff = (a - b).abs().max().item()
+    assert diff <= atol, f"max abs diff {diff:.3g} > {atol}"
+
+
+def paged_cache(runner, blocks: int = 40, block_size: int = 4) -> KVCacheManager:
+    """A KV cache of `blocks` blocks with the runner's pool."""
+    budget = runner.spec.bytes_per_token * block_size * blocks
+    return KVCacheManager(runner.spec, budget, block_size=block_size, allocate_kv=runner.allocate_kv)
+
+
+def forward_rows(runner, mgr: KVCacheManager, rows: list[tuple[int, int, list[int]]], all_logits: bool = False) -> torch.Tensor:
+    """rows: list of (seq_id, past_len, new_tokens). Runs one forward, returns logits."""
+    batch = StepBatch.build(
+        [new for _, _, new in rows],
+        [past for _, past, _ in rows],
+        [mgr.slots(sid, past + len(new)) for sid, past, new in rows],
+        all_logits=all_logits,
+    )
+    return runner.forward(batch, pool=mgr.pool)
+
+
+# ---------------------------------------------------------------------------- engines
+
+
+def make_engine(kv_sequences: float = 8, max_context: int = 256, use_kv_cache: bool = True, **sched) -> Engine:
+    """tiny-gpt2 on TorchRunner, a KV budget of `kv_sequences` full contexts; sched goes to SchedulerConfig."""
+    model, tok = tiny()
+    runner = TorchRunner(model)
+    budget = int(kv_sequences * (max_context + 16) * runner.spec.bytes_per_token) + 16 * runner.spec.bytes_per_token
+    cache = KVCacheManager(runner.spec, budget, block_size=16, allocate_kv=runner.allocate_kv)
+    return Engine(runner, tok, cache, SchedulerConfig(**sched), max_context=max_context, use_kv_cache=use_kv_cache)
+
+
+def make_prefix_caching_engine(prefix_caching: bool, kv_blocks: int = 120, block_size: int = 16, **sched) -> Engine:
+    """tiny-gpt2 on TorchRunner with prefix caching on or off, a cache of kv_blocks blocks."""
+    model, tok = tiny()
+    runner = TorchRunner(model)
+    cache = KVCacheManager(runner.spec, kv_blocks * block_size * runner.spec.bytes_per_token, block_size,
+                           allocate_kv=runner.allocate_kv, prefix_caching=prefix_caching)
+    return Engine(runner, tok, cache, SchedulerConfig(**sched), max_context=256)
+
+
+def make_speculative_engine(drafter_kind: str, k: int = 4) -> Engine:
+    """tiny-gpt2 with a drafter: "self" (the target drafting for itself: every guess right),
+    "random" (tiny-gpt2-draft: nearly every guess wrong) or prompt lookup (any other kind)."""
+    from tritonlm.engine.speculative import DraftModelDrafter, PromptLookupDrafter
+
+    model, tok = tiny()
+    runner = TorchRunner(model)
+    cache = KVCacheManager(runner.spec, 8 * 272 * runner.spec.bytes_per_token, block_size=16, allocate_kv=runner.allocate_kv)
+    if drafter_kind == "self":
+        drafter = DraftModelDrafter(TorchRunner(model), cache)
+    elif drafter_kind == "random":
+        drafter = DraftModelDrafter(TorchRunner(tiny("tiny-gpt2-draft")[0]), cache)
+    else:
+        drafter = PromptLookupDrafter(3)
+    return Engine(runner, tok, cache, SchedulerConfig(max_num_batched_tokens=16), max_context=256, drafter=drafter, num_draft_tokens=k)
+
+
+class Collector:
+    """Submits requests to an engine and keeps every event it sends back, per request."""
+
+    def __init__(self):
+        self.events: dict[int, list[GenerationEvent]] = {}
+
+    def request(self, engine: Engine, prompt: str, stream: bool = True, **params) -> int:
+        req = GenerationRequest(engine.encode(prompt), SamplingParams(**params), self._on_event, stream=stream)
+        self.events[req.request_id] = []  # before submit: a started engine may answer at once
+        try:
+            engine.submit(req)
+        except BaseException:  # refused (e.g. server busy): no request to follow
+            del self.events[req.request_id]
+            raise
+        return req.request_id
+
+    def _on_event(self, ev: GenerationEvent) -> None:
+        self.events[ev.request_id].append(ev)
+
+    def ids(self, rid: int) -> list[int]:
+        return [t for e in self.events[rid] for t in e.token_ids]
+
+    def text(self, rid: int) -> str:
+        return "".join(e.text for e in self.events[rid])
+
+    def final(self, rid: int) -> GenerationEvent:
+        assert self.events[rid] and self.events[rid][-1].finished
+        return self.events[rid][-1]
+
+
+def drain(engine: Engine, max_steps: int = 10_000) -> None:
+    """Step the engine until it has nothing left to do."""
+    for _ in range(max_steps):
+        if not (engine.has_work() or engine._inbox):
+            return
+        engine.step()
+    raise AssertionError("engine did not finish")

@@ -1,0 +1,104 @@
+"""What the tests that run servers share: small generation-model repositories (seeded tiny
+weights, no downloads), waits for a process or server to change state, and reads of a
+server's metrics.
+
+A test waits for the thing itself (a log line, a metric, a process exit), never for a fixed
+time: the host may be slow or busy. The timeouts here are hang guards only, long enough that
+no working run reaches them."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.helpers.models import tiny
+from tritonlm.export.repository import write_generation_model
+
+HANG_GUARD_S = 600.0  # what a wait for something that does happen gives it: reached only by a hang
+
+
+# ---- model repositories ----------------------------------------------------------------------
+
+def add_generation_model(repo: Path, name: str, builtin: str = "tiny-gpt2", **parameters) -> Path:
+    """repo/name/{config.pbtxt, 1/hf/} for a built-in tiny model; parameters go to config.pbtxt."""
+    model, tok = tiny(builtin)
+    return write_generation_model(repo, name, model, tok, **parameters)
+
+
+# ---- waiting -----------------------------------------------------------------------------------
+
+def wait_until(cond, timeout_s: float, step: float = 0.1) -> bool:
+    """Poll cond() until it is true or timeout_s passes; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+def wait_for_requests(metrics_port: int, model: str, count: int, timeout_s: float = HANG_GUARD_S) -> bool:
+    """Wait until the model's engine holds `count` requests (waiting + running, from the
+    server's metrics): a test that signals the server must know its requests are in."""
+    from tritonlm.perf.serverstats import engine_gauges
+
+    def inside() -> float:
+        try:
+            g = engine_gauges(f"http://127.0.0.1:{metrics_port}/metrics", model)
+        except OSError:
+            return -1
+        return g.get("requests_waiting", 0) + g.get("requests_running", 0)
+
+    return wait_until(lambda: inside() >= count, timeout_s)
+
+
+class Output:
+    """A process's text output, read on a thread as it comes: a test waits for a line in it
+    (not for the first line: a library may print a warning before it) and shows all of it
+    when an assertion fails. The process's stdout belongs to this reader: wait on the
+    process itself (proc.wait), then read .text."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
+        self._thread.start()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def closed(self) -> bool:
+        """The process closed its output (it exited): nothing more will come."""
+        return not self._thread.is_alive()
+
+    def wait_for(self, text: str, timeout_s: float = HANG_GUARD_S) -> bool:
+        """Until text appears in the output, or the output ends without it."""
+        wait_until(lambda: text in self.text or self.closed, timeout_s)
+        return text in self.text
+
+    def finish(self, timeout_s: float = 30) -> str:
+        """All of it, once the process has exited (the reader reaches the end)."""
+        self._thread.join(timeout_s)
+        return self.text
+
+
+# ---- a server's metrics ------------------------------------------------------------------------
+
+def metrics_text(server) -> str:
+    """The server's Prometheus metrics page."""
+    return urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+
+
+def metric(server, name: str, model: str, default: float | None = None, **labels) -> float:
+    """The value of metric `name` for `model` (and these labels). A labelled counter appears
+    only with its first sample: `default` is the value a caller takes for one not there yet;
+    without it a missing metric fails the test."""
+    for line in metrics_text(server).splitlines():
+        if line.startswith(name + "{") and f'model="{model}"' in line and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    if default is not None:
+        return default
+    raise AssertionError(f"metric {name}{labels} of {model} not found")

@@ -1,0 +1,498 @@
+"""The OpenAI-compatible API (tritonlm/openai/) against a real tritonserver, with the official
+`openai` client: what `tritonlm serve` runs (Triton + the frontend on free loopback ports).
+
+References: the gRPC path (tritonlm.client.generate_grpc) on the same server, and
+transformers' own generate() (tests/helpers/models.py's hf_greedy_text). A last section replays the exact
+tensors NVIDIA's OpenAI frontend sends to a vLLM-backend model (`--backend vllm`)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+import tritonclient.grpc as grpcclient
+
+from tests.helpers.models import hf_greedy_text, tiny
+from tests.helpers.servers import HANG_GUARD_S, Output, add_generation_model, metric, wait_until
+from tritonlm.client.generate import GenerateError, generate_grpc
+from tritonlm.export.repository import write_generation_model
+from tritonlm.models.builtin import tiny_tokenizer
+from tritonlm.openai.server import EXIT_DEADLINE_S, OpenAIServer
+from tritonlm.paths import REPO_ROOT
+from tritonlm.server import free_ports
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PROMPTS = ["The capital of France is", "Once upon a time there was a small robot who wanted", "Hi",
+           "Café naïve — 你好，世界 🙂", "def main(): return"]
+LONG_CONTEXT = 8192
+LONG_TOKENS = LONG_CONTEXT - 100  # nearly the whole context: it outlasts whatever a test does mid-stream
+
+
+def add_long_model(repo, name, **parameters):
+    """A tiny Llama (seeded weights, the tiny tokenizer; RoPE: no position table) with room for
+    LONG_CONTEXT tokens: generations that last, so a test can act mid-stream however slow it
+    is next to the model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=LONG_CONTEXT,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(7)
+    write_generation_model(repo, name, LlamaForCausalLM(config).eval(), tok, max_context=LONG_CONTEXT, **parameters)
+
+
+@pytest.fixture(scope="module")
+def triton_repo(tmp_path_factory):
+    import shutil
+
+    repo = tmp_path_factory.mktemp("openairepo")
+    add_generation_model(repo, "tiny")
+    chat = add_generation_model(repo, "tiny_chat")
+    tok = tiny()[1]
+    tok.chat_template = CHATML  # the model's "own" template: saved with its tokenizer
+    try:
+        tok.save_pretrained(chat / "1" / "hf")
+    finally:
+        tok.chat_template = None
+    # one running sequence, one waiting, the next is told "server busy"
+    add_long_model(repo, "long", max_num_seqs=1, max_queue_size=1)
+    shutil.copytree(REPO_ROOT / "model_repository" / "echo", repo / "echo")  # not a generation model
+    return repo
+
+
+@pytest.fixture(scope="module")
+def frontend(triton_server, triton_repo):
+    (port,) = free_ports(1)
+    with OpenAIServer(triton_server.grpc_url, port=port, repo=triton_repo) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(frontend):
+    return openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
+
+
+def chat_template_prompt(messages) -> str:
+    tok = tiny()[1]
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=CHATML)
+
+
+def grpc(server, prompt, model="tiny", **params):
+    return generate_grpc(server.grpc_url, model, prompt, exclude_input_in_output=True, **params)
+
+
+def text_of(ids) -> str:
+    return tiny()[1].decode(ids)
+
+
+def post(frontend, path: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(frontend.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# ---- models ----------------------------------------------------------------------------------
+def test_models_lists_the_generation_models(client, frontend):
+    assert sorted(m.id for m in client.models.list()) == ["long", "tiny", "tiny_chat"]  # not echo
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("echo")
+    assert e.value.body["code"] == "model_not_found"
+
+
+# ---- completions -----------------------------------------------------------------------------
+def test_completions_greedy_equal_the_grpc_path_and_transformers(client, triton_server):
+    for prompt in PROMPTS:
+        ref = grpc(triton_server, prompt, max_tokens=16)
+        assert ref.text == text_of(hf_greedy_text(prompt, 16))
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+        assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+            ref.num_input_tokens, ref.num_output_tokens, ref.num_input_tokens + ref.num_output_tokens)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=16, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert len({c.id for c in chunks}) == 1
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.num_output_tokens
+        assert chunks[-1].usage.prompt_tokens == ref.num_input_tokens
+
+
+def test_echo_prompt_lists_n_and_logprobs(client, triton_server):
+    prompt = PROMPTS[0]
+    ref = grpc(triton_server, prompt, max_tokens=6).text
+    assert client.completions.create(model="tiny", prompt=prompt, max_tokens=6, echo=True).choices[0].text == prompt + ref
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == prompt + ref
+    # a list of prompts: one choice each, in order; n: several per prompt (seeded: seed + choice)
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=6, n=2, temperature=1.0, seed=5)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    again = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=6, n=2, temperature=1.0, seed=5)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]  # same seed, same texts
+    assert r.choices[0].text == grpc(triton_server, PROMPTS[0], max_tokens=6, temperature=1.0, seed=5).text
+    assert r.choices[1].text == grpc(triton_server, PROMPTS[0], max_tokens=6, temperature=1.0, seed=6).text
+    assert r.usage.completion_tokens == 4 * 6
+    assert r.usage.prompt_tokens == sum(grpc(triton_server, p, max_tokens=1).num_input_tokens for p in PROMPTS[:2])
+    # logprobs: the chosen token's, one per generated token; the tokens spell the text
+    lp = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, logprobs=0).choices[0]
+    assert len(lp.logprobs.token_logprobs) == 8 and all(v <= 0 for v in lp.logprobs.token_logprobs)
+    assert "".join(lp.logprobs.tokens) == lp.text == grpc(triton_server, prompt, max_tokens=8).text
+    ref_lp = grpc(triton_server, prompt, max_tokens=8, return_log_probs=True).log_probs
+    assert np.allclose(lp.logprobs.token_logprobs, ref_lp, atol=1e-5)
+
+
+def test_stop_sequences_across_token_boundaries(client, triton_server):
+    tok = tiny()[1]
+    prompt = PROMPTS[1]
+    ids = hf_greedy_text(prompt, 40)
+    pieces = [tok.decode(ids[:i]) for i in range(len(ids) + 1)]
+    full = pieces[-1]
+    # a stop string made of the end of one token and the start of the next
+    k = next(i for i in range(3, len(ids) - 1)
+             if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2
+             and full.count(full[len(pieces[i]) - 1: len(pieces[i]) + 1]) == 1)
+    cut = len(pieces[k])
+    stop = full[cut - 1: cut + 1]
+    expected = full[: full.index(stop)]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, stop=[stop, "never appears, with a comma"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=40, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected and streamed[-1].choices[0].finish_reason == "stop"
+    ref = grpc(triton_server, prompt, max_tokens=40, stop_words=[stop])
+    assert r.usage.completion_tokens == ref.num_output_tokens == k + 1
+
+
+# ---- chat ------------------------------------------------------------------------------------
+def test_chat_uses_the_models_template_and_equals_the_grpc_path(client, triton_server):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    prompt = chat_template_prompt(messages)
+    assert prompt.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n") and prompt.endswith("<|im_start|>assistant\n")
+    ref = grpc(triton_server, prompt, model="tiny_chat", max_tokens=12)
+    assert ref.text == text_of(hf_greedy_text(prompt, 12))
+    r = client.chat.completions.create(model="tiny_chat", messages=messages, max_completion_tokens=12)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == "length" and r.object == "chat.completion"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        ref.num_input_tokens, ref.num_output_tokens, ref.num_input_tokens + ref.num_output_tokens)
+    # the same conversation again: its prompt's full blocks come from the prefix cache
+    assert r.usage.prompt_tokens_details.cached_tokens == 16 * ((ref.num_input_tokens - 1) // 16) > 0
+    # max_tokens works too; text parts are joined
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    assert client.chat.completions.create(model="tiny_chat", messages=parts, max_tokens=12).choices[0].message.content == ref.text
+    chunks = list(client.chat.completions.create(model="tiny_chat", messages=messages, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.total_tokens == ref.num_input_tokens + ref.num_output_tokens
+    lp = client.chat.completions.create(model="tiny_chat", messages=messages, max_tokens=5, logprobs=True)
+    assert len(lp.choices[0].logprobs.content) == 5
+    assert "".join(t.token for t in lp.choices[0].logprobs.content) == lp.choices[0].message.content
+
+
+def test_chat_without_a_template_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["param"] == "messages" and "has no chat template" in e.value.body["message"]
+
+
+# ---- errors ----------------------------------------------------------------------------------
+USER = [{"role": "user", "content": "hi"}]
+ERRORS = [
+    # (path, body, status, param, message pattern)
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", r"^max_tokens: "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": 5}, 400, "temperature", r"^temperature: "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p", r"^top_p: "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", r"only 0"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": -1}, 400, "presence_penalty", r"only 0"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", r"not supported"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs", r"only 0"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of", r"only 1"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix", r"not supported"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]}, 400, "prompt", r"token-id prompts"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt", r"empty prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "word " * 400}, 400, "prompt", r"^text_input: the prompt has"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n", r"^n: "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [3]}, 400, "stop", r"^stop: "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", r"stream is true"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "bogus": 1}, 400, "bogus", r"^bogus: unrecognized request argument"),
+    ("/v1/completions", {"prompt": "x"}, 400, "model", r"^model: required"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model", r"The model 'nope' does not exist"),
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools", r"^tools: "),
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "response_format": {"type": "json_object"}},
+     400, "response_format", r"^response_format: "),
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]}, 400, "messages[0].content[0]", r"images"),
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
+     400, "messages[0].role", r"not supported"),
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": []}, 400, "messages", r"^messages: "),
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "logprobs": True, "top_logprobs": 2}, 400, "top_logprobs", r"only 0"),
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "max_completion_tokens": -1}, 400,
+     "max_completion_tokens", r"^max_completion_tokens: "),
+]
+
+
+def test_each_bad_request_gets_openais_error_shape_and_the_server_keeps_serving(frontend, client):
+    for path, body, status, param, pattern in ERRORS:
+        code, answer = post(frontend, path, body)
+        assert code == status, (body, answer)
+        error = answer["error"]
+        assert set(error) == {"message", "type", "param", "code"}, answer
+        assert error["param"] == param and re.search(pattern, error["message"]), (body, error)
+    assert post(frontend, "/v1/completions", b"{not json")[0] == 400
+    code, answer = post(frontend, "/v1/nothing-here", {})
+    assert code == 404 and "error" in answer
+    # zero penalties, user, and an unsupported-but-empty logit_bias are fine
+    ok = client.completions.create(model="tiny", prompt="still", max_tokens=3, frequency_penalty=0, presence_penalty=0,
+                                   user="someone", logit_bias={})
+    assert ok.usage.completion_tokens == 3
+
+
+def test_a_full_queue_is_429_server_busy_and_a_disconnect_frees_the_kv_cache(frontend, client, triton_server):
+    assert metric(triton_server, "tritonlm_kv_cache_used_bytes", "long", default=0.0) == 0
+    cancelled = metric(triton_server, "tritonlm_requests_finished_total", "long", reason="cancelled", default=0.0)
+    # the official client sends extensions (ignore_eos) through extra_body
+    stream = client.completions.create(model="long", prompt="I hold the only slot", max_tokens=LONG_TOKENS, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert next(iter(stream)).choices[0].text is not None
+    assert metric(triton_server, "tritonlm_kv_cache_used_bytes", "long", default=0.0) > 0
+    with cf.ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(client.completions.create, model="long", prompt="I wait", max_tokens=4)
+        assert wait_until(lambda: metric(triton_server, "tritonlm_requests_waiting", "long", default=0.0) == 1, HANG_GUARD_S)
+        with pytest.raises(openai.RateLimitError) as busy:
+            client.completions.create(model="long", prompt="no room", max_tokens=4)
+        assert "server busy" in busy.value.body["message"] and busy.value.status_code == 429
+        # the client of the running stream goes away: its request is cancelled (not run to its
+        # end: the cancelled count below), its cache freed
+        stream.close()
+        assert queued.result(timeout=HANG_GUARD_S).usage.completion_tokens == 4  # it got the slot
+    assert wait_until(lambda: metric(triton_server, "tritonlm_kv_cache_used_bytes", "long", default=0.0) == 0, HANG_GUARD_S)
+    assert metric(triton_server, "tritonlm_requests_finished_total", "long", reason="cancelled", default=0.0) == cancelled + 1
+
+
+def test_a_disconnect_while_queued_or_not_streaming_cancels_too(frontend, triton_server):
+    cancelled = metric(triton_server, "tritonlm_requests_finished_total", "long", reason="cancelled", default=0.0)
+    conn = http.client.HTTPConnection(frontend.url.removeprefix("http://"), timeout=30)
+    body = {"model": "long", "prompt": "a long answer nobody reads", "max_tokens": LONG_TOKENS, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    assert wait_until(lambda: metric(triton_server, "tritonlm_kv_cache_used_bytes", "long", default=0.0) > 0, HANG_GUARD_S)
+    conn.close()  # not streamed: the answer would come at the end; nobody waits for it
+    assert wait_until(lambda: metric(triton_server, "tritonlm_kv_cache_used_bytes", "long", default=0.0) == 0, HANG_GUARD_S)
+    assert metric(triton_server, "tritonlm_requests_finished_total", "long", reason="cancelled", default=0.0) == cancelled + 1
+
+
+def test_32_concurrent_streams_all_complete_nothing_lost_or_duplicated(client, triton_server):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    with cf.ThreadPoolExecutor(32) as pool:
+        refs = list(pool.map(lambda p: grpc(triton_server, p, max_tokens=24).text, prompts))
+
+    def stream(i):
+        chunks = list(client.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, stream=True,
+                                                stream_options={"include_usage": True}))
+        return chunks
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(stream, range(32)))
+    for i, chunks in enumerate(results):
+        assert len({c.id for c in chunks}) == 1
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == refs[i], i
+        assert chunks[-1].usage.completion_tokens == 24
+    assert len({r[0].id for r in results}) == 32
+
+
+# ---- `tritonlm openai` in front of a running Triton -------------------------------------------
+def stopped(proc: subprocess.Popen, out: Output, signal_name: str) -> None:
+    """After a stop signal: the command exits 0 saying "OpenAI API stopped" (past its own
+    EXIT_DEADLINE_S it exits by itself, non-zero; the wait here is only a hang guard)."""
+    try:
+        proc.wait(HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running {HANG_GUARD_S:.0f} s after {signal_name}; its output:\n{out.finish()}")
+    text = out.finish()
+    assert proc.returncode == 0 and "OpenAI API stopped" in text, (proc.returncode, EXIT_DEADLINE_S, text)
+
+
+def test_openai_command_in_front_of_a_running_triton(triton_server, triton_repo):
+    (port,) = free_ports(1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tritonlm.cli", "openai", "--triton-url", triton_server.grpc_url, "--port", str(port),
+         "--tokenizer", f"tiny={triton_repo / 'tiny_chat' / '1' / 'hf'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    out = Output(proc.stdout)  # the ready line, whatever a library prints before it
+    try:
+        assert out.wait_for(f"OpenAI API ready on http://127.0.0.1:{port}/v1"), out.text
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
+        # --tokenizer tiny=...: model tiny gets that folder's template; tiny_chat has no tokenizer here
+        r = c.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+        assert r.choices[0].message.content == grpc(triton_server, chat_template_prompt(USER), max_tokens=4).text
+        with pytest.raises(openai.BadRequestError, match="--repo"):
+            c.chat.completions.create(model="tiny_chat", messages=USER, max_tokens=4)
+        proc.send_signal(signal.SIGINT)
+        stopped(proc, out, "SIGINT")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT-inherited-ignored", "SIGTERM"])
+def test_openai_command_stops_gracefully_on_sigint_and_sigterm(sig):
+    """A script's background job (`tritonlm openai &`, as deploy/entrypoint.sh starts it) begins
+    with SIGINT ignored, and SIGTERM's default would end it mid-response: the command handles
+    both itself and stops as on Ctrl-C (exit 0, "OpenAI API stopped")."""
+    port, unused = free_ports(2)  # nothing listens on `unused`: the frontend starts without Triton
+    # SIGINT ignored from the start, as `&` in a script does: the shell ignores it and execs the
+    # command (ignored signals stay ignored across exec). Not a preexec_fn: that forks this
+    # process, whose gRPC threads (earlier tests' clients) make a fork unsafe (gRPC's fork
+    # handlers skip, and the child can log poller errors or abort before its exec).
+    proc = subprocess.Popen(
+        ["sh", "-c", 'trap "" INT; exec "$0" "$@"',
+         sys.executable, "-m", "tritonlm.cli", "openai", "--triton-url", f"127.0.0.1:{unused}", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    out = Output(proc.stdout)  # the ready line, whatever a library prints before it
+    try:
+        assert out.wait_for("OpenAI API ready"), out.text
+        proc.send_signal(sig)
+        stopped(proc, out, sig.name)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---- NVIDIA's OpenAI frontend, `--backend vllm`: the tensors it sends ---------------------------
+# triton-inference-server/server r25.08, python/openai/openai_frontend/engine/utils/triton.py,
+# _create_vllm_inference_request: text_input, stream, exclude_input_in_output (not echo),
+# sampling_parameters (json.dumps of the request's model_dump(exclude=..., exclude_none=True)
+# with max_tokens added last), return_num_input_tokens and return_num_output_tokens (both true).
+# The sampling_parameters below are what its pydantic schemas dump for the requests named.
+NVIDIA_COMPLETION = {  # {"model": "tiny", "prompt": ..., "max_tokens": 12, "temperature": 0}
+    "best_of": 1, "frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "temperature": 0.0,
+    "top_p": 1, "max_tokens": 12,
+}
+NVIDIA_CHAT = {  # {"model": "tiny", "messages": ..., "max_completion_tokens": 12, "temperature": 0, "stop": ["x, y"]}
+    "frequency_penalty": 0, "ignore_eos": False, "logprobs": False, "n": 1, "presence_penalty": 0, "stop": ["x, y"],
+    "temperature": 0.0, "top_p": 1, "max_tokens": 12,
+}
+
+
+def nvidia_inputs(prompt: str, sampling: dict, stream: bool, echo: bool = False):
+    def t(name, arr, dtype):
+        i = grpcclient.InferInput(name, list(arr.shape), dtype)
+        i.set_data_from_numpy(arr)
+        return i
+
+    return [
+        t("text_input", np.array([prompt.encode()], dtype=object), "BYTES"),
+        t("stream", np.bool_([stream]), "BOOL"),
+        t("exclude_input_in_output", np.bool_([not echo]), "BOOL"),
+        t("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=object), "BYTES"),
+        t("return_num_input_tokens", np.bool_([True]), "BOOL"),
+        t("return_num_output_tokens", np.bool_([True]), "BOOL"),
+    ]
+
+
+def replay(server, inputs, model="tiny"):
+    """The responses of one request over a gRPC stream: (text pieces, final outputs) or the error."""
+    import queue
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        pieces = []
+        while True:
+            result, error = q.get(timeout=60)
+            if error is not None:
+                raise GenerateError(str(error))
+            text = result.as_numpy("text_output")
+            pieces.append(b"".join(text.reshape(-1)).decode() if text is not None else "")
+            final = result.get_response().parameters.get("triton_final_response")
+            if final and final.bool_param:
+                outs = {n: result.as_numpy(n) for n in ("finish_reason", "num_input_tokens", "num_output_tokens")}
+                return pieces, {n: v.reshape(-1)[0] for n, v in outs.items() if v is not None}
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_nvidia_frontend_tensors_are_served(triton_server):
+    prompt = PROMPTS[1]
+    ref = text_of(hf_greedy_text(prompt, 12))
+    for stream in (False, True):
+        pieces, final = replay(triton_server, nvidia_inputs(prompt, NVIDIA_COMPLETION, stream))
+        assert "".join(pieces) == ref
+        assert len(pieces) == 1 if not stream else len(pieces) > 1  # non-streamed: one response, as the frontend checks
+        assert final["finish_reason"] == b"length" and int(final["num_output_tokens"]) == 12
+        assert int(final["num_input_tokens"]) == len(tiny()[1](prompt).input_ids)
+    pieces, _ = replay(triton_server, nvidia_inputs(prompt, NVIDIA_COMPLETION, False, echo=True))
+    assert pieces == [prompt + ref]
+    # the chat form: the stop string keeps its comma (a JSON list, not TensorRT-LLM's comma form)
+    chat_prompt = chat_template_prompt(USER)
+    full = text_of(hf_greedy_text(chat_prompt, 12))
+    stop = full[3:5]
+    pieces, final = replay(triton_server, nvidia_inputs(chat_prompt, {**NVIDIA_CHAT, "stop": ["x, y", stop]}, True))
+    assert "".join(pieces) == full[: full.index(stop)] and final["finish_reason"] == b"stop"
+
+
+@pytest.mark.parametrize("sampling, pattern", [
+    ({"lora_name": "adapter"}, r"sampling_parameters: unknown key\(s\) \['lora_name'\]"),
+    ({"guided_decoding": "{}", "max_tokens": 4}, r"unknown key\(s\) \['guided_decoding'\]"),
+    ({"n": 2}, r"sampling_parameters\.n: only 1"),
+    ({"presence_penalty": 0.5}, r"sampling_parameters\.presence_penalty: not supported"),
+    ({"temperature": "hot"}, r"sampling_parameters\.temperature: expected a number"),
+    ({"max_tokens": 0}, r"max_tokens: must be >= 1"),
+])
+def test_bad_sampling_parameters_are_named_and_the_server_keeps_serving(triton_server, sampling, pattern):
+    with pytest.raises(GenerateError, match=pattern):
+        replay(triton_server, nvidia_inputs("hello", sampling, False))
+    assert replay(triton_server, nvidia_inputs("hello", {"max_tokens": 3}, False))[1]["num_output_tokens"] == 3
+
+
+# ---- `tritonlm perf llm --openai URL` ----------------------------------------------------------
+def test_perf_llm_measures_through_the_openai_api(triton_server, frontend, triton_repo, tmp_path):
+    import csv
+
+    host, port = triton_server.http_url.split(":")
+    out = subprocess.run(
+        [sys.executable, "-m", "tritonlm.cli", "perf", "llm", "--model", "tiny", "--repo", str(triton_repo),
+         "--http-port", port, "--grpc-port", str(triton_server.grpc_port), "--metrics-port", str(triton_server.metrics_port),
+         "--openai", frontend.url, "--compare-grpc", "--concurrency", "1,2", "--output-tokens", "8", "--fixed-output-length",
+         "--prompt-tokens", "6", "--requests-per-concurrency", "5", "--results", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "OpenAI frontend overhead" in out.stdout and "CPU: " in out.stdout
+    rows = list(csv.DictReader(open(tmp_path / "openai" / "llm.csv")))
+    assert [int(r["concurrency"]) for r in rows] == [1, 2]
+    for row in rows:
+        assert int(row["requests"]) >= 10 and float(row["tokens_per_request"]) == 8.0  # the usage chunk's count
+        assert 0 < float(row["ttft_p50_ms"]) <= float(row["latency_p50_ms"]) and float(row["output_tokens_per_s"]) > 0
+    overhead = list(csv.DictReader(open(tmp_path / "overhead.csv")))
+    assert [int(r["concurrency"]) for r in overhead] == [1, 2] and all(float(r["ratio"]) > 0 for r in overhead)

@@ -1,0 +1,225 @@
+"""tritonlm/engine/kernels: the C++ ops the package builds (paged attention, the fused
+element-wise ops, int8 linear) against the torch math they replace, their refusals of bad
+tensors, and the build lock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.runners import SCRATCH_SLOT
+
+
+# ---------------------------------------------------------------------------- paged attention
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, width, rotary",
+    [(9, 3, 64, 1, True), (4, 2, 16, 1, False), (8, 8, 128, 4, True), (6, 2, 24, 3, True), (4, 1, 64, 8, False)],
+    ids=["gqa-d64-decode-rope", "gqa-d16", "mha-d128-verify4-rope", "gqa-d24-generic-rope", "mqa-d64-verify8"],
+)
+def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim, width, rotary):
+    """The C++ op takes the fused [q | k | v] projection: it applies RoPE, writes the new K/V
+    into the pool and reads every row's K/V through the slot table. The torch path rotates
+    with apply_rope, writes with index_copy_, gathers and runs SDPA with the key mask. Same
+    outputs on scattered slots, rows of different lengths and padded rows (num_new < width),
+    and the same K/V in the pool."""
+    from tritonlm.engine.kernels import kernels_available
+    from tritonlm.engine.kv_cache import KVPool
+    from tritonlm.engine.runners.base import kv_rows, plan_step
+    from tritonlm.engine.runners.layers import StepContext, apply_rope, paged_attention, rope_cos_sin
+
+    assert kernels_available() == (True, "built for this CPU")
+    g = torch.Generator().manual_seed(heads * 100 + head_dim + width)
+    bsz, slots = 5, 400
+    past = [0, 37, 120, 5, 64][:bsz]
+    new = [min(width, n) for n in (width, 1, width, max(1, width - 1), 1)]
+    perm = (torch.randperm(slots - 1, generator=g) + 1).tolist()  # scattered, never the scratch slot 0
+    rows, at = [], 0
+    for p, n in zip(past, new):
+        rows.append(perm[at:at + p + n])
+        at += p + n
+    batch = StepBatch.build([[0] * n for n in new], past, rows)
+    plan = plan_step(batch, torch.device("cpu"))
+    qkv = torch.randn(bsz, width, (heads + 2 * kv_heads) * head_dim, generator=g)  # [B, T, (H + 2 Hkv) D]
+    q, k, v = qkv.view(bsz, width, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], dim=2)
+    cos = sin = None
+    if rotary:
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        cos, sin = rope_cos_sin(plan.positions, inv_freq, 1.0, torch.float32)  # [B, T, 1, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    pools = [KVPool.allocate(slots, 1, kv_heads, head_dim, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for pool in pools:  # the same random past in both
+        pool.k[0].copy_(torch.randn(slots, kv_heads, head_dim, generator=torch.Generator().manual_seed(1)))
+        pool.v[0].copy_(torch.randn(slots, kv_heads, head_dim, generator=torch.Generator().manual_seed(2)))
+    scale = head_dim**-0.5
+    gather_ctx = StepContext(plan=plan, mask=plan.key_mask().unsqueeze(1), rows=kv_rows(plan.slot_table, kv_heads),
+                             k_buf=None, v_buf=None, rope=None)
+    want = paged_attention(q, k, v, pools[0].k[0], pools[0].v[0], gather_ctx, scale)  # [B, T, H*D]
+    got = torch.ops.tritonlm.paged_attention_qkv(qkv, pools[1].k[0], pools[1].v[0], plan.write_slots,
+                                                 plan.slot_table.contiguous(), plan.positions, cos, sin, heads, scale)
+    valid = plan.valid.unsqueeze(-1)  # padded rows' outputs are don't-care
+    diff = ((got - want) * valid).abs().max().item()
+    assert diff < 2e-6, f"kernel vs gather path: max abs diff {diff:.3g}"
+    written = plan.write_slots[plan.valid]  # the new tokens' slots: RoPE's products may round differently (FMA)
+    assert (pools[0].k[0][written] - pools[1].k[0][written]).abs().max().item() < 1e-6
+    others = torch.ones(slots, dtype=torch.bool)
+    others[written] = False
+    others[SCRATCH_SLOT] = False  # padding rows write there
+    assert torch.equal(pools[0].k[0][others], pools[1].k[0][others])
+    real = torch.arange(slots) != SCRATCH_SLOT
+    assert torch.equal(pools[0].v[0][real], pools[1].v[0][real])  # values are copied as they are
+
+
+def test_paged_attention_kernel_gives_a_row_the_same_bits_alone_in_a_batch_and_among_new_tokens():
+    """With AVX-512 a row's keys go 16 at a time (their dot products summed together) and its
+    last < 16 one at a time: which keys take which way depends on the row alone, so its output
+    may not change with the rows beside it. Two new tokens: the second sees 48 keys (three
+    blocks), the first 47 (two blocks and 15 keys one at a time)."""
+    from tritonlm.engine.kernels import kernels_available
+
+    assert kernels_available()[0]
+    op = torch.ops.tritonlm.paged_attention_qkv
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, D, S = 9, 3, 64, 700
+    W = (H + 2 * Hkv) * D
+    k_pool, v_pool = torch.randn(S, Hkv, D, generator=g), torch.randn(S, Hkv, D, generator=g)
+    perm = torch.randperm(S - 1, generator=g) + 1
+    cos_at, sin_at = torch.randn(128, D, generator=g), torch.randn(128, D, generator=g)  # per position
+    n, L = 48, 80  # the row under test: positions 0..47, the last two new
+    table = perm[:L]
+    q_new, q_before = torch.randn(W, generator=g), torch.randn(W, generator=g)
+
+    def call(tables, positions, rows, k, v):  # tables [B, L], positions [B, T], rows [B, T, W]
+        pos = torch.tensor(positions)
+        ws = torch.gather(torch.stack(tables), 1, pos).contiguous()
+        return op(torch.stack(rows).contiguous(), k, v, ws, torch.stack(tables).contiguous(), pos,
+                  cos_at[pos].contiguous(), sin_at[pos].contiguous(), H, D**-0.5)
+
+    # two new tokens (positions 35, 36) in one call: it writes both keys
+    k, v = k_pool.clone(), v_pool.clone()
+    among = call([table], [[n - 2, n - 1]], [torch.stack([q_before, q_new])], k, v)[0]  # [2, H * D]
+    # each alone, over the pool that call left (both new keys are there)
+    alone = call([table], [[n - 1]], [q_new.unsqueeze(0)], k.clone(), v.clone())[0, 0]
+    alone_before = call([table], [[n - 2]], [q_before.unsqueeze(0)], k.clone(), v.clone())[0, 0]
+    # in a batch of rows with 5, 16 and 70 keys
+    others = [perm[L * i:L * (i + 1)] for i in (1, 2, 3)]
+    rows = [torch.randn(1, W, generator=g) for _ in range(3)]
+    batch = call([others[0], others[1], table, others[2]], [[4], [15], [n - 1], [69]],
+                 [rows[0], rows[1], q_new.unsqueeze(0), rows[2]], k.clone(), v.clone())[2, 0]
+    assert torch.equal(alone, among[1]), f"max abs diff {(alone - among[1]).abs().max().item():.3g}"
+    assert torch.equal(alone_before, among[0]), f"max abs diff {(alone_before - among[0]).abs().max().item():.3g}"
+    assert torch.equal(alone, batch), f"max abs diff {(alone - batch).abs().max().item():.3g}"
+
+
+def test_paged_attention_kernel_refuses_bad_tensors_naming_them():
+    from tritonlm.engine.kernels import kernels_available
+
+    assert kernels_available()[0]
+    qkv, cache = torch.randn(1, 1, 4 * 8), torch.randn(4, 1, 8)  # 2 query heads, 1 kv head of 8
+    slots, pos, write = torch.tensor([[1, 2]]), torch.tensor([[1]]), torch.tensor([[2]])
+    op = torch.ops.tritonlm.paged_attention_qkv
+    with pytest.raises(RuntimeError, match="float32 only"):
+        op(qkv.double(), cache, cache, write, slots, pos, None, None, 2, 1.0)
+    with pytest.raises(RuntimeError, match=r"slot 9 outside the pool \[0, 4\)"):
+        op(qkv, cache, cache, write, torch.tensor([[1, 9]]), pos, None, None, 2, 1.0)
+    with pytest.raises(RuntimeError, match=r"write slot 7 outside the pool \[0, 4\)"):
+        op(qkv, cache, cache, torch.tensor([[7]]), slots, pos, None, None, 2, 1.0)
+    with pytest.raises(RuntimeError, match=r"position 2 outside the slot table \[0, 2\)"):
+        op(qkv, cache, cache, write, slots, torch.tensor([[2]]), None, None, 2, 1.0)
+    with pytest.raises(RuntimeError, match="qkv's last dim is 32; 3 query heads and 1 kv heads of 8 need 40"):
+        op(qkv, cache, cache, write, slots, pos, None, None, 3, 1.0)
+    with pytest.raises(RuntimeError, match="cos and sin must be float32, contiguous, B \\* T \\* D values"):
+        op(qkv, cache, cache, write, slots, pos, torch.ones(1, 1, 4), torch.ones(1, 1, 4), 2, 1.0)
+
+
+# ---------------------------------------------------------------------------- fused ops
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 40), (700, 96)], ids=["decode-row", "tail-lanes", "many-rows"])
+def test_fused_norm_and_activation_ops_equal_the_torch_math(shape):
+    """rms_norm / add_rms_norm against transformers' LlamaRMSNorm math in float32, silu_mul
+    against F.silu(gate) * up, int8_linear against Int8Linear's torch ops: one row, widths that are not a multiple of the
+    vector width (the scalar tail), and enough rows to be split over threads."""
+    from tritonlm.engine.kernels import kernels_available
+
+    assert kernels_available()[0]
+    g = torch.Generator().manual_seed(sum(shape))
+    x, delta = torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g)
+    w, eps = torch.randn(shape[-1], generator=g), 1e-5
+
+    def hf_rms(t):  # LlamaRMSNorm.forward, float32
+        return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+    ops = torch.ops.tritonlm
+    torch.testing.assert_close(ops.rms_norm(x, w, eps), hf_rms(x), rtol=1e-5, atol=1e-5)
+    total, normed = ops.add_rms_norm(x, delta, w, eps)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, hf_rms(x + delta), rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    # int8 linear (row scaling, fbgemm's kernel, rescale, bias in one op): the same bits as Int8Linear's torch ops
+    from tritonlm.engine.runners.layers import FloatLinear
+    from tritonlm.engine.runners.quant import quantize_linear
+
+    width = shape[-1]
+    for s, b in ((None, None), (torch.rand(width, generator=g) + 0.5, torch.randn(24, generator=g))):
+        proj = quantize_linear(FloatLinear(torch.randn(width, 24, generator=g), b), s)  # smooth divides at run time
+        with_bias, without = proj(x), proj.matmul(x)  # torch ops
+        proj.fused_op = True
+        assert proj(x).shape == (*shape[:-1], 24)
+        assert torch.equal(proj(x), with_bias) and torch.equal(proj.matmul(x), without)
+    big = torch.tensor([[-100.0, -30.0, 0.0, 30.0, 100.0, 1e4, -1e4, 1.0]])  # e^-x at its clamps
+    torch.testing.assert_close(ops.silu_mul(torch.cat([big, torch.ones_like(big)], -1)),
+                               torch.nn.functional.silu(big), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_ops_refuse_bad_tensors_naming_them():
+    from tritonlm.engine.kernels import kernels_available
+
+    assert kernels_available()[0]
+    ops, x = torch.ops.tritonlm, torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="rms_norm: x must be a contiguous float32 CPU tensor"):
+        ops.rms_norm(x.double(), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="rms_norm: w has 4 values; x's rows have 8"):
+        ops.rms_norm(x, torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match=r"add_rms_norm: delta \[2, 4\] must have x's shape \[2, 8\]"):
+        ops.add_rms_norm(x, torch.randn(2, 4), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match=r"silu_mul: gate_up's last dim \(7\) must be even"):
+        ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="silu_mul: gate_up must be a contiguous float32 CPU tensor"):
+        ops.silu_mul(torch.randn(8, 2).t())
+    from tritonlm.engine.runners.layers import INT8_REDUCE_RANGE, FloatLinear
+    from tritonlm.engine.runners.quant import quantize_linear
+
+    packed = quantize_linear(FloatLinear(torch.randn(8, 6), None)).packed
+    with pytest.raises(RuntimeError, match=r"int8_linear: buf must be \[>= 3, 8\] \(the pinned row and x's rows\), not \[2, 8\]"):
+        ops.int8_linear(x, None, None, packed, torch.zeros(2, 8), INT8_REDUCE_RANGE)
+    with pytest.raises(RuntimeError, match="int8_linear: smooth has 4 values; x's rows have 8"):
+        ops.int8_linear(x, torch.ones(4), None, packed, torch.zeros(3, 8), INT8_REDUCE_RANGE)
+    with pytest.raises(RuntimeError, match="int8_linear: bias has 5 values; the weights have 6 outputs"):
+        ops.int8_linear(x, None, torch.ones(5), packed, torch.zeros(3, 8), INT8_REDUCE_RANGE)
+
+
+# ---------------------------------------------------------------------------- the build
+
+
+def test_a_kernel_build_lock_left_by_a_dead_process_is_removed_a_fresh_one_kept(tmp_path):
+    """torch's build lock would make every later model load wait forever after a process
+    died mid-build; one older than any build is removed, a live build's is left alone."""
+    import os
+    import time
+
+    from tritonlm.engine.kernels import STALE_LOCK_S, _remove_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    _remove_stale_lock(lock)
+    assert lock.exists()  # a build in progress
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    _remove_stale_lock(lock)
+    assert not lock.exists()
+    _remove_stale_lock(lock)  # nothing there: no error

@@ -1,0 +1,143 @@
+"""tritonlm/engine/engine.py: the engine alone (no server), end to end: continuous batching,
+requests joining a running batch, cancellation, its thread; checked token for token
+against transformers' own generate()."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.models import MIXED_PROMPTS, Collector, drain, hf_greedy_text, make_engine, tiny
+from tritonlm.engine.request import InvalidRequestError
+
+
+def test_batch_of_mixed_prompts_equals_hf_generate_token_for_token():
+    engine = make_engine(max_num_batched_tokens=8)  # small budget: prompts prefill in chunks
+    col = Collector()
+    rids = [col.request(engine, p, max_tokens=24) for p in MIXED_PROMPTS]
+    drain(engine)
+    _, tok = tiny()
+    for p, rid in zip(MIXED_PROMPTS, rids):
+        ref = hf_greedy_text(p, 24)
+        assert col.ids(rid) == ref, p
+        assert col.text(rid) == tok.decode(ref)
+        fin = col.final(rid)
+        assert fin.finish_reason == "length" and fin.num_output_tokens == 24
+        assert fin.num_input_tokens == len(tok(p).input_ids)
+    assert engine.cache.used_bytes == 0 and engine.cache.live_sequences() == 0
+
+
+def test_same_text_alone_in_a_batch_of_16_and_when_joining_a_running_batch():
+    prompt = "Once upon a time"
+    alone = Collector()
+    e1 = make_engine()
+    rid = alone.request(e1, prompt, max_tokens=30)
+    drain(e1)
+    expected = alone.text(rid)
+
+    e2 = make_engine()
+    batch = Collector()
+    mixed = [MIXED_PROMPTS[i % len(MIXED_PROMPTS)] + " " * (i % 3) for i in range(15)]
+    rids = [batch.request(e2, p, max_tokens=10 + i) for i, p in enumerate(mixed)]
+    target = batch.request(e2, prompt, max_tokens=30)
+    drain(e2)
+    assert batch.text(target) == expected
+    assert e2.stats.max_batch_size == 16
+
+    e3 = make_engine()
+    late = Collector()
+    for p in MIXED_PROMPTS:
+        late.request(e3, p, max_tokens=40)
+    for _ in range(7):  # others are mid-decode when it joins
+        e3.step()
+    target = late.request(e3, prompt, max_tokens=30)
+    drain(e3)
+    assert late.text(target) == expected
+
+
+def test_kv_cache_off_gives_the_same_tokens():
+    on, off = make_engine(), make_engine(use_kv_cache=False)
+    c_on, c_off = Collector(), Collector()
+    r_on = [c_on.request(on, p, max_tokens=12) for p in MIXED_PROMPTS[:3]]
+    r_off = [c_off.request(off, p, max_tokens=12) for p in MIXED_PROMPTS[:3]]
+    drain(on)
+    drain(off)
+    for a, b in zip(r_on, r_off):
+        assert c_on.ids(a) == c_off.ids(b)
+
+
+def test_invalid_requests_are_refused_with_the_input_named():
+    engine = make_engine(max_context=64)
+    col = Collector()
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        col.request(engine, "hello", max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="text_input: the prompt has"):
+        col.request(engine, "word " * 200, max_tokens=1)
+    with pytest.raises(InvalidRequestError, match="ask for at most"):
+        col.request(engine, "hello", max_tokens=64)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        col.request(engine, "hello", max_tokens=4, top_p=1.5)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        col.request(engine, "hello", max_tokens=4, temperature=-1.0)
+    assert not engine._inbox  # nothing was queued
+
+
+def test_cancel_frees_the_cache_at_once_and_others_continue():
+    engine = make_engine()
+    col = Collector()
+    victim = col.request(engine, MIXED_PROMPTS[0], max_tokens=100)
+    other = col.request(engine, MIXED_PROMPTS[1], max_tokens=20)
+    for _ in range(5):
+        engine.step()
+    used = engine.cache.used_bytes
+    engine.cancel(victim)
+    engine.step()
+    assert col.final(victim).finish_reason == "cancelled"
+    assert engine.cache.used_bytes < used
+    drain(engine)
+    assert col.ids(other) == hf_greedy_text(MIXED_PROMPTS[1], 20)
+    assert engine.cache.used_bytes == 0
+
+
+def test_engine_thread_serves_submissions_and_shuts_down_cleanly():
+    import threading
+
+    engine = make_engine().start()
+    done = threading.Event()
+    col = Collector()
+    original = col._on_event
+
+    def on_event(ev):
+        original(ev)
+        if ev.finished:
+            done.set()
+
+    col._on_event = on_event
+    rid = col.request(engine, MIXED_PROMPTS[0], max_tokens=10)
+    assert done.wait(60), "the engine thread did not answer"
+    assert col.ids(rid) == hf_greedy_text(MIXED_PROMPTS[0], 10)
+    pending = col.request(engine, MIXED_PROMPTS[1], max_tokens=200)
+    engine.shutdown()
+    assert not engine._thread.is_alive()
+    final = col.final(pending)  # never left without an answer
+    assert final.finish_reason in ("error", "length")
+
+
+def test_engine_output_is_the_same_with_either_attention_backend(tmp_path):
+    """The paged-attention kernel (the default on a float32 CPU) and the gathered copy
+    give the same greedy tokens, equal to transformers' own generate()."""
+    from tests.helpers.servers import add_generation_model
+    from tritonlm.engine.loader import build_engine
+    from tritonlm.engine.settings import EngineSettings
+
+    folder = add_generation_model(tmp_path, "tiny")
+    texts = {}
+    for backend in ("paged", "gather"):
+        engine = build_engine(EngineSettings.from_params(
+            {"task": "generate", "max_context": "256", "attention_backend": backend}, folder))
+        assert engine.runner.attention == backend
+        col = Collector()
+        rids = [col.request(engine, p, max_tokens=12) for p in MIXED_PROMPTS]
+        drain(engine)
+        texts[backend] = [col.ids(r) for r in rids]
+        engine.shutdown()
+    assert texts["paged"] == texts["gather"] == [hf_greedy_text(p, 12) for p in MIXED_PROMPTS]

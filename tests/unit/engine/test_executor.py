@@ -1,0 +1,61 @@
+"""tritonlm/engine/executor.py: prefill chunks packed into shared passes, and one row's
+failure kept out of its batch."""
+
+from __future__ import annotations
+
+import types
+
+from tests.helpers.models import MIXED_PROMPTS, Collector, drain, hf_greedy_text, make_engine
+
+
+def test_simultaneous_prompts_prefill_together_and_equal_hf_generate():
+    """Prompts arriving together share prefill passes (padding costs only attention): fewer
+    passes than prompts, every text still transformers' own."""
+    from tritonlm.engine.executor import group_prefill
+
+    engine = make_engine(max_num_batched_tokens=512)
+    passes = []
+    real_forward = engine.runner.forward
+    engine.runner.forward = lambda batch, pool: passes.append(len(batch.num_new)) or real_forward(batch, pool)
+    prompts = [f"Story number {i}: once upon a time" for i in range(12)] + MIXED_PROMPTS
+    col = Collector()
+    rids = [col.request(engine, p, max_tokens=6) for p in prompts]
+    engine.step()  # admission and the prefill passes
+    assert len(passes) < len(prompts) and max(passes) > 1, passes
+    drain(engine)
+    for p, rid in zip(prompts, rids):
+        assert col.ids(rid) == hf_greedy_text(p, 6), p
+    def widths(*ns: int, past: int = 0) -> list[list[int]]:
+        chunks = [(types.SimpleNamespace(num_computed=past), [0] * n) for n in ns]
+        return [[len(t) for _, t in g] for g in group_prefill(chunks)]
+
+    assert widths(23, 23, 23) == [[23, 23, 23]]
+    assert widths(6, 8, 10, 12, 40, 41, 55) == [[6, 8, 10, 12, 40, 41, 55]]  # padding costs attention only
+    assert widths(1, 100) == [[1, 100]]
+    assert widths(1, 2000) == [[1], [2000]]  # 2000 x 2000 padded keys for one token: not worth a pass saved
+    assert widths(16, 16, 512, past=3000) == [[16, 16], [512]]  # long cached contexts count too
+    assert widths() == []
+
+
+def test_a_row_whose_sampling_fails_does_not_fail_its_batch(monkeypatch):
+    # a fault injected into one row's sampling (seed 666); the seven greedy rows sharing
+    # its batch must come out exactly as alone, and nothing may stay in the cache
+    import tritonlm.engine.executor as executor
+
+    real = executor.sample_row
+
+    def faulty(logits, row):
+        if row.params.seed == 666:
+            raise FloatingPointError("injected")
+        return real(logits, row)
+
+    monkeypatch.setattr(executor, "sample_row", faulty)
+    engine = make_engine()
+    col = Collector()
+    bad = col.request(engine, MIXED_PROMPTS[0], max_tokens=8, temperature=0.7, seed=666)
+    good = [col.request(engine, p, max_tokens=8) for p in MIXED_PROMPTS[:7]]
+    drain(engine)
+    assert col.final(bad).finish_reason == "error" and "sampling" in col.final(bad).error
+    for p, rid in zip(MIXED_PROMPTS[:7], good):
+        assert col.final(rid).finish_reason == "length" and col.ids(rid) == hf_greedy_text(p, 8), p
+    assert engine.cache.used_bytes == 0 and engine.cache.live_sequences() == 0

@@ -1,0 +1,21 @@
+"""tritonlm/engine/request.py: sampling settings that would overflow are greedy in effect
+or refused, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.models import MIXED_PROMPTS, Collector, drain, hf_greedy_text, make_engine
+from tritonlm.engine.request import InvalidRequestError
+
+
+def test_overflowing_settings_are_greedy_or_refused():
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, MIXED_PROMPTS[1], max_tokens=8, temperature=1e-38, seed=1)  # greedy in effect
+    drain(engine)
+    assert col.ids(rid) == hf_greedy_text(MIXED_PROMPTS[1], 8)
+    for bad, field in ((dict(repetition_penalty=1e-40, temperature=1.0), "repetition_penalty"),
+                       (dict(min_tokens=9, max_tokens=8), "min_tokens")):
+        with pytest.raises(InvalidRequestError, match=field):
+            col.request(engine, MIXED_PROMPTS[1], **bad)

@@ -1,0 +1,304 @@
+"""tritonlm/engine/sampler.py: the sampler against transformers' own logits processors,
+seeded draws through the engine (plain and speculative) against the reference
+distribution (chi-square), and penalties, bans, seeds and log probs through the engine
+against transformers' generate() and forward pass.
+
+A wrong top-p cut-off (one token too many or too few), a wrong top-k, or another filter
+order changes the support or the weights of the distribution and fails here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from tests.helpers.models import (
+    MIXED_PROMPTS,
+    Collector,
+    drain,
+    hf_greedy_text,
+    make_engine,
+    make_speculative_engine,
+    tiny,
+)
+from tests.helpers.stats import chi_square_p_value
+from tritonlm.engine.request import SamplingParams
+from tritonlm.engine.sampler import RowState, next_token_distribution, sample_row
+
+
+# ---- through the engine, against transformers' generate() and forward pass ----------
+
+
+def test_repetition_penalty_matches_hf():
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, MIXED_PROMPTS[1], max_tokens=20, repetition_penalty=1.5)
+    drain(engine)
+    assert col.ids(rid) == hf_greedy_text(MIXED_PROMPTS[1], 20, repetition_penalty=1.5)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+    def run(with_neighbours: bool):
+        engine = make_engine()
+        col = Collector()
+        if with_neighbours:
+            for p in MIXED_PROMPTS:
+                col.request(engine, p, max_tokens=15, temperature=0.9, seed=7)
+        rid = col.request(engine, "Once upon a time", max_tokens=25, temperature=1.0, top_k=40, top_p=0.9, seed=1234)
+        drain(engine)
+        return col.ids(rid)
+
+    first = run(False)
+    assert first == run(False) == run(True)
+    other_engine = make_engine()
+    col = Collector()
+    rid = col.request(other_engine, "Once upon a time", max_tokens=25, temperature=1.0, top_k=40, top_p=0.9, seed=99)
+    drain(other_engine)
+    assert col.ids(rid) != first  # another seed, another text
+    greedy = hf_greedy_text("Once upon a time", 25)
+    assert first != greedy
+
+
+def test_top_k_one_is_greedy():
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, MIXED_PROMPTS[0], max_tokens=15, temperature=1.3, top_k=1, seed=3)
+    drain(engine)
+    assert col.ids(rid) == hf_greedy_text(MIXED_PROMPTS[0], 15)
+
+
+def test_bad_words_are_never_produced():
+    _, tok = tiny()
+    ref = hf_greedy_text(MIXED_PROMPTS[0], 30)
+    banned = ref[3]
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, MIXED_PROMPTS[0], max_tokens=30, bad_words=((banned,),))
+    drain(engine)
+    assert banned not in col.ids(rid) and col.ids(rid)[:3] == ref[:3]
+
+
+def test_one_argmax_per_pass_picks_what_sample_row_picks_row_by_row():
+    from tritonlm.engine.sampler import RowState, greedy_tokens, sample_row
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))  # [n, V]
+    logits[1, 7] = logits[1, 30] = 99.0  # a tie: the first index wins, as in transformers' argmax
+    logits[2, 11] = float("nan")
+    logits[3, 4] = float("inf")
+    logits[4] = float("-inf")
+    logits[4, 9] = -1e30  # the one finite value wins
+    row = RowState.make(SamplingParams(max_tokens=1), [1, 2], eos_id=None)
+    batched = greedy_tokens(logits)
+    assert batched[0] == sample_row(logits[0], row)[0] and batched[5] == sample_row(logits[5], row)[0]
+    assert batched[1] == 7 == sample_row(logits[1], row)[0]
+    assert batched[4] == 9 == sample_row(logits[4], row)[0]
+    # a winner that is not finite is left to sample_row, which masks NaN and clips +inf
+    assert batched[2:4] == [None, None]
+    assert sample_row(logits[2], row)[0] == int(torch.argmax(torch.nan_to_num(logits[2], nan=float("-inf"))))
+    assert sample_row(logits[3], row)[0] == 4
+
+
+def test_log_probs_are_those_of_the_model():
+    model, tok = tiny()
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, MIXED_PROMPTS[0], max_tokens=5, return_log_probs=True)
+    drain(engine)
+    ids = col.ids(rid)
+    lps = [lp for e in col.events[rid] for lp in e.log_probs]
+    full = torch.tensor([tok(MIXED_PROMPTS[0]).input_ids + ids])
+    with torch.no_grad():
+        logits = model(full).logits[0].log_softmax(-1)
+    n = len(tok(MIXED_PROMPTS[0]).input_ids)
+    expected = [float(logits[n - 1 + i, t]) for i, t in enumerate(ids)]
+    assert lps == pytest.approx(expected, abs=1e-4)
+
+
+# ---- against transformers' logits processors ------------------------------------------
+
+
+def hf_distribution(logits: torch.Tensor, history: list[int], temperature: float, top_k: int, top_p: float,
+                    repetition_penalty: float = 1.0, banned: int | None = None) -> torch.Tensor:
+    """[V] logits -> [V] probabilities, as transformers' generate(do_sample=True) builds them:
+    repetition penalty, then temperature, top-k, top-p (its own warper order)."""
+    procs = LogitsProcessorList()
+    if repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    ids = torch.tensor([history], dtype=torch.long)
+    scores = logits.float().unsqueeze(0).clone()
+    if banned is not None:  # EOS before min_tokens: transformers' MinNewTokensLength runs before the warpers
+        scores[0, banned] = float("-inf")
+    return torch.softmax(procs(ids, scores)[0], dim=-1)
+
+
+def near_top_p_boundary(logits: torch.Tensor, history, temperature, top_k, top_p, rp) -> bool:
+    """True when a cumulative mass of the filtered distribution is within float rounding of
+    top_p: there the two summation orders may legitimately keep a different last token."""
+    before_p = hf_distribution(logits, history, temperature, top_k, 1.0, rp)
+    cum = torch.sort(before_p, descending=True).values.cumsum(0)
+    return bool(((cum - top_p).abs() < 1e-5).any())
+
+
+SETTINGS = [
+    (t, k, p, rp)
+    for t in (0.3, 0.7, 1.0, 1.6)
+    for k in (0, 1, 2, 7, 50)
+    for p in (1.0, 0.95, 0.6, 0.25, 0.05)
+    for rp in (1.0, 1.3)
+]
+
+
+@pytest.mark.parametrize("vocab,scale", [(11, 1.0), (64, 3.0), (512, 2.0)])
+def test_next_token_distribution_equals_transformers_warpers(vocab, scale):
+    gen = torch.Generator().manual_seed(vocab)
+    checked = skipped = 0
+    for i, (t, k, p, rp) in enumerate(SETTINGS):
+        for _ in range(3):
+            logits = torch.randn(vocab, generator=gen) * scale
+            history = torch.randint(0, vocab, (6,), generator=gen).tolist()
+            if p < 1.0 and near_top_p_boundary(logits, history, t, k, p, rp):
+                skipped += 1
+                continue
+            params = SamplingParams(max_tokens=4, temperature=t, top_k=k, top_p=p, repetition_penalty=rp, seed=i)
+            ours = next_token_distribution(logits, RowState.make(params, list(history), None))
+            ref = hf_distribution(logits, history, t, k, p, rp)
+            where = f"temperature={t} top_k={k} top_p={p} repetition_penalty={rp}"
+            assert torch.equal(ours > 0, ref > 0), f"different support: {where}"
+            torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5, msg=lambda m: f"{where}: {m}")
+            checked += 1
+    assert checked >= 0.98 * 3 * len(SETTINGS)  # boundary cases are rare: nearly every case is compared
+
+
+def test_sample_row_draws_follow_the_reference_distribution():
+    """The draw itself (multinomial on the row's generator) on random logits, top-k and top-p on."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, generator=gen) * 2
+    for t, k, p in [(0.8, 12, 0.9), (1.3, 0, 0.7), (1.0, 5, 1.0)]:
+        ref = hf_distribution(logits, [0], t, k, p)
+        params = SamplingParams(max_tokens=4, temperature=t, top_k=k, top_p=p, seed=11)
+        row = RowState.make(params, [0], None)
+        counts = torch.zeros(40)
+        for _ in range(4000):
+            counts[sample_row(logits, row)[0]] += 1
+        assert counts[ref == 0].sum() == 0
+        assert chi_square_p_value(counts, ref) > 0.001, (t, k, p)
+
+
+def test_greedy_picks_the_first_maximum_even_with_nan_and_inf():
+    """Greedy takes one pass over the logits when nothing processes them; rows holding NaN
+    or +inf must still get what the full path (NaN never wins, +inf clamped) picks."""
+    params = SamplingParams(max_tokens=4)  # greedy, nothing else
+    row = RowState.make(params, [0], None)
+    base = torch.tensor([0.5, 2.0, -1.0, 2.0, 1.0])
+    assert sample_row(base, row)[0] == 1  # ties: the first maximum, like torch.argmax
+    nan = base.clone()
+    nan[0] = float("nan")
+    assert sample_row(nan, row)[0] == 1
+    inf = base.clone()
+    inf[4] = float("inf")
+    assert sample_row(inf, row)[0] == 4
+    assert sample_row(torch.tensor([float("-inf"), 3.0]), row)[0] == 1
+    with pytest.raises(ValueError, match="no finite value"):
+        sample_row(torch.full((5,), float("nan")), row)
+    banned = RowState.make(SamplingParams(max_tokens=4, bad_words=[[1]]), [0], None)
+    assert sample_row(base, banned)[0] == 3  # a ban goes through the full path
+
+
+# ---- seeded draws through the engine ---------------------------------------------------
+
+
+PROMPT = "Once upon a time"
+
+
+def model_logits(token_lists: list[list[int]]) -> torch.Tensor:
+    """The tiny model's last-position logits for each token list (same length each)."""
+    model, _ = tiny()
+    with torch.no_grad():
+        return model(torch.tensor(token_lists)).logits[:, -1, :].float()
+
+
+def engine_draws(engine, n: int, max_tokens: int, **params) -> list[list[int]]:
+    out = []
+    col = Collector()
+    rids = []
+    for i in range(n):
+        rids.append(col.request(engine, PROMPT, max_tokens=max_tokens, min_tokens=max_tokens, seed=1000 + i, **params))
+        if len(rids) % 100 == 0:
+            drain(engine)
+    drain(engine)
+    for rid in rids:
+        assert col.final(rid).num_output_tokens == max_tokens
+        out.append(col.ids(rid))
+    return out
+
+
+SAMPLED = [dict(temperature=0.8, top_k=6, top_p=1.0), dict(temperature=1.2, top_k=0, top_p=0.5),
+           dict(temperature=1.0, top_k=8, top_p=0.7)]
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=lambda p: f"t{p['temperature']}-k{p['top_k']}-p{p['top_p']}")
+def test_engine_first_token_follows_the_reference(params):
+    _, tok = tiny()
+    prompt_ids = tok(PROMPT)["input_ids"]
+    ref = hf_distribution(model_logits([prompt_ids])[0], prompt_ids, params["temperature"], params["top_k"],
+                          params["top_p"], banned=tok.eos_token_id)
+    draws = engine_draws(make_engine(kv_sequences=100, max_context=64, max_num_seqs=100), 1000, 1, **params)
+    counts = torch.zeros_like(ref)
+    for ids in draws:
+        counts[ids[0]] += 1
+    assert counts[ref == 0].sum() == 0, "a token outside top-k / top-p was drawn"
+    assert chi_square_p_value(counts, ref) > 0.001
+
+
+def joint_reference(params: dict) -> dict[tuple[int, int], float]:
+    """P(t1, t2) for the first two generated tokens under the reference rule."""
+    _, tok = tiny()
+    prompt_ids = tok(PROMPT)["input_ids"]
+    t, k, p = params["temperature"], params["top_k"], params["top_p"]
+    p1 = hf_distribution(model_logits([prompt_ids])[0], prompt_ids, t, k, p, banned=tok.eos_token_id)
+    firsts = torch.nonzero(p1).flatten().tolist()
+    second_logits = model_logits([prompt_ids + [a] for a in firsts])
+    joint = {}
+    for a, logits in zip(firsts, second_logits):
+        p2 = hf_distribution(logits, prompt_ids + [a], t, k, p, banned=tok.eos_token_id)
+        for b in torch.nonzero(p2).flatten().tolist():
+            joint[(a, b)] = float(p1[a] * p2[b])
+    return joint
+
+
+@pytest.mark.parametrize("params", SAMPLED[2:], ids=lambda p: f"t{p['temperature']}-k{p['top_k']}-p{p['top_p']}")
+@pytest.mark.parametrize("drafter", ["random", "self"])
+def test_speculative_engine_first_two_tokens_follow_the_reference(params, drafter, monkeypatch):
+    """The second token goes through the verifier (draft guesses accepted or rejected):
+    the pair (t1, t2) must still follow the target's filtered distribution."""
+    import tritonlm.engine.executor as executor
+
+    verified = []
+    real_verify = executor.verify_row
+    monkeypatch.setattr(executor, "verify_row",
+                        lambda logits, proposal, row: verified.append(len(proposal.tokens)) or real_verify(logits, proposal, row))
+    joint = joint_reference(params)
+    engine = make_speculative_engine(drafter, k=3)
+    draws = engine_draws(engine, 1000, 4, **params)  # 4: room for a draft after the first token
+    pairs = list(joint)
+    index = {pair: i for i, pair in enumerate(pairs)}
+    counts = torch.zeros(len(pairs), dtype=torch.float64)
+    for ids in draws:
+        pair = (ids[0], ids[1])
+        assert pair in index, f"drawn {pair}: outside the reference support"
+        counts[index[pair]] += 1
+    probs = torch.tensor([joint[pr] for pr in pairs], dtype=torch.float64)
+    assert chi_square_p_value(counts, probs) > 0.001
+    assert len(verified) >= 1000 and min(verified) >= 1  # every second token came through the verifier
