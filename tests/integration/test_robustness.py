@@ -33,8 +33,8 @@ from tritonlm.models.builtin import tiny_tokenizer
 
 LONG_CONTEXT = 1024  # the "long" model: generations that last seconds, so a test can act mid-stream
 # the queue test's slot holder must outlast the queue timeout and the steps after it however fast
-# the host: GPT-2's 1024 positions (~1 ms a token here) were once used up first, so a Llama (RoPE,
-# no position table) with room for this many tokens holds it instead
+# the host: a fast host can use up GPT-2's 1024 positions first, so a Llama (RoPE, no position
+# table) with room for this many tokens holds it instead
 HOLD_CONTEXT = 8192
 LONG_BYTES_PER_TOKEN = 2 * 2 * 128 * 4  # 2 layers x K,V x 128 wide x fp32
 QUEUE_TIMEOUT_S = 0.8
@@ -231,7 +231,7 @@ def test_stop_word_split_across_two_tokens_stops_and_is_removed(triton_server):
         r = gen(triton_server, STOP_PROMPT, max_tokens=40, stream=stream, stop_words=words)
         assert (r.text, r.finish_reason, r.num_output_tokens) == (expected, "stop", tokens), stream
         assert stop not in r.text
-    # how many pieces a stream arrives in is timing: the tiny model's ~1 ms steps can come
+    # how many pieces a stream arrives in is timing: the tiny model's steps can come
     # faster than responses go, and then they are coalesced (docs/architecture.md, Threads);
     # the pieces together are the text before the stop string: none sent before it was found
     # held its first half

@@ -22,7 +22,7 @@ def test_llama_7b_fp16_reference_figures():
     assert plan.human(per_token) == "512 KiB"
     chat = plan.bytes_per_sequence(per_token, 512)
     assert chat == 256 * MiB
-    # 6.74B parameters x 2 bytes; an "80 GB" A100 leaves ~66 GB after them
+    # 6.74B parameters x 2 bytes; an "80 GB" A100 leaves 66 GB after them
     assert plan.param_count(cfg) == 6_738_415_616
     weights = plan.weight_bytes(cfg, "fp16")
     free = plan.free_memory(plan.DEVICES["a100-80gb"], weights)

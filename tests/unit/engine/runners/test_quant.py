@@ -27,8 +27,8 @@ TOPICS = ["a lighthouse keeper", "volcanoes", "the first computer", "a chess mat
           "a broken clock", "honey bees", "the moon landing"]
 FORMS = ["Tell me about {}.", "Here is a poem about {}:", "Three questions on {}:", "{} -- a summary:"]
 # Without VNNI, fbgemm's kernel sums pairs of u8 x s8 products in int16, so activations are
-# quantized to 7 bits (layers.INT8_REDUCE_RANGE) and agreement is lower. Measured on an
-# AVX2-only AMD EPYC: tiny-gpt2 0.967, SmolLM2 0.921-0.932 (VNNI hosts: 0.975, 0.959).
+# quantized to 7 bits (layers.INT8_REDUCE_RANGE) and agreement is lower (the figures per host:
+# docs/performance-notes.md, int8 accuracy).
 VNNI = hasattr(torch.cpu, "_is_vnni_supported") and torch.cpu._is_vnni_supported()
 PROMPTS = [f.format(t) for t in TOPICS for f in FORMS]  # 32
 
