@@ -42,8 +42,7 @@ PROMPTS = [
 ROUND_TIMEOUT_S = 120.0  # one round of 64 x 8 requests: about 6 s when healthy
 # Resident memory may grow this much between the end of the warm-up rounds and the end
 # of MEASURED_ROUNDS identical rounds after them (allocator slack and the Python backend's
-# shared memory; measured: under 1 MiB a round on an Intel host, 0-7.7 MiB on an AMD EPYC
-# one). A leak of 16 KiB per request over the measured 1,024 requests would exceed it.
+# shared memory; docs/performance-notes.md has the growth measured per host). A leak of 16 KiB per request over the measured 1,024 requests would exceed it.
 MEASURED_ROUNDS = 2
 RSS_MARGIN_BYTES = 16 * 1024 * 1024
 

@@ -74,7 +74,7 @@ class OutputProcessor:
                 self._observe("on_speculation", out.proposed, accepted)
             if finish_reason is not None:
                 self._finish(seq, finish_reason)
-            elif seq.request.stream:
+            elif seq.request.stream and seq.state is not SeqState.FINISHED:
                 self._stream(seq)
         generated = self.stats.tokens_generated - generated_before
         self._observe("on_step", step.batch_size, step.num_tokens, step.seconds, generated)

@@ -28,7 +28,8 @@ def percentile(values: Iterable[float], q: float) -> float:
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
-    """avg, min, p50, p90, p99 and max of values (all NaN when there are none)."""
+    """avg, min, p50, p90, p99 and max of values, NaN skipped (all NaN when none is left)."""
+    values = [v for v in values if not math.isnan(v)]
     if not values:
         return dict.fromkeys(("avg", "min", "p50", "p90", "p99", "max"), float("nan"))
     return {

@@ -112,3 +112,13 @@ def test_serve_default_exports_once_then_serves(tmp_path, monkeypatch, capsys):
     assert export_main(argv) == 0
     assert "already in" in capsys.readouterr().out
     assert served == [(repo, 18000), (repo, 18000)]
+
+
+def test_export_stamps_from_before_model_ref_still_name_their_model():
+    """export.json written before the key was "model_ref" carries it as "spec": such a
+    repository must still count as exported from that model, not be exported again."""
+    from tritonlm.export.cli import stamped_model_ref
+
+    assert stamped_model_ref({"source": {"model_ref": "tiny-gpt2"}}) == "tiny-gpt2"
+    assert stamped_model_ref({"source": {"spec": "tiny-gpt2"}}) == "tiny-gpt2"
+    assert stamped_model_ref({"source": {}}) is None
