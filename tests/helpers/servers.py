@@ -8,6 +8,7 @@ no working run reaches them."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import urllib.request
@@ -28,6 +29,24 @@ def add_generation_model(repo: Path, name: str, builtin: str = "tiny-gpt2", **pa
 
 
 # ---- waiting -----------------------------------------------------------------------------------
+
+def add_long_llama(repo: Path, name: str, context: int, seed: int, **parameters) -> Path:
+    """A tiny Llama (seeded weights, the tiny tokenizer; RoPE: no position table) with room for
+    `context` tokens: generations that last, so a test can act mid-stream however fast the host."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tritonlm.models.builtin import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=context,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return write_generation_model(repo, name, LlamaForCausalLM(config).eval(), tok, max_context=context, **parameters)
+
 
 def wait_until(cond, timeout_s: float, step: float = 0.1) -> bool:
     """Poll cond() until it is true or timeout_s passes; returns its last value."""
@@ -86,6 +105,14 @@ class Output:
 
 
 # ---- a server's metrics ------------------------------------------------------------------------
+
+def histogram_peak(server, name: str, model: str) -> float:
+    """For a histogram: the largest bucket bound that some observation exceeded (0 when none did)."""
+    rows = re.findall(rf'{name}{{instance="[^"]+",model="{model}",version="1",le="([^"]+)"}} (\S+)', metrics_text(server))
+    total = float(rows[-1][1])
+    below = [float(le) for le, count in rows if le != "+Inf" and float(count) < total]
+    return max(below) if below else 0.0
+
 
 def metrics_text(server) -> str:
     """The server's Prometheus metrics page."""

@@ -7,14 +7,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import re
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.helpers.models import hf_greedy_text, tiny
-from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric
+from tests.helpers.servers import HANG_GUARD_S, add_generation_model, histogram_peak, metric
 from tritonlm.client.generate import GenerateError, generate_grpc, generate_http, generate_stream_http
 
 PROMPTS = [
@@ -111,16 +110,7 @@ def test_sixteen_concurrent_mixed_requests_get_their_solo_answers(triton_server)
         futures = [pool.submit(gen, triton_server, p, max_tokens=n, stream=bool(i % 2)) for i, (p, n) in enumerate(zip(prompts, lengths))]
         results = [f.result(timeout=300) for f in futures]
     assert [r.text for r in results] == expected
-    assert peak_metric(triton_server, "tritonlm_batch_size_bucket", model="tiny") > 1
-
-
-def peak_metric(server, name, model):
-    """For a histogram: the largest bucket bound below which not all observations fall."""
-    text = urllib.request.urlopen(server.metrics_url).read().decode()
-    rows = re.findall(rf'{name}{{instance="[^"]+",model="{model}",version="1",le="([^"]+)"}} (\S+)', text)
-    total = float(rows[-1][1])
-    below = [float(le) for le, count in rows if le != "+Inf" and float(count) < total]
-    return max(below) if below else 0.0
+    assert histogram_peak(triton_server, "tritonlm_batch_size_bucket", model="tiny") > 1
 
 
 def test_kv_budget_of_two_sequences_serves_twelve_concurrent_requests(triton_server):

@@ -23,10 +23,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.helpers.models import hf_greedy_text, tiny
-from tests.helpers.servers import HANG_GUARD_S, Output, add_generation_model, metric, wait_until
+from tests.helpers.servers import HANG_GUARD_S, Output, add_generation_model, add_long_llama, metric, wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
-from tritonlm.export.repository import write_generation_model
-from tritonlm.models.builtin import tiny_tokenizer
 from tritonlm.openai.server import EXIT_DEADLINE_S, OpenAIServer
 from tritonlm.paths import REPO_ROOT
 from tritonlm.server import free_ports
@@ -42,20 +40,7 @@ LONG_TOKENS = LONG_CONTEXT - 100  # nearly the whole context: it outlasts whatev
 
 
 def add_long_model(repo, name, **parameters):
-    """A tiny Llama (seeded weights, the tiny tokenizer; RoPE: no position table) with room for
-    LONG_CONTEXT tokens: generations that last, so a test can act mid-stream however slow it
-    is next to the model."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=LONG_CONTEXT,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(7)
-    write_generation_model(repo, name, LlamaForCausalLM(config).eval(), tok, max_context=LONG_CONTEXT, **parameters)
+    add_long_llama(repo, name, LONG_CONTEXT, seed=7, **parameters)
 
 
 @pytest.fixture(scope="module")

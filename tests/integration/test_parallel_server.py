@@ -24,7 +24,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.helpers.models import hf_greedy_text, tiny
-from tests.helpers.servers import HANG_GUARD_S, add_generation_model, wait_until
+from tests.helpers.servers import HANG_GUARD_S, add_generation_model, histogram_peak, wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.commands.instances import set_instances
 
@@ -146,16 +146,7 @@ def test_concurrent_mixed_requests_get_their_solo_answers(triton_server, model):
         results = [f.result(timeout=300) for f in futures]
     assert [r.text for r in results] == expected
     if model in SPLIT:  # continuous batching really batched the split model's steps
-        assert peak_batch(triton_server, model) >= 1
-
-
-def peak_batch(server, model) -> float:
-    """The largest batch-size bucket bound that some step exceeded (0 when none did)."""
-    text = urllib.request.urlopen(server.metrics_url).read().decode()
-    rows = re.findall(rf'tritonlm_batch_size_bucket{{instance="[^"]+",model="{model}",version="1",le="([^"]+)"}} (\S+)', text)
-    total = float(rows[-1][1])
-    below = [float(le) for le, count in rows if le != "+Inf" and float(count) < total]
-    return max(below) if below else 0.0
+        assert histogram_peak(triton_server, "tritonlm_batch_size_bucket", model) >= 1
 
 
 def test_two_instances_are_two_engines(triton_server):

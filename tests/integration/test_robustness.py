@@ -26,9 +26,9 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests.helpers.models import hf_greedy_text, tiny
-from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, metrics_text
+from tests.helpers.servers import HANG_GUARD_S, add_generation_model, add_long_llama, metric, metrics_text
 from tritonlm.client.generate import GenerateError, GenerateResult, _absorb, _grpc_inputs, generate_grpc, generate_http, generate_stream_http
-from tritonlm.export.repository import write_generate_config, write_generation_model
+from tritonlm.export.repository import write_generate_config
 from tritonlm.models.builtin import tiny_tokenizer
 
 LONG_CONTEXT = 1024  # the "long" model: generations that last seconds, so a test can act mid-stream
@@ -71,18 +71,8 @@ def add_long_model(repo: Path, name: str, weights_of: str | None = None, **param
 
 
 def add_holder_model(repo: Path, name: str, **parameters) -> Path:
-    """A tiny Llama (seeded, the tiny tokenizer) with HOLD_CONTEXT tokens of context."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=HOLD_CONTEXT,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(98)
-    return write_generation_model(repo, name, LlamaForCausalLM(config).eval(), tok, max_context=HOLD_CONTEXT,
-                                  **parameters)
+    """A tiny Llama with HOLD_CONTEXT tokens of context."""
+    return add_long_llama(repo, name, HOLD_CONTEXT, seed=98, **parameters)
 
 
 def add_draft_with_other_tokenizer(repo: Path, name: str) -> Path:

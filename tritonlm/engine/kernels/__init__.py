@@ -17,22 +17,29 @@ host's compiler (g++ and ninja) into one extension in torch's extension cache
 (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; ours under tritonlm/),
 under a name that hashes the sources, the torch version and the CPU's model and flags:
 it is compiled for this CPU (-march=native), so a cache shared with a different CPU
-builds its own copy, and a later load reuses the build. Concurrent processes (Triton
-model instances) wait on torch's build lock; a lock left by a process killed mid-build
-would make every later load wait forever, so one older than STALE_LOCK_S is removed.
+builds its own copy, and a later load reuses the build.
+
+Every load (a no-op ninja run once built) takes torch's build lock, a plain file that
+torch waits on without limit; a process killed while holding it (a model instance
+stopped during startup) would make every later load hang. So loads of one build
+directory are serialized by an OS lock (flock) that the kernel drops when its holder
+dies, and whoever holds it removes torch's lock file first: it can only be a dead
+process's.
 When anything is missing (no compiler, a non-x86 CPU, a failed build), the reason is
 returned and the caller runs its torch path instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,7 +49,6 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "paged_attention.cpp", _HERE / "decode_ops.cpp", _HERE / "decoder_stack.cpp"]
 _HEADERS = [_HERE / "simd_math.h"]
-STALE_LOCK_S = 600.0  # far longer than a build takes: a lock this old belongs to a process that died
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # (available, why), once per process
 
@@ -69,14 +75,33 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def _remove_stale_lock(lock: Path) -> None:
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+def build_directory() -> Path:
+    """This build's folder in torch's extension cache (TORCH_EXTENSIONS_DIR, else torch's
+    default), named by a hash of the sources, the torch version and the CPU."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode() + _cpu_fingerprint().encode()
+    ).hexdigest()[:12]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / "tritonlm" / f"tritonlm_paged_attention_{digest}"
+
+
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold build_dir's OS lock (waiting for another process's load to finish), with any
+    torch lock file a dead process left there removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "tritonlm.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        try:
+            torch_lock = build_dir / "lock"
+            if torch_lock.exists():
+                log.warning("removing a kernel build lock left by a process that died: %s", torch_lock)
+                torch_lock.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _build() -> tuple[bool, str]:
@@ -89,27 +114,20 @@ def _build() -> tuple[bool, str]:
         verify_ninja_availability()
     except Exception as e:  # noqa: BLE001 - any reason not to build is reported, not raised
         return False, f"cannot build C++ extensions here ({e})"
-    digest = hashlib.sha256(
-        b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode() + _cpu_fingerprint().encode()
-    ).hexdigest()[:12]
-    name = f"tritonlm_paged_attention_{digest}"
     try:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        build_dir = Path(get_default_build_root()) / "tritonlm" / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_lock(build_dir / "lock")
-        # -fopenmp: at::parallel_for runs on torch's own OpenMP team (the process already
-        # has torch's libgomp loaded; the extension links to it by its soname)
-        load(
-            name=name,
-            build_directory=str(build_dir),
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        build_dir = build_directory()
+        with exclusive_build(build_dir):
+            # -fopenmp: at::parallel_for runs on torch's own OpenMP team (the process already
+            # has torch's libgomp loaded; the extension links to it by its soname)
+            load(
+                name=build_dir.name,
+                build_directory=str(build_dir),
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # noqa: BLE001
         return False, f"building the C++ kernels failed ({str(e).strip().splitlines()[-1] if str(e).strip() else e!r})"
     return True, "built for this CPU"

@@ -206,20 +206,62 @@ def test_fused_ops_refuse_bad_tensors_naming_them():
 # ---------------------------------------------------------------------------- the build
 
 
-def test_a_kernel_build_lock_left_by_a_dead_process_is_removed_a_fresh_one_kept(tmp_path):
-    """torch's build lock would make every later model load wait forever after a process
-    died mid-build; one older than any build is removed, a live build's is left alone."""
-    import os
-    import time
+def test_a_kernel_build_lock_held_by_a_process_that_died_does_not_stop_later_loads(tmp_path):
+    """torch waits without limit on its build-lock file; a process killed while holding it
+    (a model instance stopped during startup) would hang every later load. Loads of one
+    folder hold an OS lock the kernel drops when its holder dies, and remove the file."""
+    import fcntl
+    import signal
+    import subprocess
+    import sys
 
-    from tritonlm.engine.kernels import STALE_LOCK_S, _remove_stale_lock
+    from tritonlm.engine.kernels import exclusive_build
 
-    lock = tmp_path / "lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from tritonlm.engine.kernels import exclusive_build\n"
+            f"with exclusive_build(Path({str(tmp_path)!r})):\n"
+            f"    Path({str(tmp_path / 'lock')!r}).write_text('')\n"  # torch's file, mid-build
+            "    print('held', flush=True)\n"
+            "    time.sleep(3600)\n"
+        )],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "tritonlm.flock", "a") as probe, pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live load keeps others out
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    finally:
+        holder.kill()
+    assert (tmp_path / "lock").exists()  # what the dead process left
+    with open(tmp_path / "tritonlm.flock", "a") as probe:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the dead holder's lock went with it
+        fcntl.flock(probe, fcntl.LOCK_UN)
+    with exclusive_build(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_kernels_load_past_a_build_lock_file_left_behind():
+    """A fresh process loads the built kernels although torch's lock file is in their folder
+    (the state a killed model instance leaves): the load does not wait on it."""
+    import subprocess
+    import sys
+
+    from helpers.servers import HANG_GUARD_S
+    from tritonlm.engine.kernels import build_directory, kernels_available
+
+    assert kernels_available()[0]
+    lock = build_directory() / "lock"
     lock.write_text("")
-    _remove_stale_lock(lock)
-    assert lock.exists()  # a build in progress
-    old = time.time() - STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    _remove_stale_lock(lock)
-    assert not lock.exists()
-    _remove_stale_lock(lock)  # nothing there: no error
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "tritonlm.engine.kernels"], capture_output=True, text=True, timeout=HANG_GUARD_S
+        )
+    finally:
+        lock.unlink(missing_ok=True)
+    assert out.returncode == 0, out.stderr
+    assert "ok (built for this CPU)" in out.stdout, out.stdout + out.stderr
