@@ -37,7 +37,6 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,15 +63,17 @@ def _cpu_fingerprint() -> str:
 
 
 def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; a Triton stub's PATH may not hold the venv's bin, where
-    the `ninja` package (a dependency) puts it."""
-    if shutil.which("ninja"):
-        return
+    """torch runs `ninja` from PATH. Every process must find the same one: ninja records a
+    hash of each command in the build folder's log, and another ninja version reads that log
+    as changed commands and rebuilds everything (a server whose PATH holds the venv's bin,
+    a shell whose PATH holds only /usr/bin). The `ninja` package (a dependency) comes first."""
     try:
         import ninja
     except ImportError:
         return
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    entries = os.environ.get("PATH", "").split(os.pathsep)
+    if entries[:1] != [ninja.BIN_DIR]:
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *[e for e in entries if e and e != ninja.BIN_DIR]])
 
 
 def build_directory() -> Path:

@@ -4,6 +4,8 @@ tensors, and the build lock."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -265,3 +267,20 @@ def test_kernels_load_past_a_build_lock_file_left_behind():
         lock.unlink(missing_ok=True)
     assert out.returncode == 0, out.stderr
     assert "ok (built for this CPU)" in out.stdout, out.stdout + out.stderr
+
+
+def test_every_process_builds_with_the_same_ninja(monkeypatch):
+    """Two ninja versions read each other's build log as changed commands and rebuild the
+    kernels in turn; the `ninja` package's comes first on PATH whatever PATH held."""
+    import shutil
+
+    import ninja
+
+    from tritonlm.engine.kernels import _put_ninja_on_path
+
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", "/bin", ninja.BIN_DIR]))
+    _put_ninja_on_path()
+    assert os.path.dirname(shutil.which("ninja")) == ninja.BIN_DIR
+    assert os.environ["PATH"].split(os.pathsep).count(ninja.BIN_DIR) == 1
+    _put_ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[1:3] == ["/usr/bin", "/bin"]
