@@ -28,8 +28,6 @@ def add_generation_model(repo: Path, name: str, builtin: str = "tiny-gpt2", **pa
     return write_generation_model(repo, name, model, tok, **parameters)
 
 
-# ---- waiting -----------------------------------------------------------------------------------
-
 def add_long_llama(repo: Path, name: str, context: int, seed: int, **parameters) -> Path:
     """A tiny Llama (seeded weights, the tiny tokenizer; RoPE: no position table) with room for
     `context` tokens: generations that last, so a test can act mid-stream however fast the host."""
@@ -47,6 +45,8 @@ def add_long_llama(repo: Path, name: str, context: int, seed: int, **parameters)
     torch.manual_seed(seed)
     return write_generation_model(repo, name, LlamaForCausalLM(config).eval(), tok, max_context=context, **parameters)
 
+
+# ---- waiting -----------------------------------------------------------------------------------
 
 def wait_until(cond, timeout_s: float, step: float = 0.1) -> bool:
     """Poll cond() until it is true or timeout_s passes; returns its last value."""

@@ -80,7 +80,8 @@ def test_every_generate_parameter_the_parser_reads_is_documented():
     documented = [p.name for p in GENERATE_PARAMETERS]
     assert len(documented) == len(set(documented)), "a parameter is documented twice"
     # what from_params accepts: the settings fields (model_dir is the folder, not a parameter) and task
-    accepted = {f.name for f in dataclasses.fields(EngineSettings)} - {"model_dir"} | {"task"}
+    # (cpu_share is the glue's: the model's instance count)
+    accepted = {f.name for f in dataclasses.fields(EngineSettings)} - {"model_dir", "cpu_share"} | {"task"}
     read = _parser_reads((ROOT / "tritonlm" / "engine" / "settings.py").read_text())
     assert read, "found no parameter reads in settings.py: the pattern is out of date"
     assert set(documented) == accepted, (

@@ -63,6 +63,12 @@ def checks() -> list[tuple[str, bool, str]]:
                      "decode falls back to the slower gather path"))
     except ImportError:
         pass
+    from tritonlm.engine.cpu_cores import usable_cores
+
+    budget = usable_cores()
+    rows.append(("compute threads (num_threads: auto)", True,
+                 f"{budget.threads()} per model instance ({budget.why}); split over instances and model-parallel "
+                 "ranks, lowered while other processes take these cores"))
     try:
         import onnxruntime as ort
 

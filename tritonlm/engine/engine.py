@@ -16,6 +16,7 @@ import time
 
 from tritonlm.engine.client_io import CancellationPoller, EventDispatcher
 from tritonlm.engine.compute_thread import ComputeThread
+from tritonlm.engine.cpu_cores import ThreadGovernor
 from tritonlm.engine.executor import ModelExecutor
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.output import EngineObserver, EngineStats, OutputProcessor
@@ -69,6 +70,7 @@ class Engine:
         self._stop_finish: str | None = None  # shutdown(finish_reason=...): how pending requests end
         self._thread: threading.Thread | None = None
         self.compute: ComputeThread | None = None  # build_engine's: the thread that loaded the model runs the loop
+        self.threads: ThreadGovernor | None = None  # build_engine's with num_threads auto: sizes the OpenMP team
         self._last_expiry_check = 0.0
         self._dispatcher: EventDispatcher | None = None
         self._poller: CancellationPoller | None = None
@@ -187,12 +189,16 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
+            idle_since = None
             with self._cond:
                 while not self._stop and not self._inbox and not self._cancel and not self.has_work():
+                    idle_since = idle_since or time.monotonic()
                     self._cond.wait(timeout=EXPIRY_CHECK_S if self.scheduler.num_waiting else None)
                 if self._stop:
                     break
             try:
+                if self.threads is not None:  # between steps, on this thread: the team is this thread's
+                    self.threads.tick(idle_s=time.monotonic() - idle_since if idle_since else 0.0)
                 self.step()
             except Exception:  # the loop must survive anything one step does
                 log.exception("engine step failed")

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from tritonlm.engine.compute_thread import ComputeThread
+from tritonlm.engine.cpu_cores import ThreadGovernor, usable_cores
 from tritonlm.engine.engine import Engine, EngineObserver
 from tritonlm.engine.kv_cache import CacheBudgetError, KVCacheManager
 from tritonlm.engine.memory import default_kv_budget, free_memory_bytes
@@ -60,19 +61,45 @@ def build_engine(settings: EngineSettings, observer: EngineObserver | None = Non
     return engine
 
 
-def _load_and_build(settings: EngineSettings, observer: EngineObserver | None, runner, tokenizer) -> Engine:
+def compute_threads(settings: EngineSettings) -> tuple[int, str]:
+    """This process's compute threads and why: `num_threads` when set, else one per core
+    it may use, split over the model's CPU instances and each one's model-parallel ranks
+    (this process is rank 0; the workers get the same count, ParallelRunner.rank_threads)."""
     if settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
+        return settings.num_threads, "num_threads"
+    budget = usable_cores()
+    ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size
+    split = [f"{settings.cpu_share} instances"] if settings.cpu_share > 1 else []
+    split += [f"{ranks} ranks each"] if ranks > 1 else []
+    why = f"auto: {budget.why}" + (f", split over {' x '.join(split)}" if split else "")
+    return budget.threads(settings.cpu_share * ranks), why
+
+
+def _set_torch_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:  # only before any inter-op work in this process; a second engine here keeps the first's
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:
+        pass
+
+
+def _load_and_build(settings: EngineSettings, observer: EngineObserver | None, runner, tokenizer) -> Engine:
+    threads, why = compute_threads(settings)
+    _set_torch_threads(threads)
+    log.info("compute threads: %d (%s)", threads, why)
     if tokenizer is None:
         tokenizer = load_tokenizer(settings.hf_dir)
     if runner is None:
-        runner = load_model_runner(settings)
+        runner = load_model_runner(settings, threads)
     try:
         check_attention_backend(settings, runner)
-        return _build_engine(settings, observer, runner, tokenizer)
+        engine = _build_engine(settings, observer, runner, tokenizer)
     except BaseException:
         runner.close()
         raise
+    if not settings.num_threads and settings.runtime == "torch" and settings.device == "cpu" and not settings.is_parallel:
+        engine.threads = ThreadGovernor(threads, torch.set_num_threads)
+    return engine
 
 
 def check_attention_backend(settings: EngineSettings, runner) -> None:
@@ -86,8 +113,9 @@ def check_attention_backend(settings: EngineSettings, runner) -> None:
     log.info("attention: %s%s", used, f" ({why})" if why else "")
 
 
-def load_model_runner(settings: EngineSettings):
-    """The target model's runner: torch or onnx in this process, or split over worker processes."""
+def load_model_runner(settings: EngineSettings, threads: int = 0):
+    """The target model's runner: torch or onnx in this process, or split over worker processes;
+    `threads`: ONNX Runtime's intra-op threads (torch's are set on the calling thread)."""
     if settings.is_parallel:
         from tritonlm.engine.parallel import load_parallel_runner
 
@@ -95,7 +123,7 @@ def load_model_runner(settings: EngineSettings):
     return _load_runner_or_explain(
         "hf_dir" if settings.runtime == "torch" else "onnx_model",
         settings.runtime, settings.hf_dir, onnx_path=settings.onnx_model, device=settings.device,
-        **(_torch_runner_kwargs(settings) if settings.runtime == "torch" else {}),
+        **(_torch_runner_kwargs(settings) if settings.runtime == "torch" else {"threads": threads}),
     )
 
 

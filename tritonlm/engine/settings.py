@@ -85,7 +85,8 @@ class EngineSettings:
     max_request_bytes: int = 0  # 0: the limits above added up + 64 KiB
     use_kv_cache: bool = True  # False only for benchmarks: recompute the whole sequence every step
     enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes across requests
-    num_threads: int = 0  # torch intra-op threads; 0: leave torch's default
+    num_threads: int = 0  # compute threads; 0 ("auto"): the cores this process gets (cpu_cores.py), adapted while serving
+    cpu_share: int = 1  # processes that split the cores (the model's CPU instances); set by the Triton glue
     # torch runtime: how decode steps read the paged KV cache. "paged": tritonlm's C++
     # kernel reads it in place (CPU, float32; compiled for the host at first load);
     # "gather": copy each sequence's K/V, then torch's SDPA; "auto": paged where it can run
@@ -109,7 +110,7 @@ class EngineSettings:
     @staticmethod
     def from_params(params: dict[str, str], model_dir: Path) -> "EngineSettings":
         model_dir = Path(model_dir)
-        known = {f.name for f in dataclasses.fields(EngineSettings)} | {"task"}
+        known = {f.name for f in dataclasses.fields(EngineSettings)} - {"cpu_share"} | {"task"}
         unknown = sorted(set(params) - known)
         if unknown:
             raise SettingsError(f"unknown parameter(s) {unknown}; known: {sorted(known - {'model_dir'})}")
@@ -125,6 +126,14 @@ class EngineSettings:
             if value < minimum:
                 raise SettingsError(f"{name}: must be >= {minimum}, got {value}")
             return value
+
+        def get_threads() -> int:
+            raw = params.get("num_threads", "").strip().lower()
+            if raw in ("", "auto"):
+                return 0
+            if not raw.isdigit():
+                raise SettingsError(f"num_threads: {raw!r} is neither 'auto' nor a whole number of threads")
+            return int(raw)
 
         def get_float(name: str, default: float | None) -> float | None:
             raw = params.get(name, "")
@@ -199,7 +208,7 @@ class EngineSettings:
             max_request_bytes=get_int("max_request_bytes", 0, 0),
             use_kv_cache=get_bool("use_kv_cache", True),
             enable_prefix_caching=get_bool("enable_prefix_caching", True),
-            num_threads=get_int("num_threads", 0, 0),
+            num_threads=get_threads(),
             attention_backend=attention_backend,
             draft_model=get_path("draft_model", None),
             speculative=speculative,
@@ -312,8 +321,11 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("enable_prefix_caching", "true",
        "share the KV blocks of common prompt prefixes (a system prompt, earlier turns of a chat) across "
        "requests; off with a `draft_model`"),
-    _P("num_threads", "0",
-       "torch intra-op threads; 0: torch's default (model-parallel ranks: the CPU count / ranks each)"),
+    _P("num_threads", "auto",
+       "compute threads (torch intra-op, the C++ kernels, ONNX Runtime). `auto` (or 0): one per core this "
+       "process may use (the affinity mask and the cgroup CPU quota, split over the model's CPU instances and "
+       "model-parallel ranks), lowered while other processes take our cores and raised when they leave "
+       "([serving.md](serving.md#cpu-threads)); a number: exactly that many, never changed"),
     _P("attention_backend", "auto",
        "torch runtime, how decode steps read the KV cache. `paged`: tritonlm's C++ kernels read K/V in place"
        " (CPU with float32 compute: `dtype` float32 or int8; compiled for the host CPU at the first load, "
@@ -348,7 +360,8 @@ FORWARD_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("format", "onnx", "`onnx` (ONNX Runtime) or `torchscript`"),
     _P("artifact", None, "the file in the version folder", "`model.onnx` / `model.pt`"),
     _P("device", "cpu", "`cpu`, `cuda` or `cuda:N`"),
-    _P("threads", "0", "intra-op threads; 0: the runtime's own choice"),
+    _P("threads", "0", "intra-op threads; 0: one per core this process may use (affinity mask, cgroup CPU quota), "
+       "split over the model's instances"),
     _P("spin", None, "`true`: ONNX Runtime's idle threads busy-wait (lower latency, burns CPU)", "off"),
     _P("max_positions", None,
        "the model's context length: requests with positions beyond it are refused (exports write it)", "no "

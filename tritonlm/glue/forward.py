@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from tritonlm.engine.cpu_cores import instances_in_config, usable_cores
 from tritonlm.export.forward_runtime import ForwardBatcher, Layout, onnx_run_fn, torchscript_run_fn
 
 
@@ -35,7 +36,8 @@ class ForwardHandler:
         if not path.is_file():
             raise ValueError(f"model '{self.name}': {path} not found; re-export with `tritonlm export`")
         device = params.get("device", "cpu") or "cpu"
-        threads = int(params.get("threads", "0") or 0)
+        # 0: one per core this process may use, the cores split over the model's instances
+        threads = int(params.get("threads", "0") or 0) or usable_cores().threads(instances_in_config(config))
         max_positions = int(params.get("max_positions", "0") or 0) or None
         self.layout = Layout.from_model_config(config)
         if fmt == "onnx":

@@ -17,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from tritonlm.engine.loader import build_engine
 from tritonlm.engine.request import GenerationEvent, GenerationRequest, InvalidRequestError, ServerBusyError
+from tritonlm.engine.cpu_cores import instances_in_config
 from tritonlm.engine.settings import EngineSettings
 from tritonlm.glue.metrics import TritonMetrics
 from tritonlm.protocol import RequestLimits, bad_word_token_ids, event_outputs, parse_request, rename_error
@@ -47,7 +48,9 @@ class GenerateHandler:
         # (docs/performance-notes.md).
         sys.setswitchinterval(0.0005)
         model_dir = Path(args["model_repository"])
-        self.settings = instance_device(EngineSettings.from_params(params, model_dir), args)
+        self.settings = dataclasses.replace(
+            instance_device(EngineSettings.from_params(params, model_dir), args), cpu_share=instances_in_config(config)
+        )
         self.metrics = TritonMetrics(self.name, args.get("model_version", "1"), args.get("model_instance_name", ""))
         self.engine = build_engine(self.settings, observer=self.metrics)
         self.vocab_size = self.engine.runner.spec.vocab_size

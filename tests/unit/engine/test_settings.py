@@ -91,3 +91,37 @@ def test_settings_that_would_misbehave_are_refused_naming_the_field(tmp_path, pa
     (tmp_path / "1" / "hf").mkdir(parents=True)
     with pytest.raises(SettingsError, match=message):
         EngineSettings.from_params({"task": "generate", **params}, tmp_path)
+
+
+@pytest.mark.parametrize("raw, threads", [("", 0), ("auto", 0), ("AUTO", 0), ("0", 0), ("3", 3)])
+def test_num_threads_is_auto_by_default_or_a_whole_number(repo, raw, threads):
+    params = {"num_threads": raw} if raw else {}
+    assert EngineSettings.from_params(params, repo / "gen").num_threads == threads
+
+
+@pytest.mark.parametrize("raw", ["-1", "1.5", "many"])
+def test_num_threads_other_than_auto_or_a_count_is_refused(repo, raw):
+    with pytest.raises(SettingsError, match=r"^num_threads: .* is neither 'auto' nor a whole number of threads"):
+        EngineSettings.from_params({"num_threads": raw}, repo / "gen")
+
+
+def test_cpu_share_is_the_glue_s_not_a_parameter(repo):
+    with pytest.raises(SettingsError, match=r"unknown parameter\(s\) \['cpu_share'\]"):
+        EngineSettings.from_params({"cpu_share": "2"}, repo / "gen")
+
+
+def test_auto_threads_split_the_cores_over_the_model_s_instances(repo, monkeypatch):
+    """The loader's count: num_threads when given, else the usable cores / instances."""
+    import dataclasses
+
+    from tritonlm.engine import loader
+    from tritonlm.engine.cpu_cores import CoreBudget
+
+    monkeypatch.setattr(loader, "usable_cores", lambda: CoreBudget(8.0, "cgroup CPU quota 8 cores (affinity allows 64)"))
+    s = EngineSettings.from_params({}, repo / "gen")
+    assert loader.compute_threads(s) == (8, "auto: cgroup CPU quota 8 cores (affinity allows 64)")
+    assert loader.compute_threads(dataclasses.replace(s, cpu_share=3)) == (
+        2, "auto: cgroup CPU quota 8 cores (affinity allows 64), split over 3 instances")
+    assert loader.compute_threads(dataclasses.replace(s, cpu_share=2, tensor_parallel_size=2)) == (
+        2, "auto: cgroup CPU quota 8 cores (affinity allows 64), split over 2 instances x 2 ranks each")
+    assert loader.compute_threads(dataclasses.replace(s, num_threads=5, cpu_share=3)) == (5, "num_threads")

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from tritonlm.engine.cpu_cores import usable_cores
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.parallel.comm import ProcessComm, batch_fields, make_store, pack, unpack
 from tritonlm.engine.kv_cache import KVPool
@@ -70,7 +71,8 @@ class ParallelConfig:
     dtype: torch.dtype | None = None  # None: the checkpoint's
     timeout_s: float = 60.0  # per collective op, and to join the process group
     start_timeout_s: float = 600.0  # for every worker to load its shard
-    num_threads: int = 0  # torch threads per worker; 0: cpu_count // size (at least 1)
+    num_threads: int = 0  # torch threads per rank; 0: the usable cores // (size x cpu_share), at least 1
+    cpu_share: int = 1  # model instances on this host, each with `size` ranks
     micro_batches: int = 0  # pipeline: micro-batches per step; 0: one per stage
     name: str = "model"  # the Triton model name (logs, worker command lines)
     attention: str = "auto"  # attention_backend: every rank's decode steps ("gather": never the kernel)
@@ -91,6 +93,7 @@ class ParallelConfig:
             device=settings.device,
             timeout_s=settings.parallel_timeout_s,
             num_threads=settings.num_threads,
+            cpu_share=settings.cpu_share,
             micro_batches=settings.pipeline_micro_batches,
             name=Path(settings.model_dir).name,
             attention=settings.attention_backend,
@@ -227,6 +230,11 @@ class ParallelRunner:
                 self.comm.shutdown()
             raise
 
+    def rank_threads(self) -> int:
+        """Each rank's compute threads: num_threads, or the cores this process may use split
+        over every rank of every instance."""
+        return self.config.num_threads or usable_cores().threads(self.world * self.config.cpu_share)
+
     # ---- start ------------------------------------------------------------------------
     def _start(self) -> None:
         cfg = self.config
@@ -234,7 +242,7 @@ class ParallelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL binds rank 0 to the current device
         store = make_store(0, self.world, 0, cfg.timeout_s)
-        threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // self.world)
+        threads = self.rank_threads()  # rank 0's: the loader set them on the thread that steps
         dtype = str(cfg.dtype).removeprefix("torch.") if cfg.dtype is not None else None
         for rank in range(1, self.world):
             self._spawn(rank)
@@ -279,8 +287,7 @@ class ParallelRunner:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[3])  # the folder holding the tritonlm package
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        threads = self.config.num_threads or max(1, (os.cpu_count() or 1) // self.world)
-        env.setdefault("OMP_NUM_THREADS", str(threads))
+        env.setdefault("OMP_NUM_THREADS", str(self.rank_threads()))
         try:
             proc = subprocess.Popen(cmd, pass_fds=(child_fd,), stdin=subprocess.DEVNULL, env=env, close_fds=True)
         finally:

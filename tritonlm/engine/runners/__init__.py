@@ -20,6 +20,19 @@ RUNNER_KINDS = ("torch", "onnx")
 __all__ = ["RUNNER_KINDS", "SCRATCH_SLOT", "Runner", "ForwardBatch", "load_runner", "plan_step"]
 
 
+def onnx_session_options(threads: int):
+    """ONNX Runtime options for `threads` intra-op threads (0: its default) that sleep when
+    idle: a spinning thread keeps a core from the other threads of this server and from
+    any neighbour, and a step stalls when one of its team is off its core."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return opts
+
+
 def load_runner(
     kind: str,
     hf_dir_or_model,
@@ -29,6 +42,7 @@ def load_runner(
     dtype: torch.dtype | None = None,
     int8: bool = False,
     attention: str = "auto",
+    threads: int = 0,
 ) -> Runner:
     """Build a runner.
 
@@ -42,6 +56,8 @@ def load_runner(
     int8             torch only: int8 weights (CPU, float32 compute; see runners.quant.quantize_int8)
     attention        torch only: "auto" | "paged" | "gather", how decode steps read the KV
                      pool (TorchRunner; the runner's `attention` says what it uses)
+    threads          onnx only: ONNX Runtime's intra-op threads (0: its default); torch's are
+                     the calling thread's (torch.set_num_threads)
     """
     if kind == "torch":
         from tritonlm.engine.runners.torch_runner import TorchRunner
@@ -56,5 +72,5 @@ def load_runner(
 
         if onnx_path is None:
             raise ValueError("runner kind 'onnx' needs onnx_path (the exported decoder .onnx file)")
-        return OnnxRunner(hf_dir_or_model, onnx_path, device=device, dtype=dtype)
+        return OnnxRunner(hf_dir_or_model, onnx_path, device=device, dtype=dtype, session_options=onnx_session_options(threads))
     raise ValueError(f"unknown runner kind {kind!r} for field 'runner': expected one of {list(RUNNER_KINDS)}")

@@ -419,3 +419,18 @@ def test_close_is_idempotent_and_joins_every_worker(hf_dirs):
     assert not set(pids) & set(worker_children())
     with pytest.raises(WorkerFailure, match="closed"):
         runner.forward(StepBatch.build([[1]], [0], [[4]]), None)
+
+
+def test_each_rank_gets_its_share_of_the_usable_cores(monkeypatch):
+    """num_threads auto: the cores split over every rank of every instance (a 2-rank model,
+    3 instances, a 16-core quota: 2 threads a rank); a number is used as given."""
+    from types import SimpleNamespace
+
+    from tritonlm.engine.cpu_cores import CoreBudget
+    from tritonlm.engine.parallel import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "usable_cores", lambda: CoreBudget(16.0, "quota"))
+    auto = SimpleNamespace(config=ParallelConfig(hf_dir="x", mode="tensor", size=2, cpu_share=3), world=2)
+    assert ParallelRunner.rank_threads(auto) == 2
+    fixed = SimpleNamespace(config=ParallelConfig(hf_dir="x", mode="tensor", size=2, num_threads=5, cpu_share=3), world=2)
+    assert ParallelRunner.rank_threads(fixed) == 5
