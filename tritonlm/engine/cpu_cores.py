@@ -11,8 +11,8 @@ are throttled together. `usable_cores()` is the smaller of the two.
 
 A third limit changes while serving: another process busy on one of our cores. An OpenMP
 team waits for its slowest thread at every parallel op; when one of them is off its core
-the rest spin, and a step made of hundreds of such ops stalls (a neighbour spinning on one
-of 2 cores cut a served model's tokens/s 25x). `CoreWatch` measures, from /proc/stat,
+the rest spin, and a step made of hundreds of such ops stalls (docs/benchmarks.md, "A
+shared CPU"). `CoreWatch` measures, from /proc/stat,
 the CPU time on our cores that went to other processes, and `thread_count()` turns the
 cores left over into a thread count; the engine applies it between steps
 (`ThreadGovernor`). One compute thread per core left, never more than the load-time count.
