@@ -179,12 +179,9 @@ class ForwardBatcher:
 def onnx_run_fn(path: Path, device: str = "cpu", threads: int = 0, spin: bool = False) -> RunFn:
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    if not spin:
-        # idle intra-op threads otherwise busy-wait, taking CPU from other model instances
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    from tritonlm.engine.runners import onnx_session_options
+
+    opts = onnx_session_options(threads, spin)
     providers = ["CPUExecutionProvider"]
     if device.startswith("cuda"):
         if "CUDAExecutionProvider" not in ort.get_available_providers():

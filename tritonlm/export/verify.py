@@ -305,12 +305,10 @@ def verify_decoder(
 def onnx_decoder_fn(path: Path, threads: int | None = None) -> DecoderFn:
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
+    from tritonlm.engine.runners import onnx_session_options
+
+    opts = onnx_session_options(threads or 0)
     opts.log_severity_level = 3
-    # Spinning intra-op threads starve PyTorch (the reference) on a small machine.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     in_types = {i.name: i.type for i in sess.get_inputs()}
     num_layers = sum(1 for n in in_types if n.startswith("past_key_values.")) // 2

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from tritonlm.engine.cpu_cores import instances_in_config
 from tritonlm.engine.loader import build_engine
 from tritonlm.engine.request import GenerationEvent, GenerationRequest, InvalidRequestError, ServerBusyError
-from tritonlm.engine.cpu_cores import instances_in_config
 from tritonlm.engine.settings import EngineSettings
 from tritonlm.glue.metrics import TritonMetrics
 from tritonlm.protocol import RequestLimits, bad_word_token_ids, event_outputs, parse_request, rename_error

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from tritonlm.engine.cpu_cores import usable_cores
 from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.cpu_cores import usable_cores
 from tritonlm.engine.parallel.comm import ProcessComm, batch_fields, make_store, pack, unpack
 from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.parallel.shard import split_range
@@ -242,7 +242,7 @@ class ParallelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL binds rank 0 to the current device
         store = make_store(0, self.world, 0, cfg.timeout_s)
-        threads = self.rank_threads()  # rank 0's: the loader set them on the thread that steps
+        threads = self.rank_threads()  # the workers'; the loader gave rank 0 the same on the thread that steps
         dtype = str(cfg.dtype).removeprefix("torch.") if cfg.dtype is not None else None
         for rank in range(1, self.world):
             self._spawn(rank)

@@ -20,16 +20,17 @@ RUNNER_KINDS = ("torch", "onnx")
 __all__ = ["RUNNER_KINDS", "SCRATCH_SLOT", "Runner", "ForwardBatch", "load_runner", "plan_step"]
 
 
-def onnx_session_options(threads: int):
-    """ONNX Runtime options for `threads` intra-op threads (0: its default) that sleep when
-    idle: a spinning thread keeps a core from the other threads of this server and from
-    any neighbour, and a step stalls when one of its team is off its core."""
+def onnx_session_options(threads: int = 0, spin: bool = False):
+    """ONNX Runtime options for `threads` intra-op threads (0: its default). Idle threads sleep unless `spin`: a spinning thread keeps a core from the other threads
+    of this server (or PyTorch, a reference run beside it) and from any neighbour, and a
+    step stalls when one of its team is off its core."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not spin:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
 
 
