@@ -150,10 +150,14 @@ class TritonServer:
     log_path: Path | None = None  # None: a temporary file, removed after a clean stop (kept on failure)
     exit_timeout_s: int = 5  # how long shutdown waits for open client connections
     extra_args: list[str] = field(default_factory=list)
+    # a tritonserver binary with its own backends (NVIDIA's container: /opt/tritonserver);
+    # None: the nvidia-pytriton wheel's, with the backend folder tritonlm prepares
+    binary: Path | None = None
     process: subprocess.Popen | None = None
     _own_log: bool = field(default=False, init=False, repr=False)
     _started: bool = field(default=False, init=False, repr=False)
     _stop_requested: bool = field(default=False, init=False, repr=False)
+    _log_offset: int = field(default=0, init=False, repr=False)
 
     @property
     def http_url(self) -> str:
@@ -187,12 +191,13 @@ class TritonServer:
         ]
 
     def command(self) -> list[str]:
-        install = triton_install()
-        backend_dir = prepare_backend_dir(install)
-        cmd = [
-            str(install.server_binary),
+        if self.binary is not None:
+            cmd = [str(self.binary)]  # its own backend folder holds python and tritonlm
+        else:
+            install = triton_install()
+            cmd = [str(install.server_binary), f"--backend-directory={prepare_backend_dir(install)}"]
+        cmd += [
             f"--model-repository={Path(self.repo).resolve()}",
-            f"--backend-directory={backend_dir}",
             f"--http-address={self.host}",
             f"--http-port={self.http_port}",
             f"--grpc-address={self.host}",
@@ -208,10 +213,16 @@ class TritonServer:
             cmd.append(f"--load-model={name}")
         return cmd + list(self.extra_args)
 
-    def start(self, timeout_s: float = 180.0) -> "TritonServer":
+    def environment(self) -> dict[str, str]:
+        if self.binary is not None:  # its own install: its image's environment is right for it
+            return {**os.environ, "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
+        return server_env()
+
+    def start(self, timeout_s: float = 180.0, append_log: bool = False) -> "TritonServer":
         """Start and wait until ready. Whatever interrupts the wait (a failed start, Ctrl-C,
         a signal handler's exception) stops the server first: it runs in its own session, so
-        nothing else would. The log is kept then, and named in the error."""
+        nothing else would. The log is kept then, and named in the error. append_log (a
+        restart): the same log goes on, and log_text() reads this start's part."""
         self.host = check_host(self.host)
         check_exposure(self.host, self.model_control, self.restrict_model_control)
         repo = Path(self.repo)
@@ -223,14 +234,16 @@ class TritonServer:
             if not port_is_free(port, self.host):
                 raise ServerStartError(f"port {port} ({flag}) is already in use: stop what holds it or choose another port")
         command = self.command()  # a missing stack fails here, before any file or process exists
-        if self.log_path is None or self._own_log:
+        append = append_log and self.log_path is not None and Path(self.log_path).exists()
+        if not append and (self.log_path is None or self._own_log):
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
             self.log_path, self._own_log = Path(name), True
+        self._log_offset = Path(self.log_path).stat().st_size if append else 0
         self._started = self._stop_requested = False
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab" if append else "wb") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True
+                command, stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True
             )
         try:
             self.wait_ready(timeout_s)
@@ -246,9 +259,12 @@ class TritonServer:
         return self._started
 
     def log_text(self) -> str:
+        """The log of the last start."""
         if self.log_path is None or not Path(self.log_path).exists():
             return ""
-        return Path(self.log_path).read_text(errors="replace")
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_offset)
+            return f.read().decode(errors="replace")
 
     def is_ready(self) -> bool:
         try:
@@ -290,6 +306,19 @@ class TritonServer:
             os.killpg(self.process.pid, sig)  # start_new_session: the server leads its own group
         except ProcessLookupError:
             pass
+
+    def kill(self) -> int | None:
+        """SIGKILL to the whole process group (server, stubs, their workers) and reap: every
+        connection closes now, so no client waits on a request a dead process held."""
+        if self.process is None:
+            return None
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self._started = False
+        return self.process.returncode
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGINT (Triton's graceful shutdown), then SIGKILL after timeout_s (or at once when

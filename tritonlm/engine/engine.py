@@ -144,6 +144,17 @@ class Engine:
             self._thread.start()
         return self
 
+    def fault(self) -> str | None:
+        """Why this engine can no longer serve anyone (None while it can): its runner failed
+        (a model-parallel worker died) or its loop thread ended without a shutdown."""
+        failure = getattr(self.runner, "failure", None)
+        if failure:
+            return failure
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stop:
+            return "the engine thread stopped"
+        return None
+
     def _live(self) -> tuple[list[Sequence], list[Sequence]]:
         # list() of a list or deque copies in one C call: safe beside the engine thread
         return list(self.scheduler.running), list(self.scheduler.waiting)

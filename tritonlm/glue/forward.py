@@ -22,6 +22,7 @@ import triton_python_backend_utils as pb_utils
 
 from tritonlm.engine.cpu_cores import instances_in_config, usable_cores
 from tritonlm.export.forward_runtime import ForwardBatcher, Layout, onnx_run_fn, torchscript_run_fn
+from tritonlm.glue.heartbeat import Heartbeat
 
 
 class ForwardHandler:
@@ -46,6 +47,8 @@ class ForwardHandler:
         else:
             run = torchscript_run_fn(path, self.layout, device=device, threads=threads)
         self.batcher = ForwardBatcher(run, self.layout, max_positions=max_positions)
+        # a forward model has no loop of its own to fail: only a stopped or wedged process is a fault
+        self.heartbeat = Heartbeat(self.name, args.get("model_instance_name", ""), lambda: None).start()
 
     def execute(self, requests):
         feeds = []
@@ -67,4 +70,5 @@ class ForwardHandler:
         return responses
 
     def finalize(self):
+        self.heartbeat.stop()
         self.batcher = None

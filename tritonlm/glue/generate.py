@@ -19,6 +19,7 @@ from tritonlm.engine.cpu_cores import instances_in_config
 from tritonlm.engine.loader import build_engine
 from tritonlm.engine.request import GenerationEvent, GenerationRequest, InvalidRequestError, ServerBusyError
 from tritonlm.engine.settings import EngineSettings
+from tritonlm.glue.heartbeat import Heartbeat
 from tritonlm.glue.metrics import TritonMetrics
 from tritonlm.protocol import RequestLimits, bad_word_token_ids, event_outputs, parse_request, rename_error
 
@@ -58,6 +59,7 @@ class GenerateHandler:
         self.metrics.set_kv_capacity(self.engine.cache.total_bytes, self.engine.runner.spec.bytes_per_token)
         self.engine.start()
         self.metrics.watch(self.engine)
+        self.heartbeat = Heartbeat(self.name, args.get("model_instance_name", ""), self.engine.fault).start()
 
     def execute(self, requests):
         for request in requests:
@@ -107,6 +109,7 @@ class GenerateHandler:
             raise InvalidRequestError(rename_error(str(e), parsed.renames)) from None
 
     def finalize(self):
+        self.heartbeat.stop()
         self.metrics.unwatch()
         self.engine.shutdown()
 

@@ -31,6 +31,7 @@ from tritonlm.openai.triton import Generation, Piece, TritonBackend
 log = logging.getLogger(__name__)
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 BACKEND_CLOSE_TIMEOUT_S = 3.0  # uvicorn waits for the lifespan's end without a limit
+RETRY_AFTER_S = 1
 
 
 def _dumps(obj: Any) -> str:
@@ -38,7 +39,9 @@ def _dumps(obj: Any) -> str:
 
 
 def _error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # 503: the model restarts or Triton is out of reach; clients (the openai SDK included) retry after this
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 # --- one choice ------------------------------------------------------------------------------
@@ -282,13 +285,22 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def create_app(triton_url: str, templates: ChatTemplates | None = None, headers: dict[str, str] | None = None) -> FastAPI:
-    """The OpenAI API in front of the Triton server whose gRPC endpoint is triton_url (host:port)."""
+def create_app(triton_url: str, templates: ChatTemplates | None = None, headers: dict[str, str] | None = None,
+               health=None) -> FastAPI:
+    """The OpenAI API in front of the Triton server whose gRPC endpoint is triton_url (host:port).
+    health (tritonlm serve's HealthBoard, optional): a model that is restarting gets a 503
+    saying why, and a request that a dead model process held ends with that reason."""
     templates = templates or ChatTemplates()
+    unavailable = health.unavailable if health is not None else (lambda model: None)
+
+    def check_available(model: str) -> None:
+        reason = unavailable(model)
+        if reason is not None:
+            raise OpenAIError(503, reason, param="model", code="model_unavailable")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.backend = TritonBackend(triton_url, headers)
+        app.state.backend = TritonBackend(triton_url, headers, explain=unavailable)
         try:
             yield
         finally:
@@ -317,7 +329,9 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         return _error_response(OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
 
     @app.get("/health")
-    async def health():
+    async def health_check():
+        if health is not None and not health.ready():
+            raise OpenAIError(503, "not every model serves now: see the probes' /health", code="not_ready")
         try:
             live = await app.state.backend.client.is_server_live()
         except Exception:
@@ -341,6 +355,7 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_body(CompletionRequest, await _body(request))
+        check_available(req.model)
         info = await app.state.backend.model(req.model)
         n = req.n or 1
         jobs = [(p, text, req.sampling(j)) for p, text in enumerate(req.prompts()) for j in range(n)]
@@ -349,6 +364,7 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse_body(ChatCompletionRequest, await _body(request))
+        check_available(req.model)
         info = await app.state.backend.model(req.model)
         prompt = await templates.render(info.name, info.parameters, req.chat_messages())
         n = req.n or 1

@@ -41,13 +41,15 @@ class OpenAIServer:
     """The OpenAI app served by uvicorn on host:port from a background thread."""
 
     def __init__(self, triton_url: str, host: str = "127.0.0.1", port: int = DEFAULT_OPENAI_PORT,
-                 repo: Path | None = None, tokenizers: dict[str, Path] | None = None, headers: dict[str, str] | None = None):
+                 repo: Path | None = None, tokenizers: dict[str, Path] | None = None, headers: dict[str, str] | None = None,
+                 health=None):
         self.triton_url = triton_url
         self.host = host
         self.port = port
         self.repo = repo
         self.tokenizers = tokenizers
         self.headers = headers
+        self.health = health  # tritonlm serve's HealthBoard: which models are restarting, and why
         self._server = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -64,7 +66,7 @@ class OpenAIServer:
         from tritonlm.openai.app import create_app
         from tritonlm.openai.chat import ChatTemplates
 
-        app = create_app(self.triton_url, ChatTemplates(self.repo, self.tokenizers), headers=self.headers)
+        app = create_app(self.triton_url, ChatTemplates(self.repo, self.tokenizers), headers=self.headers, health=self.health)
         return uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
                               loop=_event_loop(), http=_http(), lifespan="on", timeout_graceful_shutdown=5)
 

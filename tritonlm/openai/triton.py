@@ -86,9 +86,12 @@ def parse_response(result) -> Piece:
 class TritonBackend:
     """The frontend's view of one Triton server (gRPC). Create and use inside one event loop."""
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None):
+    def __init__(self, url: str, headers: dict[str, str] | None = None, explain=None):
         self.url = url
         self.headers = headers  # e.g. a --restrict-model-control header for the repository index
+        # model -> why it cannot serve now (None: no reason known); turns a lost connection
+        # into the reason, e.g. "model tiny is restarting (its process died)"
+        self.explain = explain or (lambda model: None)
         self._client = None
         self._models: dict[str, ServedModel] = {}
         self._listed_at = 0.0
@@ -204,12 +207,18 @@ class Generation:
             result, error = await self._call.__anext__()
         except StopAsyncIteration:
             self._end()
+            reason = self.backend.explain(self.model)
+            if reason is not None:
+                raise OpenAIError(503, reason, code="model_unavailable") from None
             raise OpenAIError(500, f"Triton closed the stream of {self.model} before its final response") from None
         except asyncio.CancelledError:
             self.cancel()
             raise
         except Exception as e:  # grpc.aio.AioRpcError and friends: the connection, not the model
             self.cancel()
+            reason = self.backend.explain(self.model)
+            if reason is not None:
+                raise OpenAIError(503, reason, code="model_unavailable") from None
             raise OpenAIError(503, f"Triton at {self.backend.url}: {_first_line(e)}", code="triton_unavailable") from None
         if error is not None:
             self._end()  # an error response is the request's last

@@ -141,3 +141,28 @@ def test_engine_output_is_the_same_with_either_attention_backend(tmp_path):
         texts[backend] = [col.ids(r) for r in rids]
         engine.shutdown()
     assert texts["paged"] == texts["gather"] == [hf_greedy_text(p, 12) for p in MIXED_PROMPTS]
+
+
+def test_fault_names_a_failed_runner_or_a_dead_loop_and_not_a_shutdown():
+    """What the model's heartbeat reports to tritonlm serve (tritonlm/glue/heartbeat.py)."""
+    engine = make_engine().start()
+    try:
+        assert engine.fault() is None
+        engine.runner.failure = "tensor-parallel worker rank 1 (pid 7) died with signal SIGKILL"
+        assert engine.fault() == "tensor-parallel worker rank 1 (pid 7) died with signal SIGKILL"
+        engine.runner.failure = None
+    finally:
+        engine.shutdown()
+    assert engine.fault() is None  # shut down on purpose: not a fault
+    stopped = make_engine()
+    stopped._thread = _finished_thread()
+    assert stopped.fault() == "the engine thread stopped"
+
+
+def _finished_thread():
+    import threading
+
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+    return t

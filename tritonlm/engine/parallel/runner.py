@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from tritonlm.engine.runners.base import plan_step
 from tritonlm.engine.settings import SettingsError
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.engine.threads import named_thread
+from tritonlm.supervise.procs import describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -157,15 +157,6 @@ def python_executable() -> str:
     if not found:
         raise ParallelError("no Python interpreter found to start parallel workers")
     return found
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 class _Worker:
@@ -317,7 +308,7 @@ class ParallelRunner:
             code = w.proc.poll()
             if code is not None:
                 raise ParallelError(
-                    f"{self.config.field}: worker rank {w.rank} (pid {w.proc.pid}) exited with {_describe_exit(code)} "
+                    f"{self.config.field}: worker rank {w.rank} (pid {w.proc.pid}) exited with {describe_exit(code)} "
                     f"while starting; see its output in the log above"
                 )
             if time.monotonic() > deadline:
@@ -345,7 +336,7 @@ class ParallelRunner:
             for w in self._workers:
                 code = w.proc.poll()
                 if code is not None:
-                    self._fail(f"{self.mode}-parallel worker rank {w.rank} (pid {w.proc.pid}) died with {_describe_exit(code)}")
+                    self._fail(f"{self.mode}-parallel worker rank {w.rank} (pid {w.proc.pid}) died with {describe_exit(code)}")
                     return
 
     def _fail(self, reason: str) -> None:

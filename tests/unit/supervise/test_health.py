@@ -1,0 +1,67 @@
+"""What the probes, the metrics and the OpenAI frontend read from the health board."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from prometheus_client import generate_latest
+
+from tritonlm.supervise.health import HealthBoard
+
+
+def sample(board: HealthBoard, name: str, **labels) -> float | None:
+    return board.registry.get_sample_value(name, labels)
+
+
+def test_ready_only_when_every_model_serves():
+    board = HealthBoard(["a", "b"])
+    assert not board.ready() and board.live()  # loading
+    assert board.unavailable("a") == "model a is not ready yet (loading); retry shortly"
+    board.set_models(["a", "b"])
+    assert board.ready() and board.unavailable("a") is None
+    assert board.unavailable("unknown") is None  # not ours to refuse: the frontend's 404 says it
+    assert sample(board, "tritonlm_model_healthy", model="a") == 1.0
+
+
+def test_recovery_is_not_ready_but_live_and_counted():
+    board = HealthBoard()
+    board.set_models(["a", "b"])
+    board.recovering("a", "model a: its process (pid 9) died", "died")
+    assert not board.ready() and board.live()
+    assert board.unavailable("b") == "model b is restarting (model a: its process (pid 9) died); retry shortly"
+    assert sample(board, "tritonlm_model_restarts_total", model="a", cause="died") == 1.0
+    assert sample(board, "tritonlm_model_healthy", model="b") == 0.0
+    assert sample(board, "tritonlm_recovery_in_progress") == 1.0
+    board.set_models(["a", "b"])
+    assert board.ready()
+    assert sample(board, "tritonlm_recovery_in_progress") == 0.0
+    assert b'tritonlm_model_restarts_total{cause="died",model="a"} 1.0' in generate_latest(board.registry)
+
+
+def test_giving_up_fails_liveness_and_draining_only_readiness():
+    board = HealthBoard()
+    board.set_models(["a"])
+    board.draining()
+    assert not board.ready() and board.live()
+    assert "shutting down" in board.unavailable("a")
+    board.give_up("gave up after 5 restarts")
+    assert not board.live()
+    assert board.status()["gave_up"] == "gave up after 5 restarts"
+    assert board.unavailable("a") == "model a is out of service: gave up after 5 restarts"
+
+
+def test_a_watched_process_that_died_is_never_ready():
+    """The probe checks the processes itself: no window between a death and the next check."""
+    board = HealthBoard()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        board.set_models(["a"], {child.pid: "a"})
+        assert board.ready()
+        child.kill()
+        child.wait()
+        assert not board.ready()
+        assert board.status()["ready"] is False
+    finally:
+        child.kill()
+        child.wait()

@@ -1,0 +1,125 @@
+"""What the probes, the metrics and the OpenAI frontend know about the served models.
+
+One HealthBoard per `tritonlm serve`. The supervisor writes it (main thread); the health
+endpoint and the OpenAI frontend read it (their own threads), hence the lock.
+
+- ready: every model serves and nothing is draining or recovering (readiness probe);
+- live: recovery has not given up (liveness probe): a drain or a restart in progress is
+  not a reason to kill the pod, a model that cannot come back is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tritonlm.supervise.procs import is_dead, process_state
+
+LOADING, READY, RECOVERING, DRAINING, FAILED = "loading", "ready", "recovering", "draining", "failed"
+
+
+@dataclass
+class ModelHealth:
+    state: str = LOADING
+    cause: str = ""  # why it is not ready (the fault, in words)
+    since: float = 0.0  # wall-clock time of the last change
+
+
+class HealthBoard:
+    def __init__(self, models: list[str] | None = None):
+        self._lock = threading.Lock()
+        self._models: dict[str, ModelHealth] = {}
+        self._gave_up: str | None = None
+        self._draining = False
+        self._processes: dict[int, str] = {}
+        self.registry = CollectorRegistry()
+        self._healthy = Gauge("tritonlm_model_healthy", "1 while the model serves; 0 while it loads, recovers, "
+                              "drains or has failed", ["model"], registry=self.registry)
+        self._restarts = Counter("tritonlm_model_restarts", "Restarts after a fault of the model (cause: died, "
+                                 "worker_died, wedged, failed, server_exited, load_failed)", ["model", "cause"],
+                                 registry=self.registry)
+        self._recovery = Gauge("tritonlm_recovery_in_progress", "1 while tritonserver is being restarted after a fault",
+                               registry=self.registry)
+        for name in models or []:
+            self._set(name, LOADING, "")
+
+    # --- writes (the supervisor) ---------------------------------------------------------
+    def _set(self, model: str, state: str, cause: str) -> None:
+        self._models[model] = ModelHealth(state, cause, time.time())
+        self._healthy.labels(model).set(1 if state == READY else 0)
+
+    def set_models(self, models: list[str], processes: dict[int, str] | None = None) -> None:
+        """The models served (after a start): each is ready; any other one is forgotten.
+        processes (pid -> model): the readiness probe checks them itself, so a process that
+        died since the supervisor last looked is never reported ready."""
+        with self._lock:
+            self._processes = dict(processes or {})
+            for gone in set(self._models) - set(models):
+                del self._models[gone]
+                self._healthy.remove(gone)
+            for name in models:
+                self._set(name, READY, "")
+            self._recovery.set(0)
+
+    def recovering(self, model: str, cause: str, restart_cause: str) -> None:
+        """A fault of `model` (or of tritonserver): every model goes down while the server
+        restarts; the restart is counted against `model`."""
+        with self._lock:
+            for name in self._models:
+                self._set(name, RECOVERING, cause)
+            self._restarts.labels(model, restart_cause).inc()
+            self._recovery.set(1)
+
+    def draining(self) -> None:
+        with self._lock:
+            self._draining = True
+            for name in self._models:
+                self._set(name, DRAINING, "the server is shutting down")
+
+    def give_up(self, cause: str) -> None:
+        with self._lock:
+            self._gave_up = cause
+            for name in self._models:
+                self._set(name, FAILED, cause)
+            self._recovery.set(0)
+
+    # --- reads (probes, the frontend) ------------------------------------------------------
+    def _ready(self) -> bool:
+        return (not self._draining and self._gave_up is None and bool(self._models)
+                and all(m.state == READY for m in self._models.values())
+                and not any(is_dead(process_state(pid)) for pid in self._processes))
+
+    def ready(self) -> bool:
+        with self._lock:
+            return self._ready()
+
+    def live(self) -> bool:
+        with self._lock:
+            return self._gave_up is None
+
+    def unavailable(self, model: str) -> str | None:
+        """Why `model` cannot take a request now (None: it can, or it is not one we watch)."""
+        with self._lock:
+            health = self._models.get(model)
+            if self._gave_up is not None:
+                return f"model {model} is out of service: {self._gave_up}"
+            if health is None or health.state == READY:
+                return None
+            if health.state == RECOVERING:
+                return f"model {model} is restarting ({health.cause}); retry shortly"
+            if health.state == DRAINING:
+                return f"model {model} is unavailable: the server is shutting down"
+            return f"model {model} is not ready yet ({health.state}); retry shortly"
+
+    def status(self) -> dict:
+        with self._lock:
+            return {
+                "ready": self._ready(),
+                "live": self._gave_up is None,
+                "gave_up": self._gave_up,
+                "models": {name: {"state": m.state, "cause": m.cause or None, "since": m.since}
+                           for name, m in sorted(self._models.items())},
+            }
