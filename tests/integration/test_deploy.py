@@ -1,5 +1,6 @@
-"""deploy/entrypoint.sh serving for real: the container's entry point run on this machine's
-tritonserver, stopped with SIGTERM as Kubernetes stops a pod. The checks of deploy/ that
+"""deploy/entrypoint.sh serving for real: the container's entry point (`tritonlm serve` on the
+image's tritonserver) run on this machine's tritonserver, stopped with SIGTERM as Kubernetes
+stops a pod. The checks of deploy/ that
 need neither a server nor Docker are in tests/unit/test_deploy.py."""
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def test_entrypoint_serves_and_drains_on_sigterm(tmp_path):
     shim.parent.mkdir()
     shim.write_text(f'#!/bin/sh\nexec {triton_install().server_binary} --backend-directory={prepare_backend_dir()} "$@"\n')
     shim.chmod(0o755)
-    http, grpc, metrics, openai = free_ports(4)
+    http, grpc, metrics, openai, health = free_ports(5)
     env = {**server_env(), "TRITONLM_REPO": str(repo), "TRITONLM_HOST": "127.0.0.1", "TRITONLM_HTTP_PORT": str(http),
            "TRITONLM_GRPC_PORT": str(grpc), "TRITONLM_METRICS_PORT": str(metrics), "TRITONLM_OPENAI_PORT": str(openai),
+           "TRITONLM_HEALTH_PORT": str(health),
            "TRITONLM_DRAIN_TIMEOUT": "3600"}  # a hang guard: the streams finish on their own, however slow the host
     env["PATH"] = f"{shim.parent}:{REPO_ROOT / '.venv' / 'bin'}:{env['PATH']}"
     proc = subprocess.Popen(["bash", str(DEPLOY / "entrypoint.sh"), "serve"], env=env, stdout=subprocess.PIPE,
@@ -48,6 +50,7 @@ def test_entrypoint_serves_and_drains_on_sigterm(tmp_path):
     try:
         assert wait_until(lambda: ready(http, "/v2/health/ready") or proc.poll() is not None, HANG_GUARD_S), "".join(out)
         assert wait_until(lambda: ready(openai, "/v1/models") or proc.poll() is not None, HANG_GUARD_S), "".join(out)
+        assert ready(health, "/health/ready") and ready(health, "/health/live")  # what the pod's probes ask
         results = {}
         prompts = [f"Entry {i}" for i in range(4)]  # one at a time (max_num_seqs=1): the last ones wait
         threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate_grpc(
@@ -59,6 +62,7 @@ def test_entrypoint_serves_and_drains_on_sigterm(tmp_path):
         assert wait_for_requests(metrics, "tiny", len(prompts)), "".join(out)
         proc.send_signal(15)
         assert wait_until(lambda: not ready(http, "/v2/health/ready"), HANG_GUARD_S)
+        assert not ready(health, "/health/ready")  # the drain takes the pod out of the Service
         for t in threads:
             t.join(HANG_GUARD_S)
         assert proc.wait(HANG_GUARD_S) == 0, "".join(out)

@@ -81,22 +81,22 @@ def test_entrypoint_calls_commands_and_options_that_exist():
     entry = (DEPLOY / "entrypoint.sh").read_text()
     subprocess.run(["bash", "-n", str(DEPLOY / "entrypoint.sh")], check=True)
     top = help_text()
-    calls = re.findall(r"^\s*tritonlm (\w[\w-]*)([^\n&]*)", entry, re.M)
-    assert {c for c, _ in calls} == {"export", "openai"}
+    joined = re.sub(r"\\\n\s*", " ", entry)  # continued lines as one
+    calls = re.findall(r"^\s*(?:exec\s+)?tritonlm (\w[\w-]*)([^\n&]*)", joined, re.M)
+    assert {c for c, _ in calls} == {"export", "serve"}
     for command, rest in calls:
         assert re.search(rf"^\s+{command}\b", top, re.M), command
         sub = help_text(command)
         for option in re.findall(r"(--[a-z][a-z-]+)", rest):
             assert option in sub, (command, option)
-    # the server flags it passes are tritonserver's own, as tritonlm serve passes them
-    for flag in ("--model-repository", "--model-control-mode=none", "--exit-timeout-secs", "--http-address",
-                 "--grpc-address", "--metrics-address", "--http-port", "--grpc-port", "--metrics-port"):
-        assert flag in entry
+    # serve runs the image's own tritonserver, load/unload API off, and is exec'd (SIGTERM reaches it)
+    assert re.search(r'^exec tritonlm serve .*--tritonserver "\$\(command -v tritonserver\)" --model-control none', entry, re.M)
     d = serve_defaults()
     defaults = dict(re.findall(r"^(\w+)=\$\{TRITONLM_\w+:-([^}]*)\}", entry, re.M))
     assert defaults["HOST"] == "0.0.0.0"  # a container publishes its ports; model control stays none
-    assert [int(defaults[k]) for k in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "OPENAI_PORT")] == [
-        d.http_port, d.grpc_port, d.metrics_port, d.openai_port]
+    assert [int(defaults[k]) for k in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "OPENAI_PORT", "HEALTH_PORT")] == [
+        d.http_port, d.grpc_port, d.metrics_port, d.openai_port, d.health_port]
+    assert (int(defaults["MAX_RESTARTS"]), float(defaults["RESTART_WINDOW"])) == (d.max_restarts, d.restart_window)
 
 
 def test_entrypoint_export_step_exports_once(tmp_path):
@@ -152,10 +152,12 @@ def test_deployment_probes_ports_gpu_and_grace_period():
     (c,) = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     d = serve_defaults()
-    assert ports == {"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port, "openai": d.openai_port}
-    assert c["startupProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    assert ports == {"http": d.http_port, "grpc": d.grpc_port, "metrics": d.metrics_port, "openai": d.openai_port,
+                     "health": d.health_port}
+    # the probes ask serve's endpoint, which answers for the models (Triton's own says 200 over a dead one)
+    assert c["startupProbe"]["httpGet"] == {"path": "/health/ready", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "health"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "health"}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     env = {e["name"]: e["value"] for e in c["env"]}
     drain = float(env["TRITONLM_DRAIN_TIMEOUT"])
