@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tests.helpers.models import tiny
 from tritonlm.export.repository import write_generation_model
+from tritonlm.perf.serve_process import ServeProcess, http_status  # noqa: F401 - the tests import them from here
 
 HANG_GUARD_S = 600.0  # what a wait for something that does happen gives it: reached only by a hang
 
@@ -44,6 +45,25 @@ def add_long_llama(repo: Path, name: str, context: int, seed: int, **parameters)
     )
     torch.manual_seed(seed)
     return write_generation_model(repo, name, LlamaForCausalLM(config).eval(), tok, max_context=context, **parameters)
+
+
+def add_slow_model(repo: Path, name: str = "slow", max_num_seqs: int = 2) -> None:
+    """A seeded GPT-2 (4 layers x 256, 1024 positions, the tiny tokenizer) at most two
+    sequences at a time: 8 streams of 300 tokens last seconds on a CPU."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tritonlm.export.repository import write_generate_config
+    from tritonlm.models.builtin import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    config = GPT2Config(vocab_size=len(tok), n_positions=1024, n_embd=256, n_layer=4, n_head=4,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(7)
+    hf = repo / name / "1" / "hf"
+    GPT2LMHeadModel(config).eval().save_pretrained(hf)
+    tok.save_pretrained(hf)
+    write_generate_config(repo / name, name, max_context=1024, extra_parameters={"max_num_seqs": str(max_num_seqs)})
 
 
 # ---- waiting -----------------------------------------------------------------------------------
@@ -129,3 +149,8 @@ def metric(server, name: str, model: str, default: float | None = None, **labels
     if default is not None:
         return default
     raise AssertionError(f"metric {name}{labels} of {model} not found")
+
+
+# ---- `tritonlm serve` as a process -------------------------------------------------------------
+
+Serve = ServeProcess  # the tests' name for it

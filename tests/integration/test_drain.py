@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.servers import HANG_GUARD_S, add_generation_model, wait_for_requests, wait_until
+from tests.helpers.servers import HANG_GUARD_S, Serve, add_generation_model, add_slow_model, wait_for_requests, wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.paths import REPO_ROOT
 from tritonlm.server import free_ports
@@ -27,25 +27,6 @@ TOKENS = 300  # per stream: 8 of them, two at a time, last seconds (a drain has 
 # the host, and the test sees the drain wait for them, not the deadline cut them.
 NO_DEADLINE_S = "3600"
 PROMPTS = [f"Story number {i}: once upon a time" for i in range(STREAMS)]
-
-
-def add_slow_model(repo: Path, name: str = "slow") -> None:
-    """A seeded GPT-2 (4 layers x 256, 1024 positions, the tiny tokenizer) at most two
-    sequences at a time: 8 streams of 300 tokens last seconds on a CPU."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from tritonlm.export.repository import write_generate_config
-    from tritonlm.models.builtin import tiny_tokenizer
-
-    tok = tiny_tokenizer()
-    config = GPT2Config(vocab_size=len(tok), n_positions=1024, n_embd=256, n_layer=4, n_head=4,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(7)
-    hf = repo / name / "1" / "hf"
-    GPT2LMHeadModel(config).eval().save_pretrained(hf)
-    tok.save_pretrained(hf)
-    write_generate_config(repo / name, name, max_context=1024, extra_parameters={"max_num_seqs": "2"})
 
 
 @pytest.fixture(scope="module")
@@ -63,48 +44,6 @@ def generated_tokens(metrics_port: int, model: str = "slow") -> float:
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("tritonlm_generated_tokens_total{") and f'model="{model}"' in line)
-
-
-class Serve:
-    """`tritonlm serve` as a subprocess (what an orchestrator runs), output captured."""
-
-    def __init__(self, repo: Path, *extra: str):
-        self.http, self.grpc, self.metrics = free_ports(3)
-        self.proc = subprocess.Popen(
-            [str(REPO_ROOT / ".venv" / "bin" / "tritonlm"), "serve", "--repo", str(repo), "--http-port", str(self.http),
-             "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), "--openai-port", "0", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self._reader.start()
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self) -> None:
-        assert wait_until(lambda: "tritonserver ready" in self.output or self.proc.poll() is not None, HANG_GUARD_S), self.output
-        assert self.proc.poll() is None, self.output
-
-    def ready_status(self):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=1) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, ConnectionRefusedError):
-                return "refused"  # nothing listens: a probe or a load balancer's check fails
-            return None  # e.g. a timeout on a busy machine: no answer either way
-        except OSError:
-            return None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            self.proc.send_signal(signal.SIGINT)  # the second one kills tritonserver outright
-            self.proc.wait(HANG_GUARD_S)
 
 
 def run_streams(grpc_port: int, max_tokens: int, results: dict, timeout_s: float = HANG_GUARD_S) -> list[threading.Thread]:

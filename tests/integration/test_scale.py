@@ -35,7 +35,7 @@ def test_restart_one_replica_under_load_loses_nothing(tmp_path):
     assert result.lost_total == 0, (dict(result.reasons), report)
     # nginx would hide a replica that died (it retries on the other one): none may. Seen
     # here: tritonserver SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled (the engine's
-    # cancellation poll racing a request's final response; deploy/README.md, section 4)
+    # cancellation poll racing a request's final response; deploy/README.md, section 5)
     assert not result.crashes, report
     assert result.restart_ok > 0, report
     assert result.drain_exit_code == 0, report  # SIGTERM: drained, exit 0
