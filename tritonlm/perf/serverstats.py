@@ -3,12 +3,12 @@ it exposes on its metrics port (Prometheus text), for harnesses, benchmarks and 
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import urllib.request
-from collections import defaultdict
 from pathlib import Path
+
+from tritonlm.supervise.procs import descendants
 
 GAUGES = ("tritonlm_requests_waiting", "tritonlm_requests_running", "tritonlm_kv_cache_used_bytes")
 
@@ -23,20 +23,7 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 def process_tree(pid: int) -> list[int]:
     """pid and all its descendants (tritonserver and its Python backend stubs)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
+    return [pid] + descendants(pid)
 
 
 def process_tree_rss(pid: int) -> tuple[int, int]:
