@@ -82,7 +82,8 @@ def clients_in_minute(phases: list[tuple[float, int]], minute: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load in all, warm-up included")
-    ap.add_argument("--warmup", type=float, default=60.0, help="seconds of load before the starting RSS is measured")
+    ap.add_argument("--warmup", type=float, default=120.0,
+                    help="seconds of load before the starting RSS is measured (120: the phases up to 64 clients are in it)")
     ap.add_argument("--max-clients", type=int, default=64)
     ap.add_argument("--phase", type=float, default=30.0, help="seconds between changes of the number of clients sending")
     ap.add_argument("--cancel-fraction", type=float, default=1 / 3)
