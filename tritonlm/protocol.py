@@ -77,6 +77,9 @@ INPUTS: tuple[Tensor, ...] = (
     _in("temperature", "FP32", "sampling temperature; absent or 0: greedy"),
     _in("top_p", "FP32", "sample among the most likely tokens whose probabilities add up to top_p; 1: off", 1.0),
     _in("repetition_penalty", "FP32", "penalty on tokens already in the prompt or the answer; 1: off", 1.0),
+    _in("frequency_penalty", "FP32", "OpenAI's: a token's logit loses this times its count in the answer so far; in [-2, 2], 0: off", 0.0),
+    _in("presence_penalty", "FP32", "OpenAI's: a token's logit loses this once it is in the answer; in [-2, 2], 0: off", 0.0),
+    _in("min_p", "FP32", "sample only among tokens at least min_p times as likely as the most likely one; in [0, 1], 0: off", 0.0),
     _in("seed", "UINT64", "seed of this request's sampling (same seed, same text); absent: random"),
     _in("stop_words", "BYTES", "strings that end the answer (TensorRT-LLM's comma-separated form works too)", dims=(-1,)),
     _in("bad_words", "BYTES", "words never generated (as written and after a space)", dims=(-1,)),
@@ -84,8 +87,9 @@ INPUTS: tuple[Tensor, ...] = (
     # what Triton's OpenAI frontend sends to a vLLM-backend model (`--backend vllm`)
     _in("sampling_parameters", "BYTES",
         "vLLM backend's JSON object of settings (NVIDIA's OpenAI frontend sends it): `max_tokens`, `min_tokens`, "
-        "`temperature`, `top_p`, `top_k`, `seed`, `repetition_penalty`, `stop`, `bad_words`, `ignore_eos`, "
-        "`logprobs` (0 or true: the chosen token's); `n`, `best_of` 1; `frequency_penalty`, `presence_penalty` 0; other keys are refused by name"),
+        "`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `repetition_penalty`, `frequency_penalty`, `presence_penalty`, "
+        "`logit_bias` (token id -> bias in [-100, 100]), `stop`, `stop_token_ids`, `bad_words`, `ignore_eos`, "
+        "`logprobs` (0 or true: the chosen token's); `n`, `best_of` 1; other keys are refused by name"),
     _in("return_num_input_tokens", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends true): accepted; the final response carries `num_input_tokens` either way",
         False),
@@ -294,6 +298,11 @@ SAMPLING_KEYS: dict[str, tuple[str | None, str]] = {
     "top_k": ("top_k", "int"),  # vLLM's -1 (off) is 0 here
     "seed": ("seed", "int"),
     "repetition_penalty": ("repetition_penalty", "number"),
+    "frequency_penalty": ("frequency_penalty", "number"),
+    "presence_penalty": ("presence_penalty", "number"),
+    "min_p": ("min_p", "number"),
+    "logit_bias": ("logit_bias", "bias"),
+    "stop_token_ids": ("stop_token_ids", "ids"),
     "stop": ("stop_words", "words"),
     "bad_words": ("bad_words", "words"),
     "ignore_eos": ("end_id", "bool"),  # true: end_id -1
@@ -301,10 +310,8 @@ SAMPLING_KEYS: dict[str, tuple[str | None, str]] = {
     "top_logprobs": (None, "no_alternatives"),
     "n": (None, "one"),
     "best_of": (None, "one"),
-    "frequency_penalty": (None, "zero"),
-    "presence_penalty": (None, "zero"),
-    "logit_bias": (None, "empty"),
 }
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
 def _sp_error(key: str, text: str) -> InvalidRequestError:
@@ -382,12 +389,28 @@ def parse_sampling_parameters(text: str, limits: RequestLimits) -> dict:
         elif kind == "one":
             if _sp_number(key, v, True) != 1:
                 raise _sp_error(key, f"only 1 is supported (one sequence per request: send several requests), got {v}")
-        elif kind == "zero":
-            if _sp_number(key, v, False) != 0:
-                raise _sp_error(key, f"not supported: only 0 (off), got {v}; repetition_penalty is available")
-        elif kind == "empty" and v != {}:
-            raise _sp_error(key, "not supported: only {} (none)")
+        elif kind == "bias":
+            out[name] = _sp_bias(key, v)
+        elif kind == "ids":
+            if not isinstance(v, list) or len(v) > limits.max_words:
+                raise _sp_error(key, f"expected a list of at most {limits.max_words} token ids, got {json.dumps(v)[:40]}")
+            out[name] = tuple(_sp_number(key, t, True) for t in v)
     return out
+
+
+def _sp_bias(key: str, v) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias} (ids as JSON strings or numbers)."""
+    if not isinstance(v, dict):
+        raise _sp_error(key, f'expected an object mapping token ids to biases, such as {{"50256": -100}}, got {json.dumps(v)[:40]}')
+    if len(v) > MAX_LOGIT_BIAS:
+        raise _sp_error(key, f"{len(v)} entries; the limit is {MAX_LOGIT_BIAS}")
+    out = []
+    for token, bias in v.items():
+        text = str(token)
+        if not text.isdigit():
+            raise _sp_error(key, f"keys must be token ids (digits), got {text[:20]!r}")
+        out.append((int(text), _sp_number(key, bias, False)))
+    return tuple(sorted(out))
 
 
 def parse_request(
@@ -454,6 +477,11 @@ def parse_request(
         top_p=get("top_p"),
         seed=seed,
         repetition_penalty=get("repetition_penalty"),
+        frequency_penalty=get("frequency_penalty"),
+        presence_penalty=get("presence_penalty"),
+        min_p=get("min_p"),
+        logit_bias=overrides.get("logit_bias", ()),
+        stop_token_ids=overrides.get("stop_token_ids", ()),
         end_id=end_id,
         stop_words=words("stop_words"),
         return_log_probs=get("return_log_probs"),

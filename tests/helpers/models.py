@@ -81,6 +81,29 @@ def hf_greedy_text(prompt: str, max_tokens: int, builtin: str = "tiny-gpt2", **k
 
 
 @torch.no_grad()
+def reference_greedy(prompt_ids: list[int], new: int, builtin: str = "tiny-gpt2", frequency_penalty: float = 0.0,
+                     presence_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+                     stop_token_ids: tuple[int, ...] = ()) -> list[int]:
+    """A loop over transformers' own logits, one token at a time, with OpenAI's definitions of
+    the frequency and presence penalties (over the answer so far) and logit bias applied in
+    float64: the greedy ids, up to EOS or a stop token id (not included)."""
+    model, tok = tiny(builtin)
+    ids, out = list(prompt_ids), []
+    for _ in range(new):
+        logits = model(torch.tensor([ids])).logits[0, -1].double()
+        for token in set(out):
+            logits[token] -= frequency_penalty * out.count(token) + presence_penalty
+        for token, bias in (logit_bias or {}).items():
+            logits[token] += bias
+        token = int(logits.argmax())
+        if token == tok.eos_token_id or token in stop_token_ids:
+            break
+        out.append(token)
+        ids.append(token)
+    return out
+
+
+@torch.no_grad()
 def hf_greedy_ids(model, prompt: list[int], new: int) -> list[int]:
     """transformers' own greedy generate() of exactly `new` tokens after prompt ids (EOS does not stop it)."""
     out = model.generate(

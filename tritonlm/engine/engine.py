@@ -108,6 +108,10 @@ class Engine:
         for seq in p.bad_words:
             if any(not 0 <= t < vocab for t in seq):
                 raise InvalidRequestError(f"bad_words: token ids must be in [0, {vocab})")
+        for name, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("stop_token_ids", p.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"{name}: token ids must be in [0, {vocab}), got {bad[:5]}")
 
     def submit(self, request: GenerationRequest) -> None:
         """Validate and queue. Raises InvalidRequestError / ServerBusyError (nothing queued then)."""

@@ -96,8 +96,7 @@ class OutputProcessor:
                 seq.first_token_time = now
                 self._observe("on_first_token", now - seq.request.arrival)
             seq.last_token_time = now
-            eos = seq.sampling.eos_id
-            if eos is not None and token == eos:
+            if seq.sampling.ends_on(token):  # EOS or a stop token id: not part of the answer
                 return used, "stop"
             seq.token_ids.append(token)
             self.stats.tokens_generated += 1

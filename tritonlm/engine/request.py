@@ -35,6 +35,19 @@ class SamplingParams:
     stop_words: tuple[str, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()  # token id sequences that must never be produced
     return_log_probs: bool = False
+    # OpenAI's penalties, counted over the answer so far (not the prompt): a token's logit
+    # loses frequency_penalty x its count, and presence_penalty once it has appeared
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0: off
+    stop_token_ids: tuple[int, ...] = ()  # producing one ends the answer (finish_reason stop), like EOS
+
+    @property
+    def changes_logits(self) -> bool:
+        """Something changes the raw logits before the choice (greedy may then differ from argmax)."""
+        return (self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -55,6 +68,17 @@ class SamplingParams:
         lo, hi = REPETITION_PENALTY_RANGE
         if not lo <= self.repetition_penalty <= hi:
             raise InvalidRequestError(f"repetition_penalty: must be in [{lo:g}, {hi:g}] (1 = off), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name}: must be in [-2, 2] (0 = off), got {value}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100], got {token}: {bias}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p: must be in [0, 1] (0 = off), got {self.min_p}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids: token ids must be >= 0, got {list(self.stop_token_ids)}")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens: {self.min_tokens} is more than max_tokens={self.max_tokens}")
 

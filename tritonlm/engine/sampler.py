@@ -1,9 +1,10 @@
 """Next-token choice per row of one batch, each row with its own settings.
 
-Order (as Hugging Face's logits processors apply them): repetition penalty,
-banned tokens (bad words, EOS before min_tokens), temperature, top-k, top-p,
-then argmax (greedy) or a draw from the row's own seeded generator, so a seed
-gives the same text whatever else shares the batch.
+Order: repetition penalty (Hugging Face's), frequency and presence penalties over
+the answer so far and logit bias (OpenAI's), banned tokens (bad words, EOS and
+stop token ids before min_tokens), temperature, min-p, top-k, top-p (vLLM's order
+of the last four), then argmax (greedy) or a draw from the row's own seeded
+generator, so a seed gives the same text whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class RowState:
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt
 
+    def ends_on(self, token: int) -> bool:
+        """Producing token ends the answer: the row's EOS or one of its stop token ids."""
+        return token == self.eos_id or token in self.params.stop_token_ids
+
     @staticmethod
     def make(params: SamplingParams, token_ids: list[int], eos_id: int | None) -> "RowState":
         """token_ids: the prompt, by reference (the history grows in place)."""
@@ -58,6 +63,14 @@ def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
         seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.int64)
         vals = out[seen]
         out[seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        answer = row.token_ids[row.num_prompt:]
+        if answer:
+            ids, counts = torch.tensor(answer, dtype=torch.int64).unique(return_counts=True)
+            out[ids] = out[ids] - (p.frequency_penalty * counts.to(torch.float32) + p.presence_penalty)
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64)
+        out[ids] = out[ids] + torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32)
     for banned in banned_tokens(row):
         out[banned] = float("-inf")
     if not p.greedy and p.temperature != 1.0:
@@ -68,8 +81,10 @@ def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
 def banned_tokens(row: RowState) -> list[int]:
     p = row.params
     banned: list[int] = []
-    if row.eos_id is not None and row.num_generated < p.min_tokens:
-        banned.append(row.eos_id)
+    if row.num_generated < p.min_tokens:
+        if row.eos_id is not None:
+            banned.append(row.eos_id)
+        banned.extend(p.stop_token_ids)
     for seq in p.bad_words:
         # ban the last token of a bad word when the text so far ends with the rest of it
         prefix = list(seq[:-1])
@@ -78,8 +93,11 @@ def banned_tokens(row: RowState) -> list[int]:
     return banned
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """[V] -> [V] with tokens outside top-k / the top-p nucleus set to -inf."""
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """[V] -> [V] with tokens below min-p, outside top-k or outside the top-p nucleus set to -inf."""
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -100,7 +118,7 @@ def next_token_distribution(logits: torch.Tensor, row: RowState) -> torch.Tensor
         probs = torch.zeros_like(processed)
         probs[int(torch.argmax(processed))] = 1.0
         return probs
-    filtered = filter_top_k_top_p(processed, row.params.top_k, row.params.top_p)
+    filtered = filter_top_k_top_p(processed, row.params.top_k, row.params.top_p, row.params.min_p)
     return torch.softmax(filtered, dim=-1)
 
 
@@ -108,7 +126,7 @@ def plain_greedy(row: RowState) -> bool:
     """Greedy with nothing that changes the logits and no log-probability asked for: the
     next token is the raw logits' argmax."""
     p = row.params
-    return p.greedy and p.repetition_penalty == 1.0 and not p.return_log_probs and not banned_tokens(row)
+    return p.greedy and not p.changes_logits and not p.return_log_probs and not banned_tokens(row)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int | None]:
@@ -136,7 +154,7 @@ def sample_row(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
     if row.params.greedy:
         token = int(torch.argmax(processed))
     else:
-        filtered = filter_top_k_top_p(processed, row.params.top_k, row.params.top_p)
+        filtered = filter_top_k_top_p(processed, row.params.top_k, row.params.top_p, row.params.min_p)
         probs = torch.softmax(filtered, dim=-1)
         token = int(torch.multinomial(probs, 1, generator=row.generator).item())
     logprob = float(torch.log_softmax(processed, dim=-1)[token]) if row.params.return_log_probs else 0.0

@@ -56,7 +56,7 @@ def verify_row(logits: torch.Tensor, proposal: Proposal, row: RowState) -> tuple
         p_guess = float(p[guess])
         if p_guess >= q_guess or (p_guess > 0 and _uniform(row) < p_guess / q_guess):
             out.append((guess, _logprob(logits[i], row, guess)))
-            if guess == row.eos_id:  # the sequence ends here: nothing after it counts
+            if row.ends_on(guess):  # the sequence ends here: nothing after it counts
                 return out, len(out)
             row.token_ids.append(guess)
             continue

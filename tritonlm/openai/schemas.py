@@ -1,7 +1,7 @@
 """The OpenAI request bodies this server takes, and what each field becomes on the Triton side.
 
 Parsing is strict: an unknown field, a value of the wrong type or out of range, and a known
-field this server does not support (tools, response_format, images, non-zero penalties,
+field this server does not support (tools, response_format, images,
 alternatives' log-probabilities) each get a 400 whose `param` and message name the field.
 `sampling()` turns a request into the `sampling_parameters` JSON of tritonlm's generation
 model (tritonlm/protocol.py, SAMPLING_KEYS).
@@ -39,9 +39,11 @@ class _Request(BaseModel):
     user: str | None = None  # accepted, ignored
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100] (checked by the model)
     # extensions, with vLLM's names
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    stop_token_ids: list[int] | None = None
     min_tokens: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     ignore_eos: bool | None = None
@@ -74,12 +76,6 @@ class _Request(BaseModel):
             raise unsupported("response_format", 'is not supported by this server: only {"type": "text"} (no JSON mode or schemas)')
         if self.modalities is not None and self.modalities != ["text"]:
             raise unsupported("modalities", 'only ["text"] is supported')
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise unsupported(name, f"only 0 is supported, got {getattr(self, name)} (the sampler has no {name}; "
-                                        "repetition_penalty is available)")
-        if self.logit_bias:
-            raise unsupported("logit_bias", "is not supported by this server (only {} or null)")
         if self.stream_options is not None and not self.stream:
             raise bad_field("stream_options", "only allowed when stream is true")
         self.stop_list()  # its errors now, before any generation
@@ -109,9 +105,10 @@ class _Request(BaseModel):
         out: dict[str, Any] = {}
         if self.new_tokens() is not None:
             out["max_tokens"] = self.new_tokens()
-        for name in ("temperature", "top_p", "top_k", "min_tokens", "repetition_penalty"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty", "logit_bias", "stop_token_ids"):
             value = getattr(self, name)
-            if value is not None:
+            if value is not None and value != {} and value != []:
                 out[name] = value
         if self.seed is not None:
             out["seed"] = self.seed + choice

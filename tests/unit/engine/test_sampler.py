@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -25,11 +26,12 @@ from tests.helpers.models import (
     hf_greedy_text,
     make_engine,
     make_speculative_engine,
+    reference_greedy,
     tiny,
 )
 from tests.helpers.stats import chi_square_p_value
-from tritonlm.engine.request import SamplingParams
-from tritonlm.engine.sampler import RowState, next_token_distribution, sample_row
+from tritonlm.engine.request import InvalidRequestError, SamplingParams
+from tritonlm.engine.sampler import RowState, next_token_distribution, process_logits, sample_row
 
 
 # ---- through the engine, against transformers' generate() and forward pass ----------
@@ -302,3 +304,90 @@ def test_speculative_engine_first_two_tokens_follow_the_reference(params, drafte
     probs = torch.tensor([joint[pr] for pr in pairs], dtype=torch.float64)
     assert chi_square_p_value(counts, probs) > 0.001
     assert len(verified) >= 1000 and min(verified) >= 1  # every second token came through the verifier
+
+
+# ---- OpenAI's and vLLM's sampling fields ------------------------------------------------------
+
+PENALTIES = [
+    dict(frequency_penalty=1.5),
+    dict(presence_penalty=1.2),
+    dict(frequency_penalty=0.8, presence_penalty=-0.5),
+    dict(logit_bias={17: 6.0, 300: 4.0}),
+    dict(frequency_penalty=2.0, logit_bias={5: -100.0}),
+]
+
+
+@pytest.mark.parametrize("fields", PENALTIES, ids=lambda f: ",".join(f))
+@pytest.mark.parametrize("engine_kind", ["plain", "speculative"])
+def test_penalties_and_logit_bias_equal_the_reference_loop(fields, engine_kind):
+    """Greedy through the engine (also with speculative decoding, whose guesses must see the
+    same penalties) = a loop over transformers' logits with the fields' definitions."""
+    engine = make_engine() if engine_kind == "plain" else make_speculative_engine("self")
+    col = Collector()
+    params = dict(fields)
+    if "logit_bias" in params:
+        params["logit_bias"] = tuple(sorted(params["logit_bias"].items()))
+    rids = {p: col.request(engine, p, max_tokens=24, **params) for p in MIXED_PROMPTS[:3]}
+    drain(engine)
+    for prompt, rid in rids.items():
+        assert col.ids(rid) == reference_greedy(engine.encode(prompt), 24, **fields), (prompt, fields)
+
+
+def test_stop_token_ids_end_the_answer_like_eos():
+    engine = make_engine()
+    col = Collector()
+    free = col.request(engine, MIXED_PROMPTS[0], max_tokens=20)
+    drain(engine)
+    stop = col.ids(free)[5]  # a token the free answer makes, the 6th
+    rid = col.request(engine, MIXED_PROMPTS[0], max_tokens=20, stop_token_ids=(stop,))
+    late = col.request(engine, MIXED_PROMPTS[0], max_tokens=20, stop_token_ids=(stop,), min_tokens=10)
+    drain(engine)
+    assert col.ids(rid) == reference_greedy(engine.encode(MIXED_PROMPTS[0]), 20, stop_token_ids=(stop,))
+    assert stop not in col.ids(rid) and col.final(rid).finish_reason == "stop"
+    assert stop not in col.ids(late)[:10]  # before min_tokens a stop token id is banned, as EOS is
+
+
+@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.3, 0.9])
+def test_min_p_keeps_what_transformers_min_p_warper_keeps(min_p):
+    gen = torch.Generator().manual_seed(int(min_p * 100))
+    for t in (0.5, 1.0, 1.5):
+        logits = torch.randn(300, generator=gen) * 3
+        params = SamplingParams(max_tokens=4, temperature=t, min_p=min_p, seed=1)
+        ours = next_token_distribution(logits, RowState.make(params, [0], None))
+        warped = LogitsProcessorList([TemperatureLogitsWarper(t), MinPLogitsWarper(min_p)])(
+            torch.tensor([[0]]), logits.clone().unsqueeze(0))[0]
+        ref = torch.softmax(warped, dim=-1)
+        assert torch.equal(ours > 0, ref > 0), (min_p, t)
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_penalties_count_the_answer_not_the_prompt():
+    logits = torch.zeros(10)
+    params = SamplingParams(max_tokens=4, frequency_penalty=1.0, presence_penalty=0.5)
+    row = RowState.make(params, [3, 3, 3], None)  # the prompt: three 3s
+    row.token_ids.extend([4, 4, 7])  # the answer so far
+    out = process_logits(logits, row)
+    assert out[3] == 0.0  # in the prompt only: untouched
+    assert out[4] == -(2 * 1.0 + 0.5) and out[7] == -(1 * 1.0 + 0.5)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(frequency_penalty=2.5), r"frequency_penalty: must be in \[-2, 2\]"),
+    (dict(presence_penalty=float("nan")), r"presence_penalty: must be in \[-2, 2\]"),
+    (dict(logit_bias=((3, 101.0),)), r"logit_bias: .*biases in \[-100, 100\]"),
+    (dict(min_p=1.5), r"min_p: must be in \[0, 1\]"),
+    (dict(stop_token_ids=(-1,)), r"stop_token_ids: token ids must be >= 0"),
+])
+def test_out_of_range_fields_are_refused_by_name(fields, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(max_tokens=4, **fields).validate()
+
+
+def test_token_ids_past_the_vocabulary_are_refused_by_name():
+    engine = make_engine()
+    col = Collector()
+    vocab = engine.runner.spec.vocab_size
+    with pytest.raises(InvalidRequestError, match=rf"logit_bias: token ids must be in \[0, {vocab}\)"):
+        col.request(engine, "x", max_tokens=4, logit_bias=((vocab, 1.0),))
+    with pytest.raises(InvalidRequestError, match=rf"stop_token_ids: token ids must be in \[0, {vocab}\)"):
+        col.request(engine, "x", max_tokens=4, stop_token_ids=(vocab + 5,))
