@@ -22,7 +22,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.helpers.models import hf_greedy_text, tiny
+from tests.helpers.models import hf_greedy_text, reference_greedy, tiny
 from tests.helpers.servers import HANG_GUARD_S, Output, add_generation_model, add_long_llama, metric, wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.openai.server import EXIT_DEADLINE_S, OpenAIServer
@@ -95,6 +95,80 @@ def post(frontend, path: str, body) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+# ---- sampling fields ---------------------------------------------------------------------------
+def test_penalties_bias_stop_ids_and_min_p_through_openai_and_triton(client, triton_server):
+    """OpenAI's fields, Triton's tensors and sampling_parameters all give the greedy text of a
+    loop over transformers' logits with the fields' definitions applied."""
+    prompt = PROMPTS[0]
+    ids = tiny()[1](prompt).input_ids
+    ref = text_of(reference_greedy(ids, 24, frequency_penalty=1.5, presence_penalty=0.3, logit_bias={17: 5.0}))
+    assert ref != text_of(hf_greedy_text(prompt, 24))  # the fields change the answer
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, frequency_penalty=1.5,
+                                  presence_penalty=0.3, logit_bias={"17": 5.0})
+    assert r.choices[0].text == ref
+    tensors = grpc(triton_server, prompt, max_tokens=24, frequency_penalty=1.5, presence_penalty=0.3,
+                     sampling_parameters=json.dumps({"logit_bias": {"17": 5.0}}))
+    assert tensors.text == ref
+    sp = grpc(triton_server, prompt, max_tokens=24, sampling_parameters=json.dumps(
+        {"frequency_penalty": 1.5, "presence_penalty": 0.3, "logit_bias": {"17": 5.0}}))
+    assert sp.text == ref
+    # stop_token_ids: the answer ends before the 4th token of the free answer, finish_reason stop
+    free = hf_greedy_text(prompt, 24)
+    stop = free[3]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].text == text_of(reference_greedy(ids, 24, stop_token_ids=(stop,)))
+    assert r.choices[0].finish_reason == "stop"
+    # min_p 1 keeps only the most likely token: sampling at temperature 1 is greedy then
+    sampled = grpc(triton_server, prompt, max_tokens=24, temperature=1.0, seed=3, min_p=1.0)
+    assert sampled.text == text_of(free)
+
+
+# ---- tokenize, metrics, API key ----------------------------------------------------------------
+def test_tokenize_and_detokenize_in_vllms_shape(frontend, client):
+    prompt = PROMPTS[1]
+    status, body = post(frontend, "/tokenize", {"model": "tiny", "prompt": prompt})
+    assert status == 200 and body["tokens"] == tiny()[1](prompt).input_ids and body["count"] == len(body["tokens"])
+    assert isinstance(body["max_model_len"], int) and body["max_model_len"] > body["count"]
+    assert body["count"] == client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage.prompt_tokens
+    status, back = post(frontend, "/detokenize", {"model": "tiny", "tokens": body["tokens"]})
+    assert (status, back) == (200, {"prompt": prompt})
+    chat = [{"role": "user", "content": "Hello there"}]
+    status, counted = post(frontend, "/tokenize", {"model": "tiny_chat", "messages": chat})
+    assert status == 200
+    assert counted["count"] == client.chat.completions.create(model="tiny_chat", messages=chat, max_tokens=1).usage.prompt_tokens
+    status, err = post(frontend, "/detokenize", {"model": "tiny", "tokens": [10**9]})
+    assert (status, err["error"]["param"]) == (400, "tokens") and "token ids must be in [0, " in err["error"]["message"]
+    status, err = post(frontend, "/tokenize", {"model": "tiny"})
+    assert (status, err["error"]["param"]) == (400, "prompt")
+    assert post(frontend, "/tokenize", {"model": "nope", "prompt": "x"})[0] == 404
+
+
+def test_metrics_on_the_api_port_count_requests(frontend, client):
+    client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    text = urllib.request.urlopen(frontend.url + "/metrics", timeout=60).read().decode()
+    assert re.search(r'tritonlm_openai_requests_total\{endpoint="/v1/completions",status="200"\} [1-9]', text)
+
+
+def test_api_key_is_asked_of_everything_but_health(triton_server, triton_repo):
+    (port,) = free_ports(1)
+    with OpenAIServer(triton_server.grpc_url, port=port, repo=triton_repo, api_key="s3cret",
+                      metrics_url=triton_server.metrics_url) as keyed:
+        wrong = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3crex", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            wrong.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        assert "the API key is not valid" in e.value.body["message"]
+        status, body = post(keyed, "/tokenize", {"model": "tiny", "prompt": "x"})  # no header at all
+        assert status == 401 and body["error"]["message"].startswith("no API key given")
+        right = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
+        assert right.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].finish_reason == "length"
+        assert urllib.request.urlopen(keyed.url + "/health", timeout=60).status == 200  # probes need no key
+        req = urllib.request.Request(keyed.url + "/metrics", headers={"Authorization": "Bearer s3cret"})
+        text = urllib.request.urlopen(req, timeout=60).read().decode()
+        assert 'status="401"' in text and "nv_inference_request_success" in text  # its own counts, then Triton's
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -209,9 +283,13 @@ ERRORS = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", r"^max_tokens: "),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": 5}, 400, "temperature", r"^temperature: "),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p", r"^top_p: "),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", r"only 0"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": -1}, 400, "presence_penalty", r"only 0"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias", r"not supported"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty", r"^frequency_penalty: "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": -3}, 400, "presence_penalty", r"^presence_penalty: "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", r"biases in \[-100, 100\]"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"x5": 1}}, 400, "logit_bias", r"keys must be token ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", r"token ids must be in \[0, "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "min_p": 1.5}, 400, "min_p", r"^min_p: "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", r"token ids must be >= 0"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs", r"only 0"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of", r"only 1"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix", r"not supported"),
@@ -450,7 +528,8 @@ def test_nvidia_frontend_tensors_are_served(triton_server):
     ({"lora_name": "adapter"}, r"sampling_parameters: unknown key\(s\) \['lora_name'\]"),
     ({"guided_decoding": "{}", "max_tokens": 4}, r"unknown key\(s\) \['guided_decoding'\]"),
     ({"n": 2}, r"sampling_parameters\.n: only 1"),
-    ({"presence_penalty": 0.5}, r"sampling_parameters\.presence_penalty: not supported"),
+    ({"presence_penalty": 2.5}, r"sampling_parameters\.presence_penalty: must be in \[-2, 2\]"),
+    ({"logit_bias": [5, 1]}, r"sampling_parameters\.logit_bias: expected an object mapping token ids to biases"),
     ({"temperature": "hot"}, r"sampling_parameters\.temperature: expected a number"),
     ({"max_tokens": 0}, r"max_tokens: must be >= 1"),
 ])

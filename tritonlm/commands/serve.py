@@ -17,6 +17,7 @@ from tritonlm.errors import CliError
 from tritonlm.glue.drain import DRAIN_FILE_ENV, write_deadline
 from tritonlm.paths import StackError
 from tritonlm.glue.heartbeat import HEALTH_DIR_ENV
+from tritonlm.openai.frontdoor import API_KEY_ENV, api_key_from
 from tritonlm.server import (
     DEFAULT_HOST, ServerStartError, TritonServer, check_exposure, check_host, parse_restriction, port_is_free,
 )
@@ -60,6 +61,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--openai-port", type=int, default=9000,
                    help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on the same "
                    "--host, in front of this server (default 9000; 0: off)")
+    p.add_argument("--api-key", default=None,
+                   help="the OpenAI API wants 'Authorization: Bearer KEY' on every request but /health "
+                   f"(default: ${API_KEY_ENV}; unset: no key)")
     p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none",
                    help="none (default): load the repository at start, no load/unload API; explicit: the "
                    "load/unload API is on (refused on a non-loopback --host without --restrict-model-control)")
@@ -152,7 +156,8 @@ def _openai_frontend(server: TritonServer, repo: Path, args: argparse.Namespace,
     if args.restrict_model_control:
         key, value = parse_restriction(args.restrict_model_control)
         headers = {f"triton-grpc-protocol-{key}": value}
-    return OpenAIServer(server.grpc_url, host=server.host, port=port, repo=repo, headers=headers, health=board)
+    return OpenAIServer(server.grpc_url, host=server.host, port=port, repo=repo, headers=headers, health=board,
+                        api_key=api_key_from(getattr(args, "api_key", None)), metrics_url=server.metrics_url)
 
 
 def _check_port(port: int, host: str, flag: str) -> None:

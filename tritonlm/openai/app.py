@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+import urllib.request
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -21,11 +22,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tritonlm.openai.chat import ChatTemplates
 from tritonlm.openai.errors import OpenAIError
+from tritonlm.openai.frontdoor import FrontDoor
 from tritonlm.openai.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from tritonlm.openai.tokenize import DetokenizeRequest, TokenizeRequest
+from tritonlm.openai.tokenize import detokenize as detokenize_ids
+from tritonlm.openai.tokenize import tokenize as tokenize_text
 from tritonlm.openai.triton import Generation, Piece, TritonBackend
 
 log = logging.getLogger(__name__)
@@ -36,6 +42,11 @@ RETRY_AFTER_S = 1
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _fetch(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read()
 
 
 def _error_response(e: OpenAIError) -> JSONResponse:
@@ -286,11 +297,14 @@ async def _disconnect(request: Request) -> None:
 
 
 def create_app(triton_url: str, templates: ChatTemplates | None = None, headers: dict[str, str] | None = None,
-               health=None) -> FastAPI:
+               health=None, api_key: str | None = None, metrics_url: str | None = None) -> FastAPI:
     """The OpenAI API in front of the Triton server whose gRPC endpoint is triton_url (host:port).
     health (tritonlm serve's HealthBoard, optional): a model that is restarting gets a 503
-    saying why, and a request that a dead model process held ends with that reason."""
+    saying why, and a request that a dead model process held ends with that reason.
+    api_key: every request but /health must carry it (Bearer). metrics_url: Triton's metrics
+    page, shown on /metrics after the frontend's own."""
     templates = templates or ChatTemplates()
+    registry = CollectorRegistry()
     unavailable = health.unavailable if health is not None else (lambda model: None)
 
     def check_available(model: str) -> None:
@@ -312,6 +326,7 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
 
     app = FastAPI(title="tritonlm OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.templates = templates
+    app.add_middleware(FrontDoor, api_key=api_key, registry=registry, refuse=_error_response)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, e: OpenAIError):
@@ -339,6 +354,29 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         if not live:
             raise OpenAIError(503, f"Triton at {triton_url} is not live", code="triton_unavailable")
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        """The frontend's counts, tritonlm serve's health (when under it), then Triton's own page."""
+        parts = [generate_latest(registry)]
+        if health is not None:
+            parts.append(generate_latest(health.registry))
+        if metrics_url:
+            try:
+                parts.append(await asyncio.to_thread(_fetch, metrics_url))
+            except OSError as e:
+                parts.append(f"# Triton's metrics at {metrics_url} could not be read: {e}\n".encode())
+        return Response(b"".join(parts), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = parse_body(TokenizeRequest, await _body(request))
+        return await tokenize_text(templates, await app.state.backend.model(req.model), req)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse_body(DetokenizeRequest, await _body(request))
+        return await detokenize_ids(templates, await app.state.backend.model(req.model), req)
 
     def model_card(m) -> dict:
         return {"id": m.name, "object": "model", "created": m.created, "owned_by": "tritonlm"}

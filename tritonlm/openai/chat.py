@@ -39,14 +39,15 @@ class ChatTemplates:
             return None  # a path leaving the repository is not followed
         return path
 
-    async def tokenizer(self, model: str, parameters: dict[str, str]):
+    async def tokenizer(self, model: str, parameters: dict[str, str], param: str = "messages"):
+        """The model's tokenizer, loaded once; param: the request field that needs it."""
         folder = self.folder(model, parameters)
         if folder is None:
             raise OpenAIError(
                 400,
-                f"messages: chat needs model '{model}''s tokenizer (for its chat template), and this frontend has none: "
+                f"{param}: this needs model '{model}''s tokenizer, and this frontend has none: "
                 "start it with --repo (the model repository) or --tokenizer (a tokenizer folder)",
-                param="messages", code="no_tokenizer",
+                param=param, code="no_tokenizer",
             )
         key = (model, str(folder))
         if key not in self._loaded:
@@ -56,7 +57,8 @@ class ChatTemplates:
                     self._loaded[key] = await asyncio.to_thread(_load, folder, model)
         return self._loaded[key]
 
-    async def render(self, model: str, parameters: dict[str, str], messages: list[dict]) -> str:
+    async def render(self, model: str, parameters: dict[str, str], messages: list[dict],
+                     add_generation_prompt: bool = True) -> str:
         tok = await self.tokenizer(model, parameters)
         if not getattr(tok, "chat_template", None):
             raise OpenAIError(
@@ -66,7 +68,7 @@ class ChatTemplates:
                 param="messages", code="no_chat_template",
             )
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # a template may raise on purpose (e.g. roles must alternate)
             raise OpenAIError(400, f"messages: the chat template of '{model}' refused them: {e}", param="messages",
                               code="invalid_value") from None

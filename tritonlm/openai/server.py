@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from tritonlm.errors import CliError
+from tritonlm.openai.frontdoor import API_KEY_ENV, api_key_from
 
 log = logging.getLogger(__name__)
 DEFAULT_OPENAI_PORT = 9000
@@ -42,7 +43,7 @@ class OpenAIServer:
 
     def __init__(self, triton_url: str, host: str = "127.0.0.1", port: int = DEFAULT_OPENAI_PORT,
                  repo: Path | None = None, tokenizers: dict[str, Path] | None = None, headers: dict[str, str] | None = None,
-                 health=None):
+                 health=None, api_key: str | None = None, metrics_url: str | None = None):
         self.triton_url = triton_url
         self.host = host
         self.port = port
@@ -50,6 +51,8 @@ class OpenAIServer:
         self.tokenizers = tokenizers
         self.headers = headers
         self.health = health  # tritonlm serve's HealthBoard: which models are restarting, and why
+        self.api_key = api_key  # every request but /health must send it (Authorization: Bearer)
+        self.metrics_url = metrics_url  # Triton's metrics page, shown on /metrics too
         self._server = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -66,7 +69,8 @@ class OpenAIServer:
         from tritonlm.openai.app import create_app
         from tritonlm.openai.chat import ChatTemplates
 
-        app = create_app(self.triton_url, ChatTemplates(self.repo, self.tokenizers), headers=self.headers, health=self.health)
+        app = create_app(self.triton_url, ChatTemplates(self.repo, self.tokenizers), headers=self.headers, health=self.health,
+                         api_key=self.api_key, metrics_url=self.metrics_url)
         return uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
                               loop=_event_loop(), http=_http(), lifespan="on", timeout_graceful_shutdown=5)
 
@@ -158,6 +162,10 @@ def add_parser(sub) -> None:
                         "model's tokenizer there (<repo>/<model>/<hf_dir>)")
     p.add_argument("--tokenizer", action="append", default=[], metavar="[MODEL=]PATH",
                    help="a tokenizer folder for chat templates: for every model, or MODEL=PATH for one (repeatable)")
+    p.add_argument("--api-key", default=None,
+                   help=f"every request but /health must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; unset: none)")
+    p.add_argument("--triton-metrics-url", default=None, metavar="URL",
+                   help="Triton's metrics page (e.g. http://127.0.0.1:8002/metrics), shown on /metrics after the API's own")
     p.add_argument("--header", action="append", default=[], metavar="KEY=VALUE",
                    help="gRPC metadata for Triton (e.g. the --restrict-model-control header: the model list uses the repository index)")
     p.set_defaults(func=run)
@@ -171,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--header {h!r}: use KEY=VALUE")
         headers[key] = value
     server = OpenAIServer(args.triton_url, args.host, args.port, repo=args.repo, tokenizers=parse_tokenizers(args.tokenizer),
-                          headers=headers or None)
+                          headers=headers or None, api_key=api_key_from(args.api_key), metrics_url=args.triton_metrics_url)
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
