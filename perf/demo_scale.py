@@ -151,7 +151,7 @@ class Replica:
         self.proc = subprocess.Popen(
             [str(REPO_ROOT / ".venv" / "bin" / "tritonlm"), "serve", "--repo", str(self.repo),
              "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
-             "--openai-port", "0", "--drain-timeout", f"{self.drain_s:g}"],
+             "--openai-port", "0", "--health-port", "0", "--drain-timeout", f"{self.drain_s:g}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()

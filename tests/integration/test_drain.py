@@ -144,7 +144,7 @@ def test_model_that_fails_to_load_makes_serve_exit_nonzero(tmp_path):
     http, grpc, metrics = free_ports(3)
     res = subprocess.run(
         [str(REPO_ROOT / ".venv" / "bin" / "tritonlm"), "serve", "--repo", str(tmp_path), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", "0"],
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", "0", "--health-port", "0"],
         capture_output=True, text=True, timeout=180,
     )
     assert res.returncode != 0

@@ -116,7 +116,8 @@ def test_serve_cli_answers_and_ctrl_c_stops_it_cleanly(tmp_path):
     http, grpc, metrics, openai = free_ports(4)  # not the default OpenAI port: another run may hold it
     proc = subprocess.Popen(
         [sys.executable, "-m", "tritonlm.cli", "serve", "--repo", str(tmp_path),
-         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai)],
+         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai),
+         "--health-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

@@ -165,7 +165,7 @@ def test_ctrl_c_while_serve_starts_leaves_no_server_behind(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tritonlm.cli", "serve", "--repo", str(tmp_path / "repo"),
          "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-         "--openai-port", "0",  # not the default port: another run may hold it (and it never starts here)
+         "--openai-port", "0", "--health-port", "0",  # not the default ports: another run may hold them
          "--log-file", str(tmp_path / "server.log")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

@@ -70,12 +70,12 @@ def rss_kib(pid: int) -> int:
 
 class Probes:
     """Polls the probes' readiness and liveness on a thread, as a kubelet would (but often).
-    Every "ready" answer is checked against the process table at the time: a model whose
-    process is dead (the victim) must never be called ready."""
+    Every "ready" answer is checked against the process table around it: one given while no
+    live process served the model, neither just before the question nor just after the
+    answer (a restart completing in between may rightly be ready), is a lie."""
 
     def __init__(self, serve: Serve, model: str):
         self.serve, self.model = serve, model
-        self.dead: set[int] = set()  # the processes killed so far
         self.ready: list = []
         self.live: list = []
         self.lies: list[str] = []
@@ -85,13 +85,17 @@ class Probes:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            alive_before = [p for p in stubs(self.serve, self.model) if p not in self.dead]
+            alive_before = self._alive()
             status = self.serve.probe("/health/ready")
             self.ready.append(status)
-            if status == 200 and not alive_before:
-                self.lies.append(f"ready while no live process served {self.model}")
+            if status == 200 and not alive_before and not self._alive():
+                tree = {p: (command_line(p)[:2], process_state(p)) for p in descendants(self.serve.proc.pid)}
+                self.lies.append(f"ready while no live process served {self.model}: {tree}")
             self.live.append(self.serve.probe("/health/live"))
             self._stop.wait(0.05)
+
+    def _alive(self) -> list[int]:
+        return stubs(self.serve, self.model)  # a killed one is a zombie or gone: not among them
 
     def stop(self) -> None:
         self._stop.set()
@@ -138,15 +142,13 @@ def start_streams(serve: Serve, model: str, n: int, openai_client=None) -> tuple
     return threads, results, started
 
 
-def freeze_then_signal(pid: int, sig: int, results: dict, probes: "Probes | None" = None) -> set:
+def freeze_then_signal(pid: int, sig: int, results: dict) -> set:
     """Stop pid, note which streams had already ended, then deliver sig (SIGKILL acts on a
     stopped process; any other signal is delivered when SIGCONT resumes it, before it runs
     anything). The streams not noted were in flight at the fault, however fast the host."""
     os.kill(pid, signal.SIGSTOP)
     assert wait_until(lambda: process_state(pid) in ("stopped", "zombie", "gone"), HANG_GUARD_S)
     ended = set(results)
-    if probes is not None:
-        probes.dead.add(pid)  # from now on (stopped, it still counts as alive until this)
     os.kill(pid, sig)
     os.kill(pid, signal.SIGCONT)
     return ended
@@ -186,7 +188,7 @@ def test_killed_model_process_ends_its_streams_and_comes_back(slow_repo):
             threads, results, started = start_streams(serve, "slow", 3, client)
             wait_streaming(started, 4)
             (victim,) = stubs(serve, "slow")
-            ended = freeze_then_signal(victim, sig, results, probes)
+            ended = freeze_then_signal(victim, sig, results)
             join_all(threads)
             assert_ended_with_errors(results, ended)
             kind, message = results["openai"]
@@ -301,7 +303,6 @@ def test_recovery_gives_up_and_exits_non_zero(tmp_path):
         (repo / "slow" / "1" / "hf" / "config.json").unlink()
         (victim,) = stubs(serve, "slow")
         probes = Probes(serve, "slow")
-        probes.dead.add(victim)
         os.kill(victim, signal.SIGKILL)
         assert serve.proc.wait(HANG_GUARD_S) == EXIT_GAVE_UP, serve.output
         probes.stop()

@@ -314,7 +314,7 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.backend = TritonBackend(triton_url, headers, explain=unavailable)
+        app.state.backend = TritonBackend(triton_url, headers, health=health)
         try:
             yield
         finally:

@@ -21,6 +21,7 @@ import numpy as np
 from tritonlm.openai.errors import OpenAIError, from_triton
 
 MODEL_LIST_TTL_S = 2.0  # the repository index is asked again after this long
+EXPLAIN_WAIT_S = 1.0  # how long a broken request waits for the health board to name the fault
 
 
 @dataclass
@@ -86,12 +87,12 @@ def parse_response(result) -> Piece:
 class TritonBackend:
     """The frontend's view of one Triton server (gRPC). Create and use inside one event loop."""
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None, explain=None):
+    def __init__(self, url: str, headers: dict[str, str] | None = None, health=None):
         self.url = url
         self.headers = headers  # e.g. a --restrict-model-control header for the repository index
-        # model -> why it cannot serve now (None: no reason known); turns a lost connection
-        # into the reason, e.g. "model tiny is restarting (its process died)"
-        self.explain = explain or (lambda model: None)
+        # tritonlm serve's HealthBoard (or None): turns a lost connection into its reason,
+        # e.g. "model tiny is restarting (model tiny: its process (pid 7) died)"
+        self.health = health
         self._client = None
         self._models: dict[str, ServedModel] = {}
         self._listed_at = 0.0
@@ -171,6 +172,24 @@ class TritonBackend:
         return Generation(self, model, prompt, sampling, stream, chat)
 
 
+    def epoch(self) -> int:
+        return self.health.epoch() if self.health is not None else 0
+
+    async def reason(self, model: str, since_epoch: int) -> str | None:
+        """Why a request begun at since_epoch lost its connection, when the health board knows.
+        A connection can break a moment before the supervisor has marked the fault (it looks
+        every 0.2 s): wait that long for the board before saying nothing."""
+        if self.health is None:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + EXPLAIN_WAIT_S
+        while True:
+            found = self.health.explain(model, since_epoch)
+            if found is not None or loop.time() > deadline:
+                return found
+            await asyncio.sleep(0.05)
+
+
 class Generation:
     """One Triton request on its own gRPC stream. `async for piece in gen` yields each
     response (an error response raises OpenAIError); cancel() (synchronous, safe from a
@@ -181,6 +200,7 @@ class Generation:
         self.model = model
         self.chat = chat
         self.done = False
+        self._epoch = backend.epoch()  # the health board's count of faults when this began
         self._finished = asyncio.Event()
         request = {
             "model_name": model,
@@ -207,7 +227,7 @@ class Generation:
             result, error = await self._call.__anext__()
         except StopAsyncIteration:
             self._end()
-            reason = self.backend.explain(self.model)
+            reason = await self.backend.reason(self.model, self._epoch)
             if reason is not None:
                 raise OpenAIError(503, reason, code="model_unavailable") from None
             raise OpenAIError(500, f"Triton closed the stream of {self.model} before its final response") from None
@@ -216,7 +236,7 @@ class Generation:
             raise
         except Exception as e:  # grpc.aio.AioRpcError and friends: the connection, not the model
             self.cancel()
-            reason = self.backend.explain(self.model)
+            reason = await self.backend.reason(self.model, self._epoch)
             if reason is not None:
                 raise OpenAIError(503, reason, code="model_unavailable") from None
             raise OpenAIError(503, f"Triton at {self.backend.url}: {_first_line(e)}", code="triton_unavailable") from None

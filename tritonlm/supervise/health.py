@@ -35,6 +35,8 @@ class HealthBoard:
         self._gave_up: str | None = None
         self._draining = False
         self._processes: dict[int, str] = {}
+        self._epoch = 0  # faults so far: a request that saw it change lived through a restart
+        self._last_cause = ""
         self.registry = CollectorRegistry()
         self._healthy = Gauge("tritonlm_model_healthy", "1 while the model serves; 0 while it loads, recovers, "
                               "drains or has failed", ["model"], registry=self.registry)
@@ -70,6 +72,8 @@ class HealthBoard:
         with self._lock:
             for name in self._models:
                 self._set(name, RECOVERING, cause)
+            self._epoch += 1
+            self._last_cause = cause
             self._restarts.labels(model, restart_cause).inc()
             self._recovery.set(1)
 
@@ -113,6 +117,21 @@ class HealthBoard:
             if health.state == DRAINING:
                 return f"model {model} is unavailable: the server is shutting down"
             return f"model {model} is not ready yet ({health.state}); retry shortly"
+
+    def epoch(self) -> int:
+        with self._lock:
+            return self._epoch
+
+    def explain(self, model: str, since_epoch: int) -> str | None:
+        """Why a request to `model` that began at since_epoch (epoch()) lost its connection:
+        the model is down now, or it went down and came back while the request ran."""
+        reason = self.unavailable(model)
+        if reason is not None:
+            return reason
+        with self._lock:
+            if self._epoch != since_epoch and model in self._models:
+                return f"model {model} was restarted while this request ran ({self._last_cause}); retry"
+        return None
 
     def status(self) -> dict:
         with self._lock:

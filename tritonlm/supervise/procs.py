@@ -15,16 +15,23 @@ STUB_BINARY = "triton_python_backend_stub"
 RUNNING, SLEEPING, STOPPED, ZOMBIE, GONE = "running", "sleeping", "stopped", "zombie", "gone"
 
 
+PF_EXITING = 0x4  # the kernel's task flag: the process is tearing itself down (killed or exiting)
+
+
 def process_state(pid: int) -> str:
-    """running / sleeping (any waiting state) / stopped (SIGSTOP or traced) / zombie / gone."""
+    """running / sleeping (any waiting state) / stopped (SIGSTOP or traced) / zombie (also
+    while it is still exiting: a killed process runs on for a moment freeing its memory) /
+    gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return GONE
     except OSError:
         return GONE
-    # "pid (comm) S ...": comm may hold spaces and parentheses; the state follows the last ')'
-    code = stat[stat.rfind(")") + 2: stat.rfind(")") + 3]
+    # "pid (comm) S ppid pgrp session tty tpgid flags ...": comm may hold spaces and
+    # parentheses; the fields follow the last ')'
+    fields = stat[stat.rfind(")") + 2:].split()
+    code = fields[0] if fields else ""
+    if len(fields) > 6 and int(fields[6]) & PF_EXITING:
+        return ZOMBIE
     if code == "R":
         return RUNNING
     if code in ("T", "t"):

@@ -72,7 +72,13 @@ class Supervisor:
     def check(self) -> Fault | None:
         process = self.server.process
         if process is not None and process.poll() is not None:
-            return Fault(SERVER, "server_exited", f"tritonserver exited with {describe_exit(process.returncode)}")
+            exited = f"tritonserver exited with {describe_exit(process.returncode)}"
+            # a model's process that died first is the cause (tritonserver 2.51 has been seen
+            # to abort right after a stub was killed): name it
+            first = self.watch.check() if self.watch is not None else None
+            if first is not None and first.kind in ("died", "worker_died"):
+                return Fault(first.model, first.kind, f"{first.cause}, then {exited}")
+            return Fault(SERVER, "server_exited", exited)
         return self.watch.check() if self.watch is not None else None
 
     def recover(self, fault: Fault) -> int | None:

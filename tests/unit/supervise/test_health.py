@@ -65,3 +65,18 @@ def test_a_watched_process_that_died_is_never_ready():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_request_that_lived_through_a_restart_is_told_why():
+    """The OpenAI frontend asks with the epoch its request began at: a connection lost in a
+    restart that has already finished is still explained."""
+    board = HealthBoard()
+    board.set_models(["a"])
+    began = board.epoch()
+    assert board.explain("a", began) is None
+    board.recovering("a", "model a: its process (pid 9) died", "died")
+    assert board.explain("a", began).startswith("model a is restarting (model a: its process (pid 9) died)")
+    board.set_models(["a"])
+    assert board.explain("a", began) == ("model a was restarted while this request ran "
+                                         "(model a: its process (pid 9) died); retry")
+    assert board.explain("a", board.epoch()) is None  # a request begun after it: nothing to explain
