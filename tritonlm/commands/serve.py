@@ -72,7 +72,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-file", default=None,
                    help="tritonserver's log (default: a temporary file, removed after a clean stop, kept on failure)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
-    p.add_argument("--health-port", type=int, default=DEFAULT_HEALTH_PORT,
+    p.add_argument("--health-port", type=_port("--health-port"), default=DEFAULT_HEALTH_PORT,
                    help="port of the probes' endpoint on the same --host: /health/ready (every model serves), "
                    "/health/live (recovery has not given up), /health, /metrics (restarts, model health) "
                    f"(default {DEFAULT_HEALTH_PORT}; 0: off)")
@@ -112,6 +112,15 @@ def _seconds(flag: str, low: float, high: float):
         if not (low <= value <= high):
             raise argparse.ArgumentTypeError(f"{flag} takes seconds between {low:g} and {high:g}, not {text!r}")
         return value
+
+    return parse
+
+
+def _port(flag: str):
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) > 65535:
+            raise argparse.ArgumentTypeError(f"{flag} takes a port number from 0 (off) to 65535, not {text!r}")
+        return int(text)
 
     return parse
 

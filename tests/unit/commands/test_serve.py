@@ -28,3 +28,16 @@ def test_serve_cli_errors_are_one_line(tmp_path):
     )
     assert out.returncode == 1
     assert out.stderr.startswith("error: model repository") and "does not exist" in out.stderr
+
+
+def test_serve_refuses_bad_health_and_restart_options_by_name(tmp_path):
+    for flag, value, says in [("--health-port", "70000", "port number from 0 (off) to 65535"),
+                              ("--health-deadline", "0", "seconds between 1 and 600"),
+                              ("--max-restarts", "-1", "whole number >= 0"),
+                              ("--restart-window", "soon", "seconds between 1 and 86400")]:
+        out = subprocess.run([sys.executable, "-m", "tritonlm.cli", "serve", "--repo", str(tmp_path), flag, value],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and flag in out.stderr and says in out.stderr, out.stderr
+    missing = subprocess.run([sys.executable, "-m", "tritonlm.cli", "serve", "--repo", str(tmp_path),
+                              "--tritonserver", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "--tritonserver" in missing.stderr and "not an executable file" in missing.stderr
