@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonlm.engine.scheduler import ScheduledBatch, Scheduler
-from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row
+from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row, sample_rows
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import AdaptiveK, Drafter, Proposal, verify_row
 
@@ -166,17 +166,34 @@ class ModelExecutor:
         except Exception:  # noqa: BLE001 - every row then samples alone, each with its own error
             log.exception("batched greedy sampling failed; sampling row by row")
             greedy = {}
-        for i, (seq, fed, logits) in enumerate(fwd.rows):
-            if seq.num_computed < seq.num_tokens:
-                continue  # a prefill chunk that is not the prompt's last: no token yet
+        ready = [i for i, (seq, _, _) in enumerate(fwd.rows) if seq.num_computed >= seq.num_tokens]
+
+        def last(i: int) -> torch.Tensor:  # row i's logits at its last fed position: [V]
+            _, fed, logits = fwd.rows[i]
+            return logits if logits.dim() == 1 else logits[len(fed) - 1]
+
+        # the other rows with a token to draw (not verifying): one sample_rows call, one wait
+        # for the device; if it fails each samples alone (the same tokens, the draws being
+        # per row), so only a faulty row fails
+        picked = [i for i in ready if i not in greedy and fwd.rows[i][0].id not in fwd.proposals]
+        drawn: dict[int, tuple[int, float]] = {}
+        if picked:
+            try:
+                stacked = torch.stack([last(i) for i in picked])  # [n, V]
+                drawn = dict(zip(picked, sample_rows(stacked, [fwd.rows[i][0].sampling for i in picked])))
+            except Exception:  # noqa: BLE001 - the rows sample alone, each with its own error
+                log.warning("batched sampling failed; sampling row by row", exc_info=True)
+        for i in ready:  # a prefill chunk that is not the prompt's last has no token yet
+            seq, fed, logits = fwd.rows[i]
             try:
                 if seq.id in fwd.proposals:
                     outputs.append(self._verify(seq, fwd.proposals[seq.id], logits, fwd.len_before[seq.id]))
                 elif i in greedy:
                     outputs.append(RowOutput(seq, [(greedy[i], 0.0)]))
+                elif i in drawn:
+                    outputs.append(RowOutput(seq, [drawn[i]]))
                 else:
-                    last = logits if logits.dim() == 1 else logits[len(fed) - 1]  # [V]
-                    outputs.append(RowOutput(seq, [sample_row(last, seq.sampling)]))
+                    outputs.append(RowOutput(seq, [sample_row(last(i), seq.sampling)]))
             except Exception as e:  # noqa: BLE001 - one bad row must not fail its batch
                 log.exception("sampling failed for request %s", seq.id)
                 outputs.append(RowOutput(seq, error=f"internal error while sampling: {e}"))
@@ -187,8 +204,8 @@ class ModelExecutor:
     def _greedy(fwd: ForwardResult) -> dict[int, int]:
         """Row index -> next token for the rows on plain greedy, one argmax per pass: the torch
         calls on [V], made per row, would be a visible share of a batched step
-        (docs/performance-notes.md). A row whose winner is not finite is left to sample_row,
-        which decides the same way as alone."""
+        (docs/performance-notes.md). A row whose winner is not finite is left to sample_rows,
+        which masks NaN and clips +inf as sample_row does alone."""
         out: dict[int, int] = {}
         for first, logits in fwd.passes:  # logits [B, V]; rows first .. first + B - 1
             picked = [

@@ -3,18 +3,28 @@
 Order: repetition penalty (Hugging Face's), frequency and presence penalties over
 the answer so far and logit bias (OpenAI's), banned tokens (bad words, EOS and
 stop token ids before min_tokens), temperature, min-p, top-k, top-p (vLLM's order
-of the last four), then argmax (greedy) or a draw from the row's own seeded
-generator, so a seed gives the same text whatever else shares the batch.
+of the last four), then argmax (greedy) or an inverse-CDF draw with the row's own
+uniform: a function of the row's seed and the index of the token being decided
+(draws.py), so a seed gives the same text whatever else shares the batch and on
+whichever device the logits are.
+
+`sample_rows` decides a step's rows together, on the logits' device, with one host sync
+for the whole batch; `sample_row` decides one row with the same arithmetic.
 """
 
 from __future__ import annotations
 
-import math
+import secrets
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
+from tritonlm.engine import draws
+from tritonlm.engine.draws import SAMPLE, inverse_cdf
 from tritonlm.engine.request import SamplingParams
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -29,7 +39,7 @@ class RowState:
     token_ids: list[int]  # prompt + generated so far (for penalties and bad words)
     num_prompt: int
     eos_id: int | None
-    generator: torch.Generator | None = None
+    seed: int  # the row's draws are a function of it (draws.py): set, or random per request
 
     @property
     def num_generated(self) -> int:
@@ -39,42 +49,52 @@ class RowState:
         """Producing token ends the answer: the row's EOS or one of its stop token ids."""
         return token == self.eos_id or token in self.params.stop_token_ids
 
+    def uniform(self, stream: int = SAMPLE) -> float:
+        """The row's uniform in [0, 1) for the token it decides next (index num_generated)."""
+        return draws.uniform(self.seed, self.num_generated, stream)
+
     @staticmethod
     def make(params: SamplingParams, token_ids: list[int], eos_id: int | None) -> "RowState":
-        """token_ids: the prompt, by reference (the history grows in place)."""
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator()
-            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        return RowState(params, token_ids, len(token_ids), eos_id, gen)
+        """token_ids: the prompt, by reference (the history grows in place). Without a seed in
+        the request the row gets a random one, so unseeded requests differ from run to run."""
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        return RowState(params, token_ids, len(token_ids), eos_id, seed)
 
     def fork(self) -> "RowState":
         """A copy whose history can grow with guesses (drafting, verifying) without touching
-        the sequence's; the generator is shared, so draws stay one seeded stream."""
-        return RowState(self.params, list(self.token_ids), self.num_prompt, self.eos_id, self.generator)
+        the sequence's; the seed is kept, so its draws at an index are the sequence's own."""
+        return RowState(self.params, list(self.token_ids), self.num_prompt, self.eos_id, self.seed)
 
 
 def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
     """[V] raw logits -> [V] logits with penalties, bans and temperature applied (a new tensor)."""
     p = row.params
+    device = logits.device
     # NaN (an overflow upstream) can never win; +inf would make every probability NaN
-    out = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    out = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=FLOAT32_MAX)
     if p.repetition_penalty != 1.0 and row.token_ids:
-        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.int64)
+        seen = to_device(sorted(set(row.token_ids)), torch.int64, device)
         vals = out[seen]
         out[seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
     if p.frequency_penalty or p.presence_penalty:
         answer = row.token_ids[row.num_prompt:]
         if answer:
-            ids, counts = torch.tensor(answer, dtype=torch.int64).unique(return_counts=True)
-            out[ids] = out[ids] - (p.frequency_penalty * counts.to(torch.float32) + p.presence_penalty)
+            # counted on the host: torch.unique on a GPU would wait for the device
+            counted = Counter(answer)
+            ids = to_device(list(counted), torch.int64, device)
+            counts = to_device(list(counted.values()), torch.float32, device)
+            out[ids] = out[ids] - (p.frequency_penalty * counts + p.presence_penalty)
     if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64)
-        out[ids] = out[ids] + torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32)
-    for banned in banned_tokens(row):
-        out[banned] = float("-inf")
+        ids = to_device([t for t, _ in p.logit_bias], torch.int64, device)
+        out[ids] = out[ids] + to_device([b for _, b in p.logit_bias], torch.float32, device)
+    banned = banned_tokens(row)
+    if banned:
+        # index_fill_ takes the value as a scalar: assigning one by indexing copies it to the
+        # device first, and that copy waits for the device
+        out.index_fill_(0, to_device(banned, torch.int64, device), float("-inf"))
     if not p.greedy and p.temperature != 1.0:
-        out = out / p.temperature
+        # clipped again: a clipped +inf divided by a temperature below 1 overflows once more
+        out = (out / p.temperature).clamp_(max=FLOAT32_MAX)
     return out
 
 
@@ -102,7 +122,9 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: fl
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
+        # stable: tied logits keep index order, so which of them the cut-off keeps is defined
+        # (and filter_batch, sorting once for top-k and top-p, keeps the same ones)
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
         drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
@@ -139,28 +161,144 @@ def greedy_tokens(logits: torch.Tensor) -> list[int | None]:
     return [t if ok else None for t, ok in zip(tokens.tolist(), finite.tolist())]
 
 
+def filter_batch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[n, V] logits, [n] top_k / top_p / min_p -> [n, V]: filter_top_k_top_p on every row at
+    once (min-p, then top-k keeping ties, then top-p keeping the first token). A row with
+    top_k 0, top_p 1 and min_p 0 comes out unchanged."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    neg_inf = float("-inf")
+    # float32 like the per-row function, whose Python-float settings meet float32 tensors
+    min_p = min_p.to(device=device, dtype=torch.float32).unsqueeze(-1)  # [n, 1]
+    top_p = top_p.to(device=device, dtype=torch.float32).unsqueeze(-1)  # [n, 1]
+    top_k = top_k.to(device=device, dtype=torch.int64).unsqueeze(-1)  # [n, 1]
+
+    probs = torch.softmax(logits, dim=-1)  # [n, V]
+    # min_p 0: a threshold of 0, below which no probability lies
+    logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), neg_inf)
+
+    # one sort serves top-k and top-p: top-k removes a tail of this order, so masking that
+    # tail gives the order a second sort of the top-k-filtered logits would give
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [n, V]
+    k_on = (top_k > 0) & (top_k < vocab)  # [n, 1]
+    kth = sorted_logits.gather(-1, torch.where(k_on, top_k - 1, 0))  # [n, 1]
+    kth = torch.where(k_on, kth, neg_inf)  # top-k off: nothing is below -inf
+    logits = logits.masked_fill(logits < kth, neg_inf)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)
+
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [n, V]
+    cum = sorted_probs.cumsum(-1)  # [n, V]
+    # top_p 1 is off: rounding could push the mass before a token to 1 and drop it
+    threshold = torch.where(top_p < 1.0, top_p, float("inf"))  # [n, 1]
+    drop_sorted = (cum - sorted_probs) >= threshold  # [n, V]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # [n, V], vocabulary order
+    return logits.masked_fill(drop, neg_inf)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on device, without waiting for the device: a plain copy to a
+    GPU waits for the work queued before it, an asynchronous one from pinned memory does not
+    (the caching host allocator keeps that memory until the copy is done)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def owns_logits(row: RowState) -> bool:
+    """The row's logits change in a way of its own (penalties, bias, bans): process_logits
+    runs on that row alone."""
+    return row.params.changes_logits or bool(banned_tokens(row))
+
+
+def filters(params: SamplingParams) -> bool:
+    return not params.greedy and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0)
+
+
+NO_FINITE_LOGIT = "the model's logits hold no finite value for this sequence"
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, float]]:
+    """[n, V] raw logits, row i's settings in rows[i] -> (token, log-probability under the
+    processed distribution; 0.0 unless asked for) per row.
+
+    Works on the logits' device and waits for it once, for all tokens and log-probabilities
+    together. Raises ValueError when a row's logits hold no finite value: the caller then
+    samples row by row (sample_row gives the same tokens) so that only that row fails."""
+    n = len(rows)
+    if n == 0:
+        return []
+    device = logits.device
+    processed = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=FLOAT32_MAX)  # [n, V]
+    own = [owns_logits(row) for row in rows]
+    for i, row in enumerate(rows):
+        if own[i]:
+            processed[i] = process_logits(logits[i], row)  # temperature included
+
+    greedy = [row.params.greedy for row in rows]
+    # temperature 1 where it is already applied (own rows) or means nothing (greedy)
+    temperatures = [1.0 if g or o else row.params.temperature for row, g, o in zip(rows, greedy, own)]
+    table = to_device(
+        [
+            [
+                0.0 if g else row.uniform(SAMPLE),
+                t,
+                0 if g else row.params.top_k,
+                1.0 if g else row.params.top_p,
+                0.0 if g else row.params.min_p,
+                float(g),
+                float(row.params.return_log_probs),
+            ]
+            for row, g, t in zip(rows, greedy, temperatures)
+        ],
+        torch.float64,
+        device,
+    )  # [n, 7]: one copy to the device for every per-row setting
+    is_greedy = table[:, 5] > 0  # [n]
+    if any(t != 1.0 for t in temperatures):
+        # clipped as in process_logits, so every row with a finite logit has a distribution
+        processed = (processed / table[:, 1:2].to(torch.float32)).clamp_(max=FLOAT32_MAX)  # [n, V]
+    no_finite = ~torch.isfinite(processed).any(dim=-1)  # [n]
+
+    tokens: torch.Tensor | None = None
+    if not all(greedy):
+        filtered = processed
+        picked = [i for i, row in enumerate(rows) if filters(row.params)]
+        if len(picked) == n:
+            filtered = filter_batch(processed, table[:, 2], table[:, 3], table[:, 4])
+        elif picked:  # only the rows that filter pay for the sort
+            index = to_device(picked, torch.int64, device)
+            sub = table[index]  # [m, 7]
+            filtered = processed.index_copy(0, index, filter_batch(processed[index], sub[:, 2], sub[:, 3], sub[:, 4]))
+        probs = torch.softmax(filtered, dim=-1)  # [n, V]
+        tokens = inverse_cdf(probs, table[:, 0])  # [n]
+    if any(greedy):
+        argmax = processed.argmax(dim=-1)  # [n]
+        tokens = argmax if tokens is None else torch.where(is_greedy, argmax, tokens)
+    assert tokens is not None
+
+    logprobs = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
+    if any(row.params.return_log_probs for row in rows):
+        chosen = torch.log_softmax(processed, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
+        logprobs = torch.where(table[:, 6] > 0, chosen, logprobs)
+
+    # the one host sync: tokens, log-probabilities and the failed rows in one transfer
+    packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64), no_finite.to(torch.float64)], dim=-1)
+    out: list[tuple[int, float]] = []
+    for token, logprob, failed in packed.tolist():
+        if failed:
+            raise ValueError(NO_FINITE_LOGIT)
+        out.append((int(token), logprob))
+    return out
+
+
 def sample_row(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
-    """[V] raw logits -> (token, its log-probability under the processed distribution)."""
+    """[V] raw logits -> (token, its log-probability under the processed distribution):
+    sample_rows on a batch of one, so a row decides the same token alone or batched."""
     if plain_greedy(row):
-        # Plain greedy, the common case: one pass over V instead of five. argmax ranks NaN
-        # above everything, so a finite winner means no NaN and no +inf in the row, and the
-        # full path below would pick the same token; otherwise it decides.
-        token = int(torch.argmax(logits))
-        if math.isfinite(float(logits[token])):
+        # Plain greedy, the common case: one pass over V. A finite winner means no NaN and no
+        # +inf in the row, and the full path would pick the same token; otherwise it decides.
+        token = greedy_tokens(logits.unsqueeze(0))[0]
+        if token is not None:
             return token, 0.0
-    processed = process_logits(logits, row)
-    if not bool(torch.isfinite(processed).any()):
-        raise ValueError("the model's logits hold no finite value for this sequence")
-    if row.params.greedy:
-        token = int(torch.argmax(processed))
-    else:
-        filtered = filter_top_k_top_p(processed, row.params.top_k, row.params.top_p, row.params.min_p)
-        probs = torch.softmax(filtered, dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=row.generator).item())
-    logprob = float(torch.log_softmax(processed, dim=-1)[token]) if row.params.return_log_probs else 0.0
-    return token, logprob
-
-
-def sample(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, float]]:
-    """[B, V] -> one (token, logprob) per row."""
-    return [sample_row(logits[i], row) for i, row in enumerate(rows)]
+    return sample_rows(logits.unsqueeze(0), [row])[0]

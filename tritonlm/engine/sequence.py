@@ -21,7 +21,7 @@ class SeqState(enum.Enum):
 class Sequence:
     request: GenerationRequest
     token_ids: list[int]  # prompt + generated: THE token history (sampling and detok share this list)
-    sampling: RowState  # sampler settings and seeded generator, over token_ids
+    sampling: RowState  # sampler settings and the row's seed, over token_ids
     detok: IncrementalDetokenizer  # reads token_ids
     reserve_tokens: int  # KV cache tokens reserved at admission (prompt + max_tokens)
     spec_k_max: int = 0  # speculative decoding: this request's longest draft (0: off)

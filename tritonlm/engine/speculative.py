@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.draws import ACCEPT, DRAFT, RESIDUAL, SAMPLE, inverse_cdf
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.sampler import RowState, next_token_distribution, process_logits
 from tritonlm.engine.sequence import Sequence
@@ -54,7 +55,7 @@ def verify_row(logits: torch.Tensor, proposal: Proposal, row: RowState) -> tuple
         q = proposal.dists[i] if i < len(proposal.dists) else None
         q_guess = 1.0 if q is None else float(q[guess])
         p_guess = float(p[guess])
-        if p_guess >= q_guess or (p_guess > 0 and _uniform(row) < p_guess / q_guess):
+        if p_guess >= q_guess or (p_guess > 0 and row.uniform(ACCEPT) < p_guess / q_guess):
             out.append((guess, _logprob(logits[i], row, guess)))
             if row.ends_on(guess):  # the sequence ends here: nothing after it counts
                 return out, len(out)
@@ -65,28 +66,29 @@ def verify_row(logits: torch.Tensor, proposal: Proposal, row: RowState) -> tuple
             residual[guess] = 0.0
         else:
             residual = torch.clamp(p - q, min=0.0)
-        token = _draw(residual, row)
+        # its own stream: given a rejection the acceptance uniform is no longer uniform
+        token = _draw(residual, row, RESIDUAL)
         out.append((token, _logprob(logits[i], row, token)))
         return out, i
     k = len(proposal.tokens)
-    token = _draw(next_token_distribution(logits[k], row), row)
+    # a fresh draw from p_K, as plain sampling would make at this index
+    token = _draw(next_token_distribution(logits[k], row), row, SAMPLE)
     out.append((token, _logprob(logits[k], row, token)))
     return out, k
 
 
-def _uniform(row: RowState) -> float:
-    return float(torch.rand((), generator=row.generator)) if row.generator is not None else 1.0
-
-
-def _draw(weights: torch.Tensor, row: RowState) -> int:
+def _draw(weights: torch.Tensor, row: RowState, stream: int) -> int:
+    """[V] non-negative weights -> a token: the argmax for greedy rows, else an inverse-CDF
+    draw with the row's uniform of `stream` for the index it decides (row.num_generated)."""
     total = float(weights.sum())
-    if total <= 0:
+    if not total > 0:
         # cannot happen for a rejected guess (p(guess) < q(guess) leaves mass elsewhere in
-        # p - q); an all-zero distribution means the logits were not finite
+        # p - q); an all-zero (or NaN) distribution means the logits were not finite
         raise ValueError("empty distribution to draw from (non-finite logits?)")
-    if row.params.greedy or row.generator is None:
+    if row.params.greedy:
         return int(torch.argmax(weights))
-    return int(torch.multinomial(weights / total, 1, generator=row.generator))
+    u = torch.tensor([row.uniform(stream)], dtype=torch.float64)  # [1]
+    return int(inverse_cdf(weights.unsqueeze(0), u)[0])
 
 
 def _logprob(logits: torch.Tensor, row: RowState, token: int) -> float:
@@ -147,7 +149,7 @@ class DraftModelDrafter:
             logits = self._run([seqs[i] for i in active], [feeds[i] for i in active])  # [b, V]
             for row_index, i in enumerate(active):
                 q = next_token_distribution(logits[row_index], rows[i])
-                guess = _draw(q, rows[i])
+                guess = _draw(q, rows[i], DRAFT)  # independent of the verifier's uniforms
                 proposals[i].tokens.append(guess)
                 proposals[i].dists.append(None if rows[i].params.greedy else q)
                 rows[i].token_ids.append(guess)

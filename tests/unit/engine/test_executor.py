@@ -37,25 +37,49 @@ def test_simultaneous_prompts_prefill_together_and_equal_hf_generate():
     assert widths() == []
 
 
+def sampled_alone(prompt: str, **params) -> list[int]:
+    engine = make_engine()
+    col = Collector()
+    rid = col.request(engine, prompt, **params)
+    drain(engine)
+    return col.ids(rid)
+
+
 def test_a_row_whose_sampling_fails_does_not_fail_its_batch(monkeypatch):
-    # a fault injected into one row's sampling (seed 666); the seven greedy rows sharing
-    # its batch must come out exactly as alone, and nothing may stay in the cache
+    # a fault injected into one row's sampling (seed 666), batched or alone; the seven greedy
+    # rows and the two sampled rows sharing its batch (the sampled ones in its sample_rows
+    # call) must come out exactly as alone, and nothing may stay in the cache
     import tritonlm.engine.executor as executor
 
-    real = executor.sample_row
+    real_row, real_rows = executor.sample_row, executor.sample_rows
+    batches = []
 
-    def faulty(logits, row):
+    def faulty_row(logits, row):
         if row.params.seed == 666:
             raise FloatingPointError("injected")
-        return real(logits, row)
+        return real_row(logits, row)
 
-    monkeypatch.setattr(executor, "sample_row", faulty)
+    def faulty_rows(logits, rows):
+        batches.append(len(rows))
+        if any(row.params.seed == 666 for row in rows):
+            raise FloatingPointError("injected")
+        return real_rows(logits, rows)
+
+    monkeypatch.setattr(executor, "sample_row", faulty_row)
+    monkeypatch.setattr(executor, "sample_rows", faulty_rows)
+    sampled = dict(max_tokens=8, temperature=0.9, top_k=20)
     engine = make_engine()
     col = Collector()
     bad = col.request(engine, MIXED_PROMPTS[0], max_tokens=8, temperature=0.7, seed=666)
     good = [col.request(engine, p, max_tokens=8) for p in MIXED_PROMPTS[:7]]
+    neighbours = [col.request(engine, p, seed=s, **sampled) for s, p in zip((5, 6), MIXED_PROMPTS[1:3])]
     drain(engine)
     assert col.final(bad).finish_reason == "error" and "sampling" in col.final(bad).error
     for p, rid in zip(MIXED_PROMPTS[:7], good):
         assert col.final(rid).finish_reason == "length" and col.ids(rid) == hf_greedy_text(p, 8), p
     assert engine.cache.used_bytes == 0 and engine.cache.live_sequences() == 0
+    assert max(batches) == 3  # the faulty row shared a sample_rows call with both neighbours
+    monkeypatch.setattr(executor, "sample_row", real_row)
+    monkeypatch.setattr(executor, "sample_rows", real_rows)
+    for s, p, rid in zip((5, 6), MIXED_PROMPTS[1:3], neighbours):
+        assert col.final(rid).finish_reason == "length" and col.ids(rid) == sampled_alone(p, seed=s, **sampled), p

@@ -184,16 +184,16 @@ def test_next_token_distribution_equals_transformers_warpers(vocab, scale):
 
 
 def test_sample_row_draws_follow_the_reference_distribution():
-    """The draw itself (multinomial on the row's generator) on random logits, top-k and top-p on."""
+    """The draw itself (inverse CDF with the row's uniform) on random logits, top-k and top-p
+    on; a seed per draw, the uniform being a function of (seed, token index)."""
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(40, generator=gen) * 2
     for t, k, p in [(0.8, 12, 0.9), (1.3, 0, 0.7), (1.0, 5, 1.0)]:
         ref = hf_distribution(logits, [0], t, k, p)
-        params = SamplingParams(max_tokens=4, temperature=t, top_k=k, top_p=p, seed=11)
-        row = RowState.make(params, [0], None)
         counts = torch.zeros(40)
-        for _ in range(4000):
-            counts[sample_row(logits, row)[0]] += 1
+        for seed in range(4000):
+            params = SamplingParams(max_tokens=4, temperature=t, top_k=k, top_p=p, seed=seed)
+            counts[sample_row(logits, RowState.make(params, [0], None))[0]] += 1
         assert counts[ref == 0].sum() == 0
         assert chi_square_p_value(counts, ref) > 0.001, (t, k, p)
 

@@ -98,10 +98,10 @@ def test_speculative_sampling_has_the_targets_distribution():
     p0 = torch.softmax(target_logits[0], dim=-1)
     first_spec = torch.zeros(vocab)
     first_draft = torch.zeros(vocab)
-    row_gen = torch.Generator().manual_seed(1)
-    for _ in range(draws):
-        row = RowState(params, [0], 1, None, row_gen)
-        guesses = [int(torch.multinomial(draft_probs[i], 1, generator=row_gen)) for i in range(k)]
+    draft_gen = torch.Generator().manual_seed(1)  # the drafter's own draws
+    for seed in range(draws):
+        row = RowState(params, [0], 1, None, seed)  # a seed per draw: the verifier's uniforms are per (seed, index)
+        guesses = [int(torch.multinomial(draft_probs[i], 1, generator=draft_gen)) for i in range(k)]
         emitted = [t for t, _ in verify_row(target_logits, Proposal(guesses, [draft_probs[0], draft_probs[1]]), row)[0]]
         first_spec[emitted[0]] += 1
         first_draft[guesses[0]] += 1
@@ -118,10 +118,10 @@ def test_speculative_sampling_second_token_follows_the_target_too():
     q = torch.softmax(torch.randn(vocab, generator=gen) * 2, dim=-1)
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
     counts = torch.zeros(vocab, vocab)
-    row_gen = torch.Generator().manual_seed(4)
-    for _ in range(draws):
-        row = RowState(params, [0], 1, None, row_gen)
-        guesses = [int(torch.multinomial(q, 1, generator=row_gen)) for _ in range(2)]
+    draft_gen = torch.Generator().manual_seed(4)
+    for seed in range(draws):
+        row = RowState(params, [0], 1, None, seed)
+        guesses = [int(torch.multinomial(q, 1, generator=draft_gen)) for _ in range(2)]
         emitted = [t for t, _ in verify_row(target_logits, Proposal(guesses, [q, q]), row)[0]]
         if len(emitted) >= 2:
             counts[emitted[0], emitted[1]] += 1
@@ -148,3 +148,22 @@ def test_a_draft_with_a_shorter_context_than_max_context_refuses_to_load(tmp_pat
         build_engine(settings)
     settings = EngineSettings.from_params({"draft_model": "1/draft_hf", "max_context": "128"}, folder)
     build_engine(settings).shutdown()  # within the draft's reach: loads
+
+
+def test_verification_draws_hold_no_hidden_state():
+    """The verifier's uniforms are functions of (seed, token index, purpose): verifying the
+    same guesses again (as after a rollback) decides the same tokens, and another seed
+    decides others."""
+    vocab = 8
+    gen = torch.Generator().manual_seed(6)
+    target_logits = torch.randn(4, vocab, generator=gen)
+    q = torch.softmax(torch.randn(vocab, generator=gen) * 3, dim=-1)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
+    proposal = Proposal([int(q.argmax())] * 3, [q, q, q])
+    outcomes = set()
+    for seed in range(40):
+        row = RowState(params, [0], 1, None, seed)
+        first = verify_row(target_logits, proposal, row)
+        assert verify_row(target_logits, proposal, row) == first and row.token_ids == [0]
+        outcomes.add(tuple(t for t, _ in first[0]))
+    assert len(outcomes) >= 3  # seeds decide differently
