@@ -8,6 +8,10 @@ KV pool layout (see kv_cache.KVPool): per layer one K and one V tensor of shape
 [num_slots, num_kv_heads, head_dim]; a "slot" holds one token of one sequence.
 `slot_table[b, p]` is the slot of position p of sequence b (p < past_len + num_new;
 entries past that are padding and point at slot 0, never read unmasked).
+
+On a GPU the slot table is not built on the host: the batch carries each row's block
+table instead (`block_table`, gathered on the device from block_table.DeviceBlockTable),
+and the runner derives the slots there (`slots_on`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,20 @@ class StepBatch:
     input_ids: torch.Tensor  # [B, T] int64, new tokens right-padded (pad value irrelevant)
     num_new: torch.Tensor  # [B] int64, valid new tokens per row, 1 <= num_new[b] <= T
     past_len: torch.Tensor  # [B] int64, tokens already cached per row
-    slot_table: torch.Tensor  # [B, L] int64, L >= max(past_len + num_new)
+    slot_table: torch.Tensor | None  # [B, L] int64, L >= max(past_len + num_new); None: from block_table
     all_logits: bool = False  # True: logits for every new token (speculative verify); False: last valid one only
+    block_table: torch.Tensor | None = None  # [B, M] int32 on the pool's device, each row's blocks in order
+    block_size: int = 0  # tokens per block, with block_table
+
+    def slots_on(self, device: torch.device | str, width: int) -> torch.Tensor:
+        """[B, width] int64 slot table on `device` (width >= max(past_len + num_new)): the
+        host table moved there, or mapped from the block table where it already lives."""
+        if self.slot_table is not None:
+            return self.slot_table[:, :width].to(device, torch.int64, non_blocking=True)
+        from tritonlm.engine.block_table import slot_mapping
+
+        total = (self.past_len + self.num_new).to(self.block_table.device, non_blocking=True)
+        return slot_mapping(self.block_table, total, width, self.block_size).to(device)
 
     @property
     def batch_size(self) -> int:
@@ -40,6 +56,16 @@ class StepBatch:
         return self.past_len.unsqueeze(1) + t
 
     @staticmethod
+    def from_block_table(
+        new_tokens: list[list[int]], past_lens: list[int], block_table: torch.Tensor, block_size: int,
+        all_logits: bool = False,
+    ) -> "StepBatch":
+        """From new_tokens[b], past_lens[b] and the rows' block tables [B, M] on the device."""
+        batch = StepBatch.from_slot_table(new_tokens, past_lens, None, all_logits)
+        batch.block_table, batch.block_size = block_table, block_size
+        return batch
+
+    @staticmethod
     def build(
         new_tokens: list[list[int]], past_lens: list[int], slot_rows: list[list[int]], all_logits: bool = False
     ) -> "StepBatch":
@@ -52,7 +78,7 @@ class StepBatch:
 
     @staticmethod
     def from_slot_table(
-        new_tokens: list[list[int]], past_lens: list[int], slot_table: torch.Tensor, all_logits: bool = False
+        new_tokens: list[list[int]], past_lens: list[int], slot_table: torch.Tensor | None, all_logits: bool = False
     ) -> "StepBatch":
         """From new_tokens[b] (non-empty), past_lens[b] and a ready [B, L] slot table
         (KVCacheManager.slot_table), L >= past_lens[b] + len(new_tokens[b])."""

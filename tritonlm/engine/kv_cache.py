@@ -103,6 +103,7 @@ class KVCacheManager:
         block_size: int = 16,
         allocate_kv: PoolFactory | None = None,
         prefix_caching: bool = False,
+        device_tables: bool | None = None,
     ):
         """budget_bytes counts the whole model's K/V (spec.bytes_per_token per token).
         allocate_kv: the runner's `allocate_kv`, called once with the number of slots;
@@ -130,6 +131,14 @@ class KVCacheManager:
         self._cached: dict[bytes, int] = {}  # digest -> the block holding that content
         self._content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (digest, token ids)
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unreferenced; LRU first
+        if device_tables is None:
+            device_tables = self.pool is not None and self.pool.k[0].device.type == "cuda"
+        self.device_table = None
+        if device_tables:
+            from tritonlm.engine.block_table import DeviceBlockTable
+
+            device = self.pool.k[0].device if self.pool is not None else torch.device("cpu")
+            self.device_table = DeviceBlockTable(device)
         self.hit_tokens = 0  # prefix cache: prompt tokens found cached, and looked up (for metrics)
         self.query_tokens = 0
 
@@ -221,6 +230,8 @@ class KVCacheManager:
             self._refs[block] += 1
         fresh = [self._take() for _ in range(self.blocks_for(num_tokens) - len(hits))]
         self._tables[seq_id] = list(hits) + fresh
+        if self.device_table is not None:
+            self.device_table.add(seq_id, self._tables[seq_id])
 
     def _take(self) -> int:
         """A block for new content: a never-used one, else the least recently used cached one."""
@@ -235,6 +246,8 @@ class KVCacheManager:
 
     def free(self, seq_id: int) -> None:
         blocks = self._tables.pop(seq_id, None)
+        if self.device_table is not None:
+            self.device_table.remove(seq_id)
         for block in reversed(blocks or []):  # the tail first: evicted before the prefix it extends
             self._refs[block] -= 1
             if self._refs[block] == 0:

@@ -139,8 +139,12 @@ class Scheduler:
     def batch(self, rows: list[tuple[Sequence, list[int]]], past: list[int], all_logits: bool = False) -> StepBatch:
         """A forward pass's batch: rows[b] = (sequence, new tokens) on top of past[b] cached
         tokens (the target's num_computed, or a drafter's own count)."""
+        ids = [seq.id for seq, _ in rows]
+        if self.cache.device_table is not None:  # the runner maps slots on its device
+            blocks = self.cache.device_table.gather(ids)  # [B, M] int32
+            return StepBatch.from_block_table([toks for _, toks in rows], past, blocks, self.cache.block_size, all_logits)
         lengths = [p + len(toks) for (_, toks), p in zip(rows, past)]
-        table = self.cache.slot_table([seq.id for seq, _ in rows], lengths)  # [B, L]
+        table = self.cache.slot_table(ids, lengths)  # [B, L]
         return StepBatch.from_slot_table([toks for _, toks in rows], past, table, all_logits)
 
     def advance(self, seq: Sequence, num_tokens: int) -> None:

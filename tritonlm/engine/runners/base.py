@@ -66,7 +66,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [B, T] int64 absolute position of each new token (padding clamps to last valid)
     valid: torch.Tensor  # [B, T] bool, t < num_new[b]
     write_slots: torch.Tensor  # [B, T] int64 pool slot of each new token; SCRATCH_SLOT for padding
-    slot_table: torch.Tensor  # [B, L] int64 trimmed to L = max(past_len + num_new)
+    slot_table: torch.Tensor | None  # [B, L] int64 trimmed to L = max(past_len + num_new); None in a captured decode step
     past_len: torch.Tensor  # [B] int64
     num_new: torch.Tensor  # [B] int64
     total_len: torch.Tensor  # [B] int64 past_len + num_new
@@ -75,6 +75,11 @@ class ForwardBatch:
     # [N] the valid tokens' rows of the batch flattened to [B*T], ascending; None when no
     # row is padded. Row-wise work (norms, projections, MLP) runs on these N rows only.
     packed: torch.Tensor | None = None
+    # the rows' block tables [B, M] int32 and key counts [B] int32 (past_len + num_new) on the
+    # device, when the batch came with block tables: what the CUDA paged kernel reads
+    block_table: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    block_size: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -89,7 +94,7 @@ class ForwardBatch:
 
         j < past_len + num_new (the key exists) AND j <= past_len + t (causal). Padding
         rows keep at least key 0, so no softmax row is ever fully masked (no NaN)."""
-        j = torch.arange(self.max_total, device=self.slot_table.device)  # [L]
+        j = torch.arange(self.max_total, device=self.total_len.device)  # [L]
         exists = j.view(1, 1, -1) < self.total_len.view(-1, 1, 1)  # [B, 1, L]
         causal = j.view(1, 1, -1) <= self.positions.unsqueeze(-1)  # [B, T, L]
         return exists & causal
@@ -115,7 +120,12 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
         raise ValueError(f"StepBatch.past_len must be >= 0, got {past_len.tolist()}")
     total = past_len + num_new
     max_total = int(total.max())
-    if batch.slot_table.shape[0] != bsz or batch.slot_table.shape[1] < max_total:
+    if batch.slot_table is None:
+        if batch.block_table is None or batch.block_table.shape[0] != bsz or batch.block_size <= 0:
+            raise ValueError("StepBatch needs a slot_table, or a [B, M] block_table with its block_size")
+        if batch.block_table.shape[1] * batch.block_size < max_total:
+            raise ValueError(f"StepBatch.block_table holds {batch.block_table.shape[1]} blocks; {max_total} positions need more")
+    elif batch.slot_table.shape[0] != bsz or batch.slot_table.shape[1] < max_total:
         raise ValueError(
             f"StepBatch.slot_table is {tuple(batch.slot_table.shape)}; needs [{bsz}, >= {max_total}] "
             "(one slot per past and new position)"
@@ -125,6 +135,10 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
 
     positions = batch.position_ids()  # [B, T] clamped to the last valid position
     valid = torch.arange(width).unsqueeze(0) < num_new.unsqueeze(1)  # [B, T]
+    packed = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)  # [N]
+    ids = batch.input_ids.to(torch.int64)
+    if batch.slot_table is None:
+        return _device_plan(batch, device, ids, positions, valid, past_len, num_new, total, max_total, packed)
     slot_table = batch.slot_table[:, :max_total].to(torch.int64)  # [B, L]
     new_slots = torch.gather(slot_table, 1, positions)  # [B, T]
     # positions clamp padding to the last valid slot: a padding write there would race
@@ -135,7 +149,7 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
         return t.to(device, non_blocking=True)
 
     return ForwardBatch(
-        input_ids=dev(ids.to(torch.int64)),
+        input_ids=dev(ids),
         positions=dev(positions),
         valid=dev(valid),
         write_slots=dev(write_slots),
@@ -145,7 +159,53 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
         total_len=dev(total),
         max_past=int(past_len.max()),
         max_total=max_total,
-        packed=None if bool(valid.all()) else dev(valid.reshape(-1).nonzero().squeeze(1)),
+        packed=None if packed is None else dev(packed),
+    )
+
+
+def stage(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host int64 tensors -> the same tensors on `device`, in ONE copy: concatenated into
+    one buffer (pinned when the target is a GPU, so the copy does not block the host), moved,
+    then split back into views of their own shapes."""
+    flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    moved = flat.to(device, non_blocking=True)
+    out, at = [], 0
+    for p in parts:
+        out.append(moved[at : at + p.numel()].view(p.shape))
+        at += p.numel()
+    return out
+
+
+def _device_plan(
+    batch: StepBatch, device: torch.device, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+    past_len: torch.Tensor, num_new: torch.Tensor, total: torch.Tensor, max_total: int, packed: torch.Tensor | None,
+) -> ForwardBatch:
+    """plan_step for a batch with block tables: the small per-row tensors go over in one
+    staged copy and the slots are mapped on the device (block_table.slot_mapping)."""
+    from tritonlm.engine.block_table import position_slots, slot_mapping
+
+    parts = [ids, positions, valid.to(torch.int64), past_len, num_new, total] + ([packed] if packed is not None else [])
+    moved = stage(parts, device)
+    d_ids, d_pos, d_valid, d_past, d_new, d_total = moved[:6]
+    table = batch.block_table.to(device)  # [B, M] int32
+    write_slots = torch.where(d_valid.bool(), position_slots(table, d_pos, batch.block_size), SCRATCH_SLOT)  # [B, T]
+    return ForwardBatch(
+        input_ids=d_ids,
+        positions=d_pos,
+        valid=d_valid.bool(),
+        write_slots=write_slots,
+        slot_table=slot_mapping(table, d_total, max_total, batch.block_size),  # [B, L]
+        past_len=d_past,
+        num_new=d_new,
+        total_len=d_total,
+        max_past=int(past_len.max()),
+        max_total=max_total,
+        packed=moved[6] if packed is not None else None,
+        block_table=table,
+        seq_lens=d_total.to(torch.int32),
+        block_size=batch.block_size,
     )
 
 
