@@ -12,6 +12,8 @@
                   keys and values gathered through its slot table, SDPA with the key mask
                   (the C++ paged_attention_qkv op does the same in one call for
                   decode-width steps; Transformer.self_attention picks the path)
+                  (decode_attention: one query per row on CUDA, the Triton kernel reading
+                  the pool in place through the rows' block tables)
     activations   activation(name), gelu_tanh
     Layer         one decoder layer's weights
 
@@ -340,6 +342,9 @@ class StepContext:
     # gather path, padded batch: [N] plan.packed, the valid tokens' rows of [B*T]; the
     # layers' row-wise work runs on those N rows, attention on the padded [B, T] layout
     packed: torch.Tensor | None = None
+    # decode step on CUDA: the Triton kernel (kernels.paged_decode) reads the pool in place
+    # through plan.block_table; no gather, no mask
+    triton: bool = False
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
@@ -375,3 +380,27 @@ def paged_attention(
     mask = ctx.mask if width == 1 else ctx.mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(bsz, 1, group * width, -1)
     out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)  # [B, Hkv, G*T, D]
     return out.view(bsz, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4).reshape(bsz, width, heads * dim)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, 1, H, D]
+    k: torch.Tensor,  # [B, 1, Hkv, D]
+    v: torch.Tensor,  # [B, 1, Hkv, D]
+    k_cache: torch.Tensor,  # [S, Hkv, D]
+    v_cache: torch.Tensor,  # [S, Hkv, D]
+    ctx: StepContext,
+    scale: float,
+) -> torch.Tensor:  # [B, 1, H*D]
+    """A decode step's attention without copying K/V out of the pool: the new token's K/V
+    written in place, then the paged kernel over each row's blocks. No host read, so the
+    step can be captured in a CUDA graph."""
+    from tritonlm.engine.kernels.paged_decode import paged_decode_attention
+
+    plan = ctx.plan
+    write_kv(k_cache, plan.write_slots, k)
+    write_kv(v_cache, plan.write_slots, v)
+    bsz, _, heads, dim = q.shape
+    out = paged_decode_attention(
+        q.reshape(bsz, heads, dim).contiguous(), k_cache, v_cache, plan.block_table, plan.seq_lens, plan.block_size, scale
+    )  # [B, H, D]
+    return out.view(bsz, 1, heads * dim)

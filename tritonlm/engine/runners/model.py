@@ -52,6 +52,7 @@ from tritonlm.engine.runners.layers import (
     activation,
     apply_rope,
     blocked_rows,
+    decode_attention,
     paged_attention,
     rope_cos_sin,
     rope_inv_freq,
@@ -112,6 +113,9 @@ class Transformer:
     # decode-width steps run every layer in one call (kernels.decoder_stack.build_decoder_stack)
     decoder_stack: object | None = field(default=None, repr=False)
     workspace: Workspace = field(default_factory=Workspace, repr=False)  # gathered K/V, reused step to step
+    # CUDA: decode steps whose batch brings block tables read the pool in place through the
+    # Triton kernel (layers.decode_attention) instead of gathering K/V (use_decode_kernel)
+    decode_kernel: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -278,10 +282,21 @@ class Transformer:
         self.decoder_stack = build_decoder_stack(self) if self.paged_kernel else None
         return self.paged_kernel, why
 
+    def use_decode_kernel(self) -> tuple[bool, str]:
+        """Turn on the Triton paged decode kernel where it runs: a CUDA device with the
+        `triton` package (or triton's interpreter, TRITON_INTERPRET=1, for tests on the
+        CPU). Returns (on, why)."""
+        from tritonlm.engine.kernels.paged_decode import available
+
+        self.decode_kernel, why = available(self.device)
+        return self.decode_kernel, why
+
     def _context(self, plan: ForwardBatch, pool: KVPool) -> StepContext:
         rope = None
         if self.inv_freq is not None:
             rope = rope_cos_sin(plan.positions, self.inv_freq, self.rope_scaling, self.dtype)
+        if self.decode_kernel and plan.width == 1 and plan.block_table is not None:
+            return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, triton=True)
         if self.paged_kernel and plan.width <= PAGED_KERNEL_MAX_WIDTH and pool.k[0].dtype == torch.float32:
             return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, kernel=True,
                                slot_table=plan.slot_table.contiguous())
@@ -316,6 +331,8 @@ class Transformer:
             qk = apply_rope(qk, *ctx.rope)
         q, k = qk.split([self.heads, self.kv_heads], dim=2)  # [B, T, H, D], [B, T, Hkv, D]
         v = qkv[..., qk_width:].view(bsz, width, self.kv_heads, d)  # [B, T, Hkv, D]
+        if ctx.triton:
+            return decode_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)  # [B, 1, H*D]
         out = paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)  # [B, T, H*D]
         if ctx.packed is None:
             return out
