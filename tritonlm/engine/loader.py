@@ -41,7 +41,8 @@ def resolve_settings_precision(settings: EngineSettings) -> Precision:
 
 def _torch_runner_kwargs(settings: EngineSettings) -> dict:
     precision = resolve_settings_precision(settings)
-    return {"dtype": precision.compute, "int8": precision.int8_weights, "attention": settings.attention_backend}
+    return {"dtype": precision.compute, "int8": precision.int8_weights, "attention": settings.attention_backend,
+            "cuda_graphs": settings.cuda_graphs, "max_batch": settings.max_num_seqs}
 
 
 def build_engine(settings: EngineSettings, observer: EngineObserver | None = None, runner=None, tokenizer=None) -> Engine:
@@ -159,6 +160,8 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
         spec.bytes_per_token, cache.total_bytes, cache.usable_blocks, cache.block_size,
         cache.max_tokens_per_sequence // max_context, max_context,
     )
+    if hasattr(runner, "max_context"):  # bounds the CUDA graphs' block tables
+        runner.max_context = max_context
     sched = SchedulerConfig(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tritonlm.engine.precision import DTYPE_NAMES
+from tritonlm.engine.runners.decode_graphs import CUDA_GRAPH_MODES
 
 ATTENTION_BACKENDS = ("auto", "paged", "gather")
 
@@ -91,6 +92,8 @@ class EngineSettings:
     # kernel reads it in place (CPU, float32; compiled for the host at first load);
     # "gather": copy each sequence's K/V, then torch's SDPA; "auto": paged where it can run
     attention_backend: str = "auto"
+    # torch runtime on a GPU: decode steps replayed as CUDA graphs ("auto") or launched eagerly ("off")
+    cuda_graphs: str = "auto"
     # speculative decoding
     draft_model: Path | None = None
     speculative: str = "off"  # "off" | "draft" | "prompt_lookup"
@@ -175,6 +178,9 @@ class EngineSettings:
         attention_backend = params.get("attention_backend", "auto") or "auto"
         if attention_backend not in ATTENTION_BACKENDS:
             raise SettingsError(f"attention_backend: {attention_backend!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
+        cuda_graphs = params.get("cuda_graphs", "auto") or "auto"
+        if cuda_graphs not in CUDA_GRAPH_MODES:
+            raise SettingsError(f"cuda_graphs: {cuda_graphs!r}; use one of {', '.join(CUDA_GRAPH_MODES)}")
         speculative = params.get("speculative", "") or ("draft" if params.get("draft_model") else "off")
         if speculative not in ("off", "draft", "prompt_lookup"):
             raise SettingsError(f"speculative: {speculative!r}; use 'off', 'draft' or 'prompt_lookup'")
@@ -210,6 +216,7 @@ class EngineSettings:
             enable_prefix_caching=get_bool("enable_prefix_caching", True),
             num_threads=get_threads(),
             attention_backend=attention_backend,
+            cuda_graphs=cuda_graphs,
             draft_model=get_path("draft_model", None),
             speculative=speculative,
             num_draft_tokens=get_int("num_draft_tokens", 4, 1),
@@ -331,6 +338,10 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
        " (CPU with float32 compute: `dtype` float32 or int8; compiled for the host CPU at the first load, "
        "needs g++); `gather`: copy each sequence's K/V, then torch's SDPA; `auto`: `paged` where it runs, "
        "else `gather` (logged)"),
+    _P("cuda_graphs", "auto",
+       "torch runtime on a GPU: `auto` replays each decode step as a CUDA graph (one per batch-size bucket "
+       "1, 2, 4, ... up to `max_num_seqs`, captured at first use) where the Triton paged decode kernel runs; "
+       "`off` launches the same padded step eagerly. No effect on the CPU"),
     _P("draft_model", None,
        "speculative decoding: the draft model's Hugging Face folder, relative to the model folder (exports "
        "write `../NAME_draft/1/hf`); must share the tokenizer"),

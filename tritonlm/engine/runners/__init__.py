@@ -44,6 +44,7 @@ def load_runner(
     int8: bool = False,
     attention: str = "auto",
     threads: int = 0,
+    **torch_options,
 ) -> Runner:
     """Build a runner.
 
@@ -59,13 +60,17 @@ def load_runner(
                      pool (TorchRunner; the runner's `attention` says what it uses)
     threads          onnx only: ONNX Runtime's intra-op threads (0: its default); torch's are
                      the calling thread's (torch.set_num_threads)
+    torch_options    torch only: TorchRunner's cuda_graphs, max_batch, max_context
     """
     if kind == "torch":
         from tritonlm.engine.runners.torch_runner import TorchRunner
 
         if isinstance(hf_dir_or_model, (str, Path)):
-            return TorchRunner.from_pretrained(hf_dir_or_model, device=device, dtype=dtype, int8=int8, attention=attention)
-        return TorchRunner(hf_dir_or_model, device=device, dtype=dtype, int8=int8, attention=attention)
+            return TorchRunner.from_pretrained(
+                hf_dir_or_model, device=device, dtype=dtype, int8=int8, attention=attention, **torch_options)
+        return TorchRunner(hf_dir_or_model, device=device, dtype=dtype, int8=int8, attention=attention, **torch_options)
+    if torch_options:
+        raise ValueError(f"{sorted(torch_options)}: torch runtime options, not for {kind!r}")
     if kind == "onnx":
         if int8:
             raise ValueError("int8 weights are a torch runtime option; for ONNX export the onnx-int8 artifact")

@@ -29,12 +29,16 @@ class TorchRunner:
     def __init__(
         self, model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, int8: bool = False,
         attention: str = "auto", int8_keep_float: Callable[[str], bool] | None = None,
+        cuda_graphs: str = "auto", max_batch: int = 256, max_context: int | None = None,
     ):
         """int8: weights of every projection and the LM head in int8 (CPU, float32 compute);
         int8_keep_float(name) -> True leaves that projection float (quant.quantize_int8).
         attention: "auto" / "paged" use the paged-attention kernel where it can run (see
         `self.attention` and `self.attention_why`; "paged" does not raise, the loader
-        refuses it); "gather" never does."""
+        refuses it); "gather" never does.
+        cuda_graphs: "auto" replays decode steps as CUDA graphs where the Triton decode
+        kernel runs (runners.decode_graphs), "off" runs them eagerly; max_batch and
+        max_context bound the graphs' buffers (the engine's max_num_seqs and max_context)."""
         if int8_keep_float is not None and not int8:
             raise ValueError("int8_keep_float: only with int8=True (it chooses what int8 leaves float)")
         if attention not in ("auto", "paged", "gather"):
@@ -50,15 +54,27 @@ class TorchRunner:
             calibrate(self.transformer)
             quantize_int8(self.transformer, keep_float=int8_keep_float)
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
+        from tritonlm.engine.runners.decode_graphs import CUDA_GRAPH_MODES
+
+        if cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs: {cuda_graphs!r}; use one of {', '.join(CUDA_GRAPH_MODES)}")
         self.attention, self.attention_why = "gather", "asked for"
         if attention != "gather":
             on, self.attention_why = self.transformer.use_paged_kernel()
             self.attention = "paged" if on else "gather"
+            if not on and self.device.type == "cuda":
+                on, why = self.transformer.use_decode_kernel()
+                self.attention, self.attention_why = ("paged", "Triton decode kernel") if on else ("gather", why)
+        self.cuda_graphs = cuda_graphs
+        self.max_batch = max_batch
+        self.max_context = max_context or self.max_positions or 4096
+        self.decode_graphs = None  # runners.decode_graphs.DecodeGraphs, made by the first decode step
 
     @classmethod
     def from_pretrained(
         cls, hf_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-        int8: bool = False, attention: str = "auto", **kwargs
+        int8: bool = False, attention: str = "auto", cuda_graphs: str = "auto", max_batch: int = 256,
+        max_context: int | None = None, **kwargs
     ) -> "TorchRunner":
         from transformers import AutoModelForCausalLM
 
@@ -66,17 +82,36 @@ class TorchRunner:
             kwargs["dtype"] = dtype
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), **kwargs)
         model.eval()
-        return cls(model, device=device, dtype=dtype, int8=int8, attention=attention)
+        return cls(model, device=device, dtype=dtype, int8=int8, attention=attention, cuda_graphs=cuda_graphs,
+                   max_batch=max_batch, max_context=max_context)
 
     def allocate_kv(self, num_slots: int) -> KVPool:
         return KVPool.for_shape(self.spec, num_slots, self.device)
 
     def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         check_pool(self.spec, self.device, pool)
+        graphs = self._decode_graphs(batch, pool)
+        if graphs is not None:
+            if self.max_positions is not None and int(batch.past_len.max()) >= self.max_positions:
+                raise ValueError(f"sequence length exceeds the model's max_positions={self.max_positions}")
+            return graphs.forward(batch)
         plan = plan_step(batch, self.device, self.max_positions)
         return self.transformer.forward(plan, batch.all_logits, pool)
 
     __call__ = forward
+
+    def _decode_graphs(self, batch: StepBatch, pool: KVPool):
+        """The DecodeGraphs that runs this batch, or None for the general path."""
+        if not self.transformer.decode_kernel or batch.block_table is None:
+            return None
+        graphs = self.decode_graphs
+        if graphs is None or graphs.pool is not pool:
+            from tritonlm.engine.runners.decode_graphs import DecodeGraphs
+
+            blocks = -(-self.max_context // batch.block_size)
+            graphs = self.decode_graphs = DecodeGraphs(
+                self.transformer, pool, self.max_batch, blocks, batch.block_size, graphs=self.cuda_graphs == "auto")
+        return graphs if graphs.accepts(batch) else None
 
     def close(self) -> None:
         pass

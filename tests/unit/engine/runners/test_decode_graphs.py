@@ -1,0 +1,103 @@
+"""The GPU decode path's logic on the CPU: padded decode steps over persistent buffers
+(runners.decode_graphs) with the Triton paged kernel run by triton's interpreter give the
+logits of the general path, and the engine's tokens. Graph capture itself needs CUDA: the
+bitwise graphs-on-vs-off check runs where CUDA is present (and in perf/gpu_check.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.models import Collector, assert_close, drain, tiny, tiny_llama
+from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.engine import Engine
+from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.runners.decode_graphs import buckets
+from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.engine.scheduler import SchedulerConfig
+
+pytest.importorskip("triton")
+# the interpreter's own numpy calls warn of a deprecation: not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def kernel_runner(model, device: str = "cpu", graphs: str = "auto") -> TorchRunner:
+    """A runner whose decode steps take the Triton kernel and DecodeGraphs (the C++ CPU
+    kernels off, so the CPU runs the GPU's path through the interpreter)."""
+    runner = TorchRunner(model, device=device, cuda_graphs=graphs, max_batch=8, max_context=128)
+    runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
+    on, why = runner.transformer.use_decode_kernel()
+    assert on, why
+    return runner
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(5) == [1, 2, 4, 8]
+    assert buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def decode_logits(runner: TorchRunner, device_tables: bool, prompts: list[list[int]], steps: int) -> torch.Tensor:
+    cache = KVCacheManager(runner.spec, runner.spec.bytes_per_token * 4 * 80, 4, allocate_kv=runner.allocate_kv,
+                           device_tables=device_tables)
+    ids = list(range(len(prompts)))
+    for sid in ids:
+        cache.allocate(sid, 40)
+
+    def batch(feeds, pasts):
+        if device_tables:
+            return StepBatch.from_block_table(feeds, pasts, cache.device_table.gather(ids), 4)
+        return StepBatch.from_slot_table(feeds, pasts, cache.slot_table(ids, [p + len(f) for p, f in zip(pasts, feeds)]))
+
+    runner.forward(batch(prompts, [0] * len(prompts)), cache.pool)
+    out = []
+    for i in range(steps):
+        out.append(runner.forward(batch([[20 + i + b] for b in ids], [len(p) + i for p in prompts]), cache.pool))
+    return torch.stack(out)  # [steps, B, V]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_padded_kernel_steps_equal_the_general_path(interpret, model: str):
+    hf = tiny()[0] if model == "gpt2" else tiny_llama()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]  # 3 rows: a padded bucket of 4
+    want = decode_logits(TorchRunner(hf, attention="gather"), False, prompts, steps=5)
+    runner = kernel_runner(hf)
+    got = decode_logits(runner, True, prompts, steps=5)
+    assert runner.decode_graphs is not None and not runner.decode_graphs.use_graphs  # no capture on the CPU
+    assert_close(got, want, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_engine_tokens_through_the_padded_kernel_path(interpret):
+    model, tok = tiny()
+    out = []
+    for kernel in (False, True):
+        runner = kernel_runner(model) if kernel else TorchRunner(model)
+        cache = KVCacheManager(runner.spec, 8 * 272 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv,
+                               device_tables=kernel)
+        engine = Engine(runner, tok, cache, SchedulerConfig(max_num_batched_tokens=24), max_context=128)
+        col = Collector()
+        rids = [col.request(engine, p, max_tokens=12) for p in ("hello there", "a b c d e f g h", "x y")]
+        rids.append(col.request(engine, "sampled", max_tokens=12, temperature=0.9, seed=3))
+        drain(engine)
+        out.append([col.ids(r) for r in rids])
+    assert out[0] == out[1]
+
+
+def test_cuda_graphs_off_is_validated():
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        TorchRunner(tiny()[0], cuda_graphs="on")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphs_on_and_off_are_bitwise_equal_on_cuda():
+    hf = tiny_llama()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    on = decode_logits(kernel_runner(hf, "cuda", "auto"), True, prompts, steps=4)
+    off = decode_logits(kernel_runner(hf, "cuda", "off"), True, prompts, steps=4)
+    assert torch.equal(on, off)

@@ -1,0 +1,132 @@
+"""Decode steps on a GPU as replays of captured CUDA graphs, one graph per batch bucket.
+
+A decode step of a small model is ~40 kernels per layer; launched one by one from Python
+the GPU waits on the host between them. A CUDA graph records the whole step once and
+replays it with one launch. What a replay needs (vLLM's and gpt-fast's recipe):
+
+    persistent inputs   the step's token ids and positions ([2, Bmax] int64) and the rows'
+                        block tables ([Bmax, M] int32), written before each replay
+    no host reads       slots, key counts and RoPE angles are computed from those on the
+                        device, attention is the Triton paged kernel (fixed launch grid)
+    static output       logits [Bmax, V] float32, copied out after the replay
+    buckets             batch sizes 1, 2, 4, ... max_batch: a batch runs in the smallest
+                        bucket that holds it; padding rows are token 0 at position 0 over
+                        block 0, the pool's scratch block, so they write only scratch
+
+Graphs are captured lazily, the first time a bucket is used (outside any other capture),
+and share one memory pool. With graphs off the same padded step runs eagerly on the same
+buffers, so logits are bitwise equal either way (the kernels and shapes are the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.block_table import position_slots
+from tritonlm.engine.kv_cache import KVPool
+from tritonlm.engine.runners.base import ForwardBatch
+
+CUDA_GRAPH_MODES = ("auto", "off")
+
+
+def buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to the first power of two >= max_batch."""
+    out = [1]
+    while out[-1] < max_batch:
+        out.append(out[-1] * 2)
+    return out
+
+
+class DecodeGraphs:
+    """Runs width-1 decode batches of a Transformer as padded, optionally graph-captured steps."""
+
+    def __init__(self, transformer, pool: KVPool, max_batch: int, max_blocks: int, block_size: int, graphs: bool):
+        """max_blocks: the block-table width a step may use (blocks of the longest sequence
+        the engine admits); graphs: capture and replay (CUDA), else run eagerly."""
+        self.transformer = transformer
+        self.pool = pool
+        self.device = transformer.device
+        self.buckets = buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.max_blocks = max(1, max_blocks)
+        self.block_size = block_size
+        self.use_graphs = graphs and self.device.type == "cuda"
+        dev = self.device
+        self.inputs = torch.zeros(2, self.max_batch, dtype=torch.int64, device=dev)  # [2, Bmax]: ids, positions
+        self.tables = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.int32, device=dev)  # [Bmax, M]
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}  # bucket -> the captured step's logits [b, V]
+        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._staging = torch.zeros(2, self.max_batch, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
+    def accepts(self, batch: StepBatch) -> bool:
+        """A plain decode batch with device block tables that fits the buckets."""
+        return (
+            batch.width == 1 and not batch.all_logits and batch.block_table is not None
+            and batch.block_size == self.block_size and batch.batch_size <= self.max_batch
+            and int(batch.past_len.max()) < self.max_blocks * self.block_size
+        )
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    # ---- the step ---------------------------------------------------------------------
+    def _step(self, rows: int) -> torch.Tensor:
+        """The padded decode step over the persistent buffers' first `rows` rows -> logits [rows, V]."""
+        ids = self.inputs[0, :rows].view(rows, 1)  # [b, 1]
+        pos = self.inputs[1, :rows].view(rows, 1)  # [b, 1]
+        table = self.tables[:rows]  # [b, M]
+        total = pos[:, 0] + 1  # [b]
+        ones = torch.ones(rows, dtype=torch.int64, device=self.device)
+        plan = ForwardBatch(
+            input_ids=ids, positions=pos, valid=torch.ones(rows, 1, dtype=torch.bool, device=self.device),
+            write_slots=position_slots(table, pos, self.block_size), slot_table=None,
+            past_len=pos[:, 0], num_new=ones, total_len=total, max_past=0, max_total=0, packed=None,
+            block_table=table, seq_lens=total.to(torch.int32), block_size=self.block_size,
+        )
+        return self.transformer.forward(plan, False, self.pool)  # [b, V] float32
+
+    def _capture(self, rows: int) -> None:
+        # the buffers' rows point at scratch while warming up and capturing: those runs write K/V
+        self.inputs[:, :rows].zero_()
+        self.tables[:rows].zero_()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the Triton kernel, sets up cuBLAS workspaces
+                self._step(rows)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            self._outputs[rows] = self._step(rows)
+        self._graphs[rows] = graph
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """batch (accepts() true) -> float32 logits [B, V], a tensor of its own."""
+        bsz = batch.batch_size
+        rows = self.bucket(bsz)
+        if self.use_graphs and rows not in self._graphs:
+            self._capture(rows)
+        # The pinned staging buffer is reused: the previous step's copy out of it has finished,
+        # as the engine read that step's logits (a sync) before asking for this one.
+        staged = self._staging[:, :rows]
+        staged.zero_()
+        staged[0, :bsz] = batch.input_ids[:, 0]
+        staged[1, :bsz] = batch.past_len
+        self.inputs[:, :rows].copy_(staged, non_blocking=True)
+        # columns past max_blocks are zeros: no accepted row has blocks there
+        width = min(batch.block_table.shape[1], self.max_blocks)
+        self.tables[:bsz, :width].copy_(batch.block_table[:, :width])
+        if rows > bsz:
+            self.tables[bsz:rows, 0] = 0  # padding rows read and write block 0 (scratch) only
+        if self.use_graphs:
+            self._graphs[rows].replay()
+            logits = self._outputs[rows]
+        else:
+            logits = self._step(rows)
+        return logits[:bsz].clone()
