@@ -20,7 +20,7 @@ HOST := 127.0.0.1
 endif
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit bench doctor clean demo-scale bench-peer
+.PHONY: setup serve test test-unit bench doctor clean demo-scale bench-peer bench-engine
 
 setup: $(STAMP)
 
@@ -55,6 +55,11 @@ bench: setup
 # the first time: minutes); BENCH_PEER_ARGS=--quick for a smoke run
 bench-peer: setup
 	$(VENV)/bin/python perf/bench_peer.py $(BENCH_PEER_ARGS)
+
+# the in-process engine's own cost per generated token (tiny model), split by phase;
+# BENCH_ENGINE_ARGS=--rows 1,256 for fewer row counts
+bench-engine: setup
+	$(VENV)/bin/python perf/bench_engine_overhead.py $(BENCH_ENGINE_ARGS)
 
 # two tritonlm serve replicas behind nginx, one restarted under load (deploy/README.md)
 demo-scale: setup

@@ -11,7 +11,47 @@ stop string is held back until it cannot.
 
 from __future__ import annotations
 
+import sys
+from typing import Callable
+
 REPLACEMENT = "\ufffd"
+
+
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False).
+
+    Two decodes per generated token make the detokenizer one of the engine's larger
+    per-token costs, and for a tokenizers-backed (fast) tokenizer most of a decode is
+    transformers' argument handling around the Rust one. Where the tokenizer's class keeps
+    transformers' own `decode` and `_decode` (which, without the clean-up, only hand a list
+    of ids to the Rust tokenizer), that one is called directly; any other tokenizer (a
+    class that overrides either, a Python one) decodes the ordinary way."""
+
+    def plain(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    # not loaded: the tokenizer cannot be one of its classes (and this costs no import)
+    fast_module = sys.modules.get("transformers.tokenization_utils_tokenizers")
+    base_module = sys.modules.get("transformers.tokenization_utils_base")
+    backend_cls = getattr(fast_module, "TokenizersBackend", None)
+    base_cls = getattr(base_module, "PreTrainedTokenizerBase", None)
+    cls = type(tokenizer)
+    if (
+        backend_cls is None
+        or base_cls is None
+        or not isinstance(tokenizer, backend_cls)
+        or getattr(cls, "decode", None) is not base_cls.decode
+        or getattr(cls, "_decode", None) is not backend_cls._decode
+        or "decode" in vars(tokenizer)
+        or "_decode" in vars(tokenizer)
+    ):
+        return plain
+
+    def direct(ids: list[int]) -> str:
+        # the attribute each time, as transformers' _decode reads it
+        return tokenizer._tokenizer.decode(ids, skip_special_tokens=True)
+
+    return direct
 
 
 class IncrementalDetokenizer:
@@ -19,18 +59,22 @@ class IncrementalDetokenizer:
         """token_ids: the sequence's history (the prompt so far), by reference: the engine
         appends generated tokens to it and `update()` reads what is new."""
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)
         self.ids = token_ids
         # decode windows start a few tokens back so the first new token sees its left context
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
         self.stop_words = tuple(s for s in stop_words if s)
         self._held = ""  # decoded text not yet emitted (may be the start of a stop word)
-        self.text = ""  # all text emitted so far
+        # all text emitted so far, in pieces: one string grown per token would be copied whole each time
+        self._emitted: list[str] = []
         self.stopped = False
         self.incomplete = False  # the last update ended inside a multi-byte character
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._emitted)
 
     def update(self) -> str:
         """After tokens were appended to the history: the text now safe to send (maybe empty)."""
@@ -65,15 +109,15 @@ class IncrementalDetokenizer:
                 self.stopped = True
                 self._held = ""
                 out = held[:pos]
-                self.text += out
+                self._emitted.append(out)
                 return out
             if not final:
                 keep = self._stop_prefix_len(held)
                 out, self._held = (held[: len(held) - keep], held[len(held) - keep :]) if keep else (held, "")
-                self.text += out
+                self._emitted.append(out)
                 return out
         self._held = ""
-        self.text += held
+        self._emitted.append(held)
         return held
 
     def _stop_prefix_len(self, text: str) -> int:

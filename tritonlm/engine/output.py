@@ -91,6 +91,9 @@ class OutputProcessor:
     def _append(self, seq: Sequence, tokens: list[tuple[int, float]], now: float) -> tuple[int, str | None]:
         """Add tokens in order until the sequence should finish; returns how many were used
         and the finish reason (None: it goes on). The caller finishes it."""
+        history, detok, params = seq.token_ids, seq.detok, seq.request.params
+        # max_tokens reached or the context full, as one history length (this runs per token)
+        length_at = min(seq.num_prompt_tokens + params.max_tokens, self.max_context)
         for used, (token, logprob) in enumerate(tokens, start=1):
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -98,13 +101,13 @@ class OutputProcessor:
             seq.last_token_time = now
             if seq.sampling.ends_on(token):  # EOS or a stop token id: not part of the answer
                 return used, "stop"
-            seq.token_ids.append(token)
+            history.append(token)
             self.stats.tokens_generated += 1
-            text = seq.detok.update()
+            text = detok.update()
             self._report(seq, text, token, logprob)
-            if seq.detok.stopped:
+            if detok.stopped:
                 return used, "stop"
-            if seq.num_output_tokens >= seq.request.params.max_tokens or seq.num_tokens >= self.max_context:
+            if len(history) >= length_at:
                 return used, "length"
         return len(tokens), None
 
@@ -125,8 +128,8 @@ class OutputProcessor:
         pending = len(seq.pending_ids)
         if not pending or not (any(seq.pending_text) or not seq.detok.incomplete):
             return
-        first = pending == seq.num_output_tokens  # nothing of this sequence sent yet
-        if first or pending >= self.stream_interval:
+        # the interval first: it decides at once for most tokens; else nothing of this sequence sent yet
+        if pending >= self.stream_interval or pending == seq.num_output_tokens:
             self._emit(seq, GenerationEvent(seq.id, **self._take_pending(seq)))
 
     @staticmethod
