@@ -21,6 +21,11 @@ the others, and skipped when the time budget runs out:
  7. draft      speculative decoding on the GPU with a 4-layer draft of the same shape
                (random weights: acceptance is near zero, so this measures its cost) and
                with the target as its own draft (every guess right: its ceiling)
+ 8. compiled   decode steps through torch.compile before capture (`compile_decode`):
+               step time and logits against the graph alone, served tok/s, GPU busy
+ 9. compiled exactness  greedy and seeded tokens of the compiled GPU engine (fp32) against
+               the CPU engine
+Section 6 runs last: a compiler failure there can leave torch unusable in the process.
 Prints a table, writes gpu_check.csv under --out (or $OUT). Exits 2 without CUDA.
 """
 
@@ -315,7 +320,7 @@ def main() -> int:
         r = runner_for(full, torch.bfloat16)
         ref = StaticDecoder(r.transformer, 64, 16 + 256 + 8)
         tps, warm = ref.tokens_per_second(16, 256)
-        served = next((x["value"] for x in ROWS if x["check"] == "_engine64"), None)
+        served = next((x["value"] for x in reversed(ROWS) if x["check"] == "_engine64"), None)
         if served is None:  # section 5 did not run in this process: the same workload, served
             engine_run(r, 64, 8)
             _, served, _ = engine_run(r, 64, 256)
@@ -337,12 +342,73 @@ def main() -> int:
             _, tps, eng = engine_run(r, n, t, drafter=lambda cache, d=d: DraftModelDrafter(d, cache))
             record("draft", f"1 stream, speculative K=4, {label}", tps, f"tok/s = {tps / base:.2f}x no speculation")
 
+    def compiled() -> None:
+        dtype = torch.bfloat16 if on_gpu else torch.float16
+        plain = runner_for(full, dtype)
+        fused = runner_for(full, dtype)
+        fused.compile_decode = True
+        # the first decode steps compile (one static size-1 graph, one dynamic for the rest)
+        t0 = time.perf_counter()
+        steps = {}
+        for bsz in ((1, 32, 128, 256) if on_gpu else (1, 4)):
+            past = 512 if on_gpu else 16
+            for name, r in (("plain", plain), ("compiled", fused)):
+                cache = KVCacheManager(r.spec, (bsz + 1) * (past + 32) * r.spec.bytes_per_token, 16,
+                                       allocate_kv=r.allocate_kv, device_tables=True)
+                ids = list(range(bsz))
+                for b in ids:
+                    cache.allocate(b, past + 16)
+                torch.manual_seed(9)  # the same random K/V in both pools: rows that differ from each other
+                for t in cache.pool.k + cache.pool.v:
+                    t.normal_()
+                batch = StepBatch.from_block_table([[7]] * bsz, [past] * bsz, cache.device_table.gather(ids), 16)
+                first = r.forward(batch, cache.pool).float()
+                for _ in range(3):
+                    r.forward(batch, cache.pool)
+                sync()
+                n = 30 if on_gpu else 2
+                t1 = time.perf_counter()
+                for _ in range(n):
+                    r.forward(batch, cache.pool)
+                sync()
+                steps[name, bsz] = ((time.perf_counter() - t1) / n * 1000, first.cpu())
+            (ms_p, lp), (ms_c, lc) = steps["plain", bsz], steps["compiled", bsz]
+            top1 = (lp.argmax(-1) == lc.argmax(-1)).float().mean().item()
+            record("compiled", f"decode step {dtype}, batch {bsz}, context {past}: compiled + graph", ms_c,
+                   f"ms/step vs {ms_p:.2f} graph alone; logits max diff {(lp - lc).abs().max().item():.3g}, "
+                   f"top-1 agreement {top1:.3f}")
+        record("compiled", "compile + capture, all buckets above", time.perf_counter() - t0, "seconds (both runners)")
+        for streams, tokens in (((1, 256), (32, 128), (64, 256), (128, 128), (256, 128)) if on_gpu else ((1, 4), (4, 4))):
+            util = UtilizationSampler(dev) if on_gpu and streams == 64 else None
+            _, tps, _ = engine_run(fused, streams, tokens)
+            busy = util.stop() if util else float("nan")
+            record("compiled", f"engine {dtype} compiled + graphs: {streams} streams x {tokens} tokens", tps,
+                   "tok/s" + (f"; GPU busy {busy:.0f}%" if util else ""))
+            if streams == 64:
+                ROWS.append({"section": "compiled", "check": "_engine64", "value": tps, "extra": ""})
+
+    def compiled_exactness() -> None:
+        """compile_decode against the CPU engine, on distinct prefilled rows (fp32, 4 layers)."""
+        fused = runner_for(short, torch.float32)
+        fused.compile_decode = True
+        cpu = TorchRunner(short, attention="gather")
+        n, t = (32, 32) if not small else (4, 4)
+        for label, kw in (("greedy", {}), ("seeded sampling (T=0.8)", {"seed_base": 1000, "temperature": 0.8})):
+            g_out, _, _ = engine_run(fused, n, t, **kw)
+            c_out, _, _ = engine_run(cpu, n, t, **kw)
+            same = sum(g_out[i] == c_out[i] for i in range(n))
+            tok_same = sum(a == b for i in range(n) for a, b in zip(g_out[i], c_out[i])) / (n * t)
+            record("compiled exactness", f"GPU fp32 engine, compiled + graphs == CPU engine, {label}", same,
+                   f"of {n} rows x {t} tokens identical; {tok_same:.4f} of tokens equal position by position")
+
     section("1. kernel", kernel)
     section("2. graphs on vs off", graphs)
     section("3. exactness vs the CPU engine", exactness)
     section("5. engine throughput and GPU busy", engine_speed)
     section("4. decode step time", step_time)
     section("7. speculative decoding on the GPU", draft)
+    section("8. decode steps through torch.compile", compiled)
+    section("9. compiled steps against the CPU engine", compiled_exactness)
     section("6. static-cache torch.compile reference", reference)  # last: a compiler failure can leave torch unusable
 
     rows = [r for r in ROWS if not r["check"].startswith("_")]

@@ -42,7 +42,8 @@ def resolve_settings_precision(settings: EngineSettings) -> Precision:
 def _torch_runner_kwargs(settings: EngineSettings) -> dict:
     precision = resolve_settings_precision(settings)
     return {"dtype": precision.compute, "int8": precision.int8_weights, "attention": settings.attention_backend,
-            "cuda_graphs": settings.cuda_graphs, "max_batch": settings.max_num_seqs}
+            "cuda_graphs": settings.cuda_graphs, "max_batch": settings.max_num_seqs,
+            "compile_decode": settings.compile_decode}
 
 
 def build_engine(settings: EngineSettings, observer: EngineObserver | None = None, runner=None, tokenizer=None) -> Engine:
@@ -162,6 +163,8 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
     )
     if hasattr(runner, "max_context"):  # bounds the CUDA graphs' block tables
         runner.max_context = max_context
+    if hasattr(runner, "prepare_decode") and cache.device_table is not None:
+        log.info("decode steps: %s", runner.prepare_decode(cache.pool, cache.block_size))
     sched = SchedulerConfig(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),

@@ -94,6 +94,8 @@ class EngineSettings:
     attention_backend: str = "auto"
     # torch runtime on a GPU: decode steps replayed as CUDA graphs ("auto") or launched eagerly ("off")
     cuda_graphs: str = "auto"
+    # torch runtime on a GPU: decode steps through torch.compile before capture (a slower load)
+    compile_decode: bool = True
     # speculative decoding
     draft_model: Path | None = None
     speculative: str = "off"  # "off" | "draft" | "prompt_lookup"
@@ -217,6 +219,7 @@ class EngineSettings:
             num_threads=get_threads(),
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
+            compile_decode=get_bool("compile_decode", True),
             draft_model=get_path("draft_model", None),
             speculative=speculative,
             num_draft_tokens=get_int("num_draft_tokens", 4, 1),
@@ -342,6 +345,11 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
        "torch runtime on a GPU: `auto` replays each decode step as a CUDA graph (one per batch-size bucket "
        "1, 2, 4, ... up to `max_num_seqs`, captured at first use) where the Triton paged decode kernel runs; "
        "`off` launches the same padded step eagerly. No effect on the CPU"),
+    _P("compile_decode", "true",
+       "torch runtime on a GPU, with the Triton decode kernel: each decode step goes through "
+       "`torch.compile` (inductor fuses the norms, RoPE, residual adds and SwiGLU) before it is captured. "
+       "Compiling and capturing every bucket happens at load (it can take minutes); where "
+       "compiling fails the model loads uncompiled (logged). `false`: no compilation. No effect on the CPU"),
     _P("draft_model", None,
        "speculative decoding: the draft model's Hugging Face folder, relative to the model folder (exports "
        "write `../NAME_draft/1/hf`); must share the tokenizer"),

@@ -12,6 +12,9 @@ replays it with one launch. What a replay needs (vLLM's and gpt-fast's recipe):
     buckets             batch sizes 1, 2, 4, ... max_batch: a batch runs in the smallest
                         bucket that holds it; padding rows are token 0 at position 0 over
                         block 0, the pool's scratch block, so they write only scratch
+    compiled (optional) the step through torch.compile first (`compile_decode`): inductor
+                        fuses the element-wise work around the matmuls and the paged kernel
+                        (custom ops, kernels/torch_ops.py) into far fewer launches
 
 Graphs are captured lazily, the first time a bucket is used (outside any other capture),
 and share one memory pool. With graphs off the same padded step runs eagerly on the same
@@ -41,9 +44,14 @@ def buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Runs width-1 decode batches of a Transformer as padded, optionally graph-captured steps."""
 
-    def __init__(self, transformer, pool: KVPool, max_batch: int, max_blocks: int, block_size: int, graphs: bool):
+    def __init__(
+        self, transformer, pool: KVPool, max_batch: int, max_blocks: int, block_size: int, graphs: bool,
+        compile: bool = False,
+    ):
         """max_blocks: the block-table width a step may use (blocks of the longest sequence
-        the engine admits); graphs: capture and replay (CUDA), else run eagerly."""
+        the engine admits); graphs: capture and replay (CUDA), else run eagerly; compile:
+        the step through torch.compile (inductor fuses its element-wise work), once for
+        every batch size (dynamic), then captured per bucket like the eager step."""
         self.transformer = transformer
         self.pool = pool
         self.device = transformer.device
@@ -59,6 +67,11 @@ class DecodeGraphs:
         self._outputs: dict[int, torch.Tensor] = {}  # bucket -> the captured step's logits [b, V]
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._staging = torch.zeros(2, self.max_batch, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.compiled = compile
+        self._run = self._body
+        if compile:
+            # dynamic: one compilation serves every bucket (a size-1 batch may get its own)
+            self._run = torch.compile(self._body, dynamic=True)
 
     def accepts(self, batch: StepBatch) -> bool:
         """A plain decode batch with device block tables that fits the buckets."""
@@ -81,15 +94,21 @@ class DecodeGraphs:
         ids = self.inputs[0, :rows].view(rows, 1)  # [b, 1]
         pos = self.inputs[1, :rows].view(rows, 1)  # [b, 1]
         table = self.tables[:rows]  # [b, M]
+        with torch.inference_mode():
+            return self._run(ids, pos, table)
+
+    def _body(self, ids: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """ids, pos [b, 1] int64, table [b, M] int32 -> logits [b, V] float32: embedding, the
+        layers (the paged kernel for attention) and the head, no host read."""
         total = pos[:, 0] + 1  # [b]
-        ones = torch.ones(rows, dtype=torch.int64, device=self.device)
         plan = ForwardBatch(
-            input_ids=ids, positions=pos, valid=torch.ones(rows, 1, dtype=torch.bool, device=self.device),
+            input_ids=ids, positions=pos, valid=torch.ones_like(ids, dtype=torch.bool),
             write_slots=position_slots(table, pos, self.block_size), slot_table=None,
-            past_len=pos[:, 0], num_new=ones, total_len=total, max_past=0, max_total=0, packed=None,
-            block_table=table, seq_lens=total.to(torch.int32), block_size=self.block_size,
+            past_len=pos[:, 0], num_new=torch.ones_like(total), total_len=total, max_past=0, max_total=0,
+            packed=None, block_table=table, seq_lens=total.to(torch.int32), block_size=self.block_size,
         )
-        return self.transformer.forward(plan, False, self.pool)  # [b, V] float32
+        t = self.transformer
+        return t.head(plan, t.run_layers(plan, t.embed(plan), self.pool), False)  # [b, V]
 
     def _capture(self, rows: int) -> None:
         # the buffers' rows point at scratch while warming up and capturing: those runs write K/V
@@ -105,6 +124,13 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._mempool):
             self._outputs[rows] = self._step(rows)
         self._graphs[rows] = graph
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (at load), so no request pays for a capture or a compile."""
+        if self.use_graphs:
+            for rows in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+                if rows not in self._graphs:
+                    self._capture(rows)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """batch (accepts() true) -> float32 logits [B, V], a tensor of its own."""

@@ -393,14 +393,15 @@ def decode_attention(
 ) -> torch.Tensor:  # [B, 1, H*D]
     """A decode step's attention without copying K/V out of the pool: the new token's K/V
     written in place, then the paged kernel over each row's blocks. No host read, so the
-    step can be captured in a CUDA graph."""
-    from tritonlm.engine.kernels.paged_decode import paged_decode_attention
+    step can be captured in a CUDA graph; both are custom ops (kernels.torch_ops), so
+    torch.compile can take the rest of the step around them."""
+    from tritonlm.engine.kernels import torch_ops  # noqa: F401 - registers torch.ops.tritonlm_gpu
 
     plan = ctx.plan
-    write_kv(k_cache, plan.write_slots, k)
-    write_kv(v_cache, plan.write_slots, v)
+    torch.ops.tritonlm_gpu.write_kv(k_cache, plan.write_slots, k)
+    torch.ops.tritonlm_gpu.write_kv(v_cache, plan.write_slots, v)
     bsz, _, heads, dim = q.shape
-    out = paged_decode_attention(
+    out = torch.ops.tritonlm_gpu.paged_decode(
         q.reshape(bsz, heads, dim).contiguous(), k_cache, v_cache, plan.block_table, plan.seq_lens, plan.block_size, scale
     )  # [B, H, D]
     return out.view(bsz, 1, heads * dim)

@@ -11,6 +11,7 @@ runners/layers.py.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +23,8 @@ from tritonlm.engine.runners.base import check_pool, plan_step
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.quant import calibrate, quantize_int8, rotate_residual
 
+log = logging.getLogger(__name__)
+
 
 class TorchRunner:
     """forward(batch, pool) -> float32 logits; see runners.base for the contract."""
@@ -29,7 +32,7 @@ class TorchRunner:
     def __init__(
         self, model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, int8: bool = False,
         attention: str = "auto", int8_keep_float: Callable[[str], bool] | None = None,
-        cuda_graphs: str = "auto", max_batch: int = 256, max_context: int | None = None,
+        cuda_graphs: str = "auto", max_batch: int = 256, max_context: int | None = None, compile_decode: bool = False,
     ):
         """int8: weights of every projection and the LM head in int8 (CPU, float32 compute);
         int8_keep_float(name) -> True leaves that projection float (quant.quantize_int8).
@@ -38,7 +41,8 @@ class TorchRunner:
         refuses it); "gather" never does.
         cuda_graphs: "auto" replays decode steps as CUDA graphs where the Triton decode
         kernel runs (runners.decode_graphs), "off" runs them eagerly; max_batch and
-        max_context bound the graphs' buffers (the engine's max_num_seqs and max_context)."""
+        max_context bound the graphs' buffers (the engine's max_num_seqs and max_context);
+        compile_decode: those decode steps through torch.compile first."""
         if int8_keep_float is not None and not int8:
             raise ValueError("int8_keep_float: only with int8=True (it chooses what int8 leaves float)")
         if attention not in ("auto", "paged", "gather"):
@@ -66,6 +70,7 @@ class TorchRunner:
                 on, why = self.transformer.use_decode_kernel()
                 self.attention, self.attention_why = ("paged", "Triton decode kernel") if on else ("gather", why)
         self.cuda_graphs = cuda_graphs
+        self.compile_decode = compile_decode
         self.max_batch = max_batch
         self.max_context = max_context or self.max_positions or 4096
         self.decode_graphs = None  # runners.decode_graphs.DecodeGraphs, made by the first decode step
@@ -74,7 +79,7 @@ class TorchRunner:
     def from_pretrained(
         cls, hf_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
         int8: bool = False, attention: str = "auto", cuda_graphs: str = "auto", max_batch: int = 256,
-        max_context: int | None = None, **kwargs
+        max_context: int | None = None, compile_decode: bool = False, **kwargs
     ) -> "TorchRunner":
         from transformers import AutoModelForCausalLM
 
@@ -83,7 +88,7 @@ class TorchRunner:
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), **kwargs)
         model.eval()
         return cls(model, device=device, dtype=dtype, int8=int8, attention=attention, cuda_graphs=cuda_graphs,
-                   max_batch=max_batch, max_context=max_context)
+                   max_batch=max_batch, max_context=max_context, compile_decode=compile_decode)
 
     def allocate_kv(self, num_slots: int) -> KVPool:
         return KVPool.for_shape(self.spec, num_slots, self.device)
@@ -100,6 +105,31 @@ class TorchRunner:
 
     __call__ = forward
 
+    def prepare_decode(self, pool: KVPool, block_size: int) -> str:
+        """Capture the decode graphs of every bucket now (compiling first with compile_decode),
+        so the first requests do not wait for it. A compilation that fails falls back to the
+        uncompiled step, logged. Returns what the decode steps will run."""
+        if not self.transformer.decode_kernel:
+            return f"no decode graphs: {self.attention_why}"
+        from tritonlm.engine.runners.decode_graphs import DecodeGraphs
+
+        blocks = -(-self.max_context // block_size)
+        graphs = self.cuda_graphs == "auto"
+        self.decode_graphs = DecodeGraphs(self.transformer, pool, self.max_batch, blocks, block_size, graphs,
+                                          compile=self.compile_decode)
+        try:
+            self.decode_graphs.capture_all()
+        except Exception as e:  # noqa: BLE001 - the uncompiled step serves instead
+            if not self.compile_decode:
+                raise
+            log.warning("compile_decode: torch.compile failed (%s: %s); decode steps run uncompiled",
+                        type(e).__name__, e)
+            self.compile_decode = False
+            self.decode_graphs = DecodeGraphs(self.transformer, pool, self.max_batch, blocks, block_size, graphs)
+            self.decode_graphs.capture_all()
+        what = "CUDA graphs" if self.decode_graphs.use_graphs else "eager padded steps"
+        return f"{what} for batch buckets {self.decode_graphs.buckets}" + (", compiled" if self.compile_decode else "")
+
     def _decode_graphs(self, batch: StepBatch, pool: KVPool):
         """The DecodeGraphs that runs this batch, or None for the general path."""
         if not self.transformer.decode_kernel or batch.block_table is None:
@@ -110,7 +140,8 @@ class TorchRunner:
 
             blocks = -(-self.max_context // batch.block_size)
             graphs = self.decode_graphs = DecodeGraphs(
-                self.transformer, pool, self.max_batch, blocks, batch.block_size, graphs=self.cuda_graphs == "auto")
+                self.transformer, pool, self.max_batch, blocks, batch.block_size, graphs=self.cuda_graphs == "auto",
+                compile=self.compile_decode)
         return graphs if graphs.accepts(batch) else None
 
     def close(self) -> None:

@@ -89,6 +89,41 @@ def test_engine_tokens_through_the_padded_kernel_path(interpret):
     assert out[0] == out[1]
 
 
+def test_compiled_step_equals_the_eager_step(interpret):
+    """compile_decode: the same padded step through torch.compile (inductor's C++ backend
+    here; float16, whose plain matmuls inductor takes, unlike the CPU's blocked ones)."""
+    hf = tiny()[0]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    got = []
+    for compile_decode in (False, True):
+        runner = TorchRunner(hf, dtype=torch.float16, max_batch=8, max_context=128, compile_decode=compile_decode)
+        runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
+        assert runner.transformer.use_decode_kernel()[0]
+        got.append(decode_logits(runner, True, prompts, steps=3).float())
+        assert runner.decode_graphs.compiled is compile_decode
+    assert_close(got[1], got[0], atol=2e-2)  # fused float16 arithmetic rounds differently
+    assert torch.equal(got[1].argmax(-1), got[0].argmax(-1))
+
+
+def test_prepare_decode_falls_back_when_compiling_fails(interpret, monkeypatch):
+    from tritonlm.engine.runners import decode_graphs
+
+    runner = TorchRunner(tiny()[0], dtype=torch.float16, max_batch=4, max_context=64, compile_decode=True)
+    runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
+    runner.transformer.use_decode_kernel()
+    cache = KVCacheManager(runner.spec, runner.spec.bytes_per_token * 4 * 40, 4, allocate_kv=runner.allocate_kv,
+                           device_tables=True)
+
+    def capture_all(self):
+        if self.compiled:
+            raise RuntimeError("inductor failed")
+
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "capture_all", capture_all)
+    what = runner.prepare_decode(cache.pool, 4)
+    assert not runner.compile_decode and not runner.decode_graphs.compiled
+    assert "buckets [1, 2, 4]" in what and "compiled" not in what
+
+
 def test_cuda_graphs_off_is_validated():
     with pytest.raises(ValueError, match="cuda_graphs"):
         TorchRunner(tiny()[0], cuda_graphs="on")
