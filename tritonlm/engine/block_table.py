@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonlm.engine.kv_cache import SCRATCH_SLOT
+SCRATCH_SLOT = 0  # block 0 is kept out of circulation: padding writes land in its slot 0
 
 
 class DeviceBlockTable:

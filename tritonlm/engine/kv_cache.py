@@ -39,9 +39,8 @@ from typing import Callable
 
 import torch
 
+from tritonlm.engine.block_table import SCRATCH_SLOT, DeviceBlockTable
 from tritonlm.engine.model_shape import ModelShape
-
-SCRATCH_SLOT = 0  # block 0 is kept out of circulation: padding writes land in its slot 0
 
 
 class CacheBudgetError(ValueError):
@@ -132,11 +131,9 @@ class KVCacheManager:
         self._content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (digest, token ids)
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unreferenced; LRU first
         if device_tables is None:
-            device_tables = self.pool is not None and self.pool.k[0].device.type == "cuda"
+            device_tables = self.pool is not None
         self.device_table = None
         if device_tables:
-            from tritonlm.engine.block_table import DeviceBlockTable
-
             device = self.pool.k[0].device if self.pool is not None else torch.device("cpu")
             self.device_table = DeviceBlockTable(device)
         self.hit_tokens = 0  # prefix cache: prompt tokens found cached, and looked up (for metrics)

@@ -137,9 +137,14 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
     valid = torch.arange(width).unsqueeze(0) < num_new.unsqueeze(1)  # [B, T]
     packed = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)  # [N]
     ids = batch.input_ids.to(torch.int64)
-    if batch.slot_table is None:
+    if batch.slot_table is None and device.type != "cpu":
         return _device_plan(batch, device, ids, positions, valid, past_len, num_new, total, max_total, packed)
-    slot_table = batch.slot_table[:, :max_total].to(torch.int64)  # [B, L]
+    if batch.slot_table is None:  # block tables on the host: slots mapped with tensor ops, no loop per row
+        from tritonlm.engine.block_table import slot_mapping
+
+        slot_table = slot_mapping(batch.block_table, total, max_total, batch.block_size)  # [B, L]
+    else:
+        slot_table = batch.slot_table[:, :max_total].to(torch.int64)  # [B, L]
     new_slots = torch.gather(slot_table, 1, positions)  # [B, T]
     # positions clamp padding to the last valid slot: a padding write there would race
     # the real token's write, so padding goes to scratch.
