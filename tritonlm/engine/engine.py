@@ -19,7 +19,7 @@ from tritonlm.engine.compute_thread import ComputeThread
 from tritonlm.engine.cpu_cores import ThreadGovernor
 from tritonlm.engine.executor import ModelExecutor
 from tritonlm.engine.kv_cache import KVCacheManager
-from tritonlm.engine.output import EngineObserver, EngineStats, OutputProcessor
+from tritonlm.engine.output import Deferred, EngineObserver, EngineStats, OutputProcessor
 from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence
@@ -48,9 +48,12 @@ class Engine:
         observer: EngineObserver | None = None,
         drafter: Drafter | None = None,
         num_draft_tokens: int = 4,
+        overlap: bool | None = None,
     ):
         """The scheduler takes ownership of `cache`; `drafter` turns on speculative
-        decoding with drafts of up to num_draft_tokens tokens."""
+        decoding with drafts of up to num_draft_tokens tokens. overlap: a step's text and
+        events are made while the next step's forward pass runs (OutputProcessor.append /
+        complete); None: where the forward pass runs asynchronously, on a GPU."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -62,6 +65,10 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, cache, recompute=not use_kv_cache)
         self.executor = ModelExecutor(runner, self.scheduler, drafter)
         self.output = OutputProcessor(self.scheduler, max_context, observer, stream_interval)
+        if overlap is None:
+            overlap = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
+        self.overlap = overlap
+        self._deferred: list[Deferred] = []  # the last step's rows whose text and events are due
         self._inbox: list[Sequence] = []
         self._cancel: set[int] = set()
         self._cond = threading.Condition()
@@ -194,6 +201,7 @@ class Engine:
             self.runner.close()
 
     def _fail_pending(self) -> None:
+        self._complete_deferred()
         with self._cond:
             pending, self._inbox = self.scheduler.sequences() + self._inbox, []
         for seq in pending:
@@ -223,19 +231,34 @@ class Engine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def step(self) -> None:
-        """One iteration: intake, then schedule -> forward -> sample/verify -> outputs."""
+        """One iteration: intake, then schedule -> forward -> sample/verify -> outputs.
+
+        With overlap the previous step's text and events are made between launching this
+        step's forward pass and reading its logits: on a GPU, while the pass runs."""
         self._intake()
         plan = self.scheduler.schedule()
         if not plan:
+            self._complete_deferred()
             return
         try:
-            outputs = self.executor.sample(self.executor.forward(plan))
+            fwd = self.executor.forward(plan)
+            self._complete_deferred()
+            outputs = self.executor.sample(fwd)
         except Exception as e:  # a failed pass fails its sequences, not the server
             log.exception("forward pass failed")
+            self._complete_deferred()
             for seq, _ in plan:
                 self.output.fail(seq, f"internal error in the forward pass: {e}")
             return
-        self.output.process(outputs)
+        if self.overlap and all(len(out.tokens) == 1 or out.error is not None for out in outputs.rows):
+            self._deferred = self.output.append(outputs)
+        else:  # speculative rows (several tokens, of which a stop string may cut some): at once
+            self.output.process(outputs)
+
+    def _complete_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        if deferred:
+            self.output.complete(deferred)
 
     def _intake(self) -> None:
         """New requests join the queue; cancelled and expired ones leave it.
@@ -247,6 +270,8 @@ class Engine:
                 self.scheduler.add(seq)
             self._inbox = []
             cancel, self._cancel = self._cancel, set()
+        if cancel:  # a cancelled row's last token is reported before its final event
+            self._complete_deferred()
         for rid in cancel:
             seq = self.scheduler.get(rid)
             if seq is not None:

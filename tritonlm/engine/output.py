@@ -2,6 +2,12 @@
 conditions, detokenize, report to the client, and retire finished sequences at once
 (their cache goes back to the pool before the next step).
 
+Overlapped (Engine's `overlap`): append() does the part the next step's schedule needs
+(histories, EOS, max_tokens) right after sampling, complete() the text, stop strings and
+events while the next forward pass runs on the GPU. A row that a stop string ends there
+has already been scheduled once more: that step's token for it is dropped, so the tokens
+and text are the same as process() gives.
+
 Events go out through the request's callback on the engine thread; a callback must
 not block, and one that raises is logged and ignored.
 """
@@ -36,6 +42,15 @@ class EngineObserver(Protocol):
 
 
 @dataclass
+class Deferred:
+    """A row's token, already in its history, whose text and event are still to be made."""
+
+    seq: Sequence
+    token: int
+    logprob: float
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     tokens_generated: int = 0
@@ -63,6 +78,8 @@ class OutputProcessor:
         now = time.monotonic()
         for out in step.rows:
             seq = out.seq
+            if seq.state is SeqState.FINISHED:  # ended by a stop string while this step ran (overlap)
+                continue
             if out.error is not None:
                 self._fail(seq, out.error)
                 continue
@@ -79,6 +96,62 @@ class OutputProcessor:
         generated = self.stats.tokens_generated - generated_before
         self._observe("on_step", step.batch_size, step.num_tokens, step.seconds, generated)
         self._flush()  # after the metrics: a client that saw its response finds it counted
+
+    # ---- overlapped: the step's bookkeeping now, its text and events while the next step runs
+    def append(self, step: StepOutput) -> list[Deferred]:
+        """The first half of process() for a step whose rows got one token each, right after
+        sampling: histories, EOS and stop token ids, max_tokens and the context, so the next
+        step is scheduled from them. Rows that end now are finished now (their text first);
+        the others' detokenizing, stop strings and stream events are returned, for complete()
+        while the next step's forward pass runs on the GPU."""
+        self.stats.steps += 1
+        self.stats.max_batch_size = max(self.stats.max_batch_size, step.batch_size)
+        self.stats.max_kv_used_bytes = max(self.stats.max_kv_used_bytes, self.scheduler.cache.used_bytes)
+        generated_before = self.stats.tokens_generated
+        now = time.monotonic()
+        deferred: list[Deferred] = []
+        for out in step.rows:
+            seq = out.seq
+            if seq.state is SeqState.FINISHED:  # ended by a stop string while this step ran
+                continue
+            if out.error is not None:
+                self._fail(seq, out.error)
+                continue
+            (token, logprob), = out.tokens
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self._observe("on_first_token", now - seq.request.arrival)
+            seq.last_token_time = now
+            if seq.sampling.ends_on(token):
+                self._finish(seq, "stop")
+                continue
+            seq.token_ids.append(token)
+            self.stats.tokens_generated += 1
+            if len(seq.token_ids) >= min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.max_context):
+                self._complete_row(Deferred(seq, token, logprob), ends="length")
+                continue
+            deferred.append(Deferred(seq, token, logprob))
+        self._observe("on_step", step.batch_size, step.num_tokens, step.seconds,
+                      self.stats.tokens_generated - generated_before)
+        self._flush()
+        return deferred
+
+    def complete(self, deferred: list[Deferred]) -> None:
+        """The second half: each row's text, stop strings and stream event (in step order)."""
+        for row in deferred:
+            if row.seq.state is not SeqState.FINISHED:
+                self._complete_row(row)
+        self._flush()
+
+    def _complete_row(self, row: Deferred, ends: str | None = None) -> None:
+        """The row's text and event, as process() makes them; `ends`: it finishes with
+        this reason unless a stop string ends it first."""
+        seq = row.seq
+        self._report(seq, seq.detok.update(), row.token, row.logprob)
+        if seq.detok.stopped or ends is not None:
+            self._finish(seq, "stop" if seq.detok.stopped else ends)
+        elif seq.request.stream:
+            self._stream(seq)
 
     def _observe(self, hook: str, *args) -> None:
         if self.observer is None:

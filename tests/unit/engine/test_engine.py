@@ -166,3 +166,66 @@ def _finished_thread():
     t.start()
     t.join()
     return t
+
+
+# ---- overlap: a step's text and events made while the next step runs ----------------------
+
+
+def overlap_engine(overlap: bool, **sched):
+    from tritonlm.engine.engine import Engine
+    from tritonlm.engine.kv_cache import KVCacheManager
+    from tritonlm.engine.runners.torch_runner import TorchRunner
+    from tritonlm.engine.scheduler import SchedulerConfig
+
+    model, tok = tiny()
+    runner = TorchRunner(model)
+    cache = KVCacheManager(runner.spec, 12 * 272 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv)
+    return Engine(runner, tok, cache, SchedulerConfig(**sched), max_context=96, overlap=overlap)
+
+
+def events_of(col: Collector, rid: int) -> list[tuple]:
+    return [(e.text, list(e.token_ids), e.finished, e.finish_reason, e.num_output_tokens, e.error)
+            for e in col.events[rid]]
+
+
+def test_overlap_gives_the_same_tokens_text_and_events_as_without():
+    """Every way a request ends (max_tokens, the context, EOS by end_id, a stop string, a
+    cancel mid-stream) and rows that sample, stream or not, prefill in chunks, all at once:
+    overlapped, each request's events are exactly those of the plain loop."""
+    probe = overlap_engine(False)
+    col = Collector()
+    ids = {p: col.request(probe, p, max_tokens=30) for p in MIXED_PROMPTS[:3]}
+    drain(probe)
+    text0, ids1 = col.text(ids[MIXED_PROMPTS[0]]), col.ids(ids[MIXED_PROMPTS[1]])
+    stop = text0[len(text0) // 2 : len(text0) // 2 + 4]  # a stop string inside a greedy answer
+    end_id = next(t for i, t in enumerate(ids1) if i >= 3 and t not in ids1[:i])  # EOS in mid-answer
+    assert stop.strip() and stop in text0
+
+    results = []
+    for overlap in (False, True):
+        engine = overlap_engine(overlap, max_num_batched_tokens=16)
+        col = Collector()
+        rids = [
+            col.request(engine, MIXED_PROMPTS[0], max_tokens=30, stop_words=(stop,)),
+            col.request(engine, MIXED_PROMPTS[1], max_tokens=30, end_id=end_id),
+            col.request(engine, MIXED_PROMPTS[2], max_tokens=40),  # cancelled below
+            col.request(engine, MIXED_PROMPTS[3], max_tokens=12, stream=False),
+            col.request(engine, MIXED_PROMPTS[4], max_tokens=20, temperature=0.9, seed=7, return_log_probs=True),
+            col.request(engine, MIXED_PROMPTS[5] * 8, max_tokens=24),  # fills the 96-token context
+            col.request(engine, MIXED_PROMPTS[1], max_tokens=25, min_tokens=10, end_id=end_id),
+        ]
+        for step in range(1000):
+            if step == 6:
+                engine.cancel(rids[2])
+            if not (engine.has_work() or engine._inbox):
+                break
+            engine.step()
+        assert engine.cache.used_bytes == 0 and not engine._deferred
+        results.append(([events_of(col, r) for r in rids], engine.stats.tokens_generated, engine.stats.finished))
+        reasons = [col.final(r).finish_reason for r in rids]
+        assert reasons[:6] == ["stop", "stop", "cancelled", "length", "length", "length"], reasons
+    assert results[0] == results[1]
+
+
+def test_overlap_defaults_on_only_where_the_forward_pass_is_asynchronous():
+    assert overlap_engine(None).overlap is False  # the CPU runner: nothing to overlap with
