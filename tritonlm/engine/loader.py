@@ -163,7 +163,7 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
     )
     if hasattr(runner, "max_context"):  # bounds the CUDA graphs' block tables
         runner.max_context = max_context
-    if hasattr(runner, "prepare_decode") and cache.device_table is not None:
+    if hasattr(runner, "prepare_decode") and cache.device_table is not None and runner.device.type == "cuda":
         log.info("decode steps: %s", runner.prepare_decode(cache.pool, cache.block_size))
     sched = SchedulerConfig(
         max_num_seqs=settings.max_num_seqs,
@@ -230,4 +230,9 @@ def build_drafter(
             f"lower max_context to {draft.max_positions} or pick a draft with a longer context"
         )
     log.info("speculative decoding: draft model %s, up to %d draft tokens", settings.draft_model, settings.num_draft_tokens)
-    return DraftModelDrafter(draft, target_cache)
+    drafter = DraftModelDrafter(draft, target_cache)
+    if max_context is not None:
+        draft.max_context = max_context
+    if target_cache.device_table is not None and drafter.pool is not None and draft.device.type == "cuda":
+        log.info("draft model's decode steps: %s", draft.prepare_decode(drafter.pool, target_cache.block_size))
+    return drafter

@@ -158,9 +158,17 @@ class DraftModelDrafter:
 
     def _run(self, seqs: list[Sequence], feeds: list[list[int]]) -> torch.Tensor:
         past = [s.draft_computed for s in seqs]
-        lengths = [p + len(f) for p, f in zip(past, feeds)]
-        table = self.cache.slot_table([s.id for s in seqs], lengths)
-        logits = self.runner.forward(StepBatch.from_slot_table(feeds, past, table), self.pool)
+        ids = [s.id for s in seqs]
+        table = self.cache.device_table
+        if table is not None and self.pool is not None and table.device == self.pool.k[0].device:
+            # the rows' block tables where the pool is: a GPU draft maps slots there and can
+            # replay its steps as CUDA graphs (runners/decode_graphs.py)
+            blocks = table.gather(ids)  # [B, M]
+            batch = StepBatch.from_block_table(feeds, past, blocks, self.cache.block_size)
+        else:
+            slots = self.cache.slot_table(ids, [p + len(f) for p, f in zip(past, feeds)])
+            batch = StepBatch.from_slot_table(feeds, past, slots)
+        logits = self.runner.forward(batch, self.pool)
         for s, f in zip(seqs, feeds):
             s.draft_computed += len(f)
         return logits

@@ -12,6 +12,8 @@ replays it with one launch. What a replay needs (vLLM's and gpt-fast's recipe):
     buckets             batch sizes 1, 2, 4, ... max_batch: a batch runs in the smallest
                         bucket that holds it; padding rows are token 0 at position 0 over
                         block 0, the pool's scratch block, so they write only scratch
+    several tokens      a row with T new tokens (speculative verification) runs as T
+                        one-token rows, each over the keys up to its own position
     compiled (optional) the step through torch.compile first (`compile_decode`): inductor
                         fuses the element-wise work around the matmuls and the paged kernel
                         (custom ops, kernels/torch_ops.py) into far fewer launches
@@ -31,6 +33,7 @@ from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.runners.base import ForwardBatch
 
 CUDA_GRAPH_MODES = ("auto", "off")
+MAX_WIDTH = 8  # new tokens per row a step may bring here (decode: 1, speculative verification: K + 1)
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -66,7 +69,11 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # bucket -> the captured step's logits [b, V]
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._staging = torch.zeros(2, self.max_batch, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # a step's host-made indices, pinned on a GPU, and where they land on the device:
+        # [ids, positions, each token's row, where its logits go] x Bmax
+        self._staging = torch.zeros(4, self.max_batch, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._indices = torch.zeros(4, self.max_batch, dtype=torch.int64, device=dev)
+        self._staged: torch.cuda.Event | None = None  # recorded after the copy out of _staging
         self.compiled = compile
         self._run = self._body
         if compile:
@@ -74,11 +81,12 @@ class DecodeGraphs:
             self._run = torch.compile(self._body, dynamic=True)
 
     def accepts(self, batch: StepBatch) -> bool:
-        """A plain decode batch with device block tables that fits the buckets."""
+        """A batch with device block tables of at most MAX_WIDTH new tokens per row (decode
+        steps, speculative verification, short prefill chunks) whose tokens fit the buckets."""
         return (
-            batch.width == 1 and not batch.all_logits and batch.block_table is not None
-            and batch.block_size == self.block_size and batch.batch_size <= self.max_batch
-            and int(batch.past_len.max()) < self.max_blocks * self.block_size
+            batch.block_table is not None and batch.block_size == self.block_size and batch.width <= MAX_WIDTH
+            and int(batch.num_new.sum()) <= self.max_batch
+            and int((batch.past_len + batch.num_new).max()) <= self.max_blocks * self.block_size
         )
 
     @property
@@ -133,26 +141,57 @@ class DecodeGraphs:
                     self._capture(rows)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """batch (accepts() true) -> float32 logits [B, V], a tensor of its own."""
-        bsz = batch.batch_size
-        rows = self.bucket(bsz)
+        """batch (accepts() true) -> float32 logits of its own: [B, V] (each row's last new
+        token), or [B, T, V] with all_logits (entries past a row's num_new are zeros).
+
+        A row with several new tokens runs as that many one-token rows, each attending to the
+        keys up to its own position: the same causal attention, as the new tokens' K/V are all
+        written before any is read."""
+        bsz, width = batch.batch_size, batch.width
+        if width == 1:
+            tokens, ids, pos, row_of = bsz, batch.input_ids[:, 0], batch.past_len, None
+        else:
+            num_new = batch.num_new.to(torch.int64)
+            row_of = torch.repeat_interleave(torch.arange(bsz), num_new)  # [N] the row of each token
+            starts = num_new.cumsum(0) - num_new  # [B]
+            t = torch.arange(int(num_new.sum())) - starts[row_of]  # [N] its offset in the row
+            tokens, ids, pos = len(row_of), batch.input_ids[row_of, t], batch.past_len[row_of] + t
+            # where each token's logits go: its [B*T] entry, or (one per row) its row's last token
+            gather = row_of * width + t if batch.all_logits else starts + num_new - 1
+        rows = self.bucket(tokens)
         if self.use_graphs and rows not in self._graphs:
             self._capture(rows)
-        # The pinned staging buffer is reused: the previous step's copy out of it has finished,
-        # as the engine read that step's logits (a sync) before asking for this one.
-        staged = self._staging[:, :rows]
-        staged.zero_()
-        staged[0, :bsz] = batch.input_ids[:, 0]
-        staged[1, :bsz] = batch.past_len
-        self.inputs[:, :rows].copy_(staged, non_blocking=True)
+        if self._staged is not None:  # the last copy out of the pinned buffer must be done first
+            self._staged.synchronize()
+        staged = self._staging
+        staged[:, :rows].zero_()
+        staged[0, :tokens] = ids
+        staged[1, :tokens] = pos
+        if row_of is not None:
+            staged[2, :tokens] = row_of
+            staged[3, : len(gather)] = gather
+        self._indices.copy_(staged, non_blocking=True)
+        self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
+        if self._staged is not None:
+            self._staged.record()
+        self.inputs[:, :rows].copy_(self._indices[:2, :rows])
         # columns past max_blocks are zeros: no accepted row has blocks there
-        width = min(batch.block_table.shape[1], self.max_blocks)
-        self.tables[:bsz, :width].copy_(batch.block_table[:, :width])
-        if rows > bsz:
-            self.tables[bsz:rows, 0] = 0  # padding rows read and write block 0 (scratch) only
+        cols = min(batch.block_table.shape[1], self.max_blocks)
+        table = batch.block_table[:, :cols]
+        if row_of is not None:
+            table = table.index_select(0, self._indices[2, :tokens])  # [N, cols]: each token its row's
+        self.tables[:tokens, :cols].copy_(table)
+        if rows > tokens:
+            self.tables[tokens:rows, 0] = 0  # padding rows read and write block 0 (scratch) only
         if self.use_graphs:
             self._graphs[rows].replay()
-            logits = self._outputs[rows]
+            logits = self._outputs[rows][:tokens]  # [N, V]
         else:
-            logits = self._step(rows)
-        return logits[:bsz].clone()
+            logits = self._step(rows)[:tokens]
+        if row_of is None:
+            return logits.clone().view(bsz, 1, -1) if batch.all_logits else logits.clone()
+        index = self._indices[3, : len(gather)]
+        if not batch.all_logits:
+            return logits.index_select(0, index)  # [B, V]
+        out = logits.new_zeros(bsz * width, logits.shape[-1])
+        return out.index_copy_(0, index, logits).view(bsz, width, -1)  # [B, T, V]

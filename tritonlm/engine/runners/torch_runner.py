@@ -97,7 +97,7 @@ class TorchRunner:
         check_pool(self.spec, self.device, pool)
         graphs = self._decode_graphs(batch, pool)
         if graphs is not None:
-            if self.max_positions is not None and int(batch.past_len.max()) >= self.max_positions:
+            if self.max_positions is not None and int((batch.past_len + batch.num_new).max()) > self.max_positions:
                 raise ValueError(f"sequence length exceeds the model's max_positions={self.max_positions}")
             return graphs.forward(batch)
         plan = plan_step(batch, self.device, self.max_positions)

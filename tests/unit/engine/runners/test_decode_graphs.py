@@ -73,6 +73,59 @@ def test_padded_kernel_steps_equal_the_general_path(interpret, model: str):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("all_logits", [True, False])
+def test_rows_of_several_tokens_run_as_one_token_rows(interpret, all_logits: bool):
+    """Speculative verification (K + 1 tokens a row, all logits) and short prefill chunks
+    (the last token's logits), rows of different widths in one batch."""
+    hf = tiny_llama()
+    feeds = [[5, 6, 7, 8, 9], [12], [14, 15, 16]]
+    pasts = [3, 9, 0]
+    got = []
+    for runner in (TorchRunner(hf, attention="gather"), kernel_runner(hf)):
+        cache = KVCacheManager(runner.spec, runner.spec.bytes_per_token * 4 * 80, 4, allocate_kv=runner.allocate_kv,
+                               device_tables=True)
+        ids = [0, 1, 2]
+        for sid in ids:
+            cache.allocate(sid, 40)
+        torch.manual_seed(3)  # the same cached past in both pools
+        for t in cache.pool.k + cache.pool.v:
+            t.normal_()
+        batch = StepBatch.from_block_table(feeds, pasts, cache.device_table.gather(ids), 4, all_logits=all_logits)
+        got.append(runner.forward(batch, cache.pool))
+    assert runner.decode_graphs is not None  # the kernel runner took the flattened path
+    if all_logits:
+        for b, f in enumerate(feeds):  # past a row's tokens: don't-care
+            assert_close(got[1][b, : len(f)], got[0][b, : len(f)], atol=1e-4)
+    else:
+        assert_close(got[1], got[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("draft", ["self", "tiny-gpt2-draft"])
+def test_speculative_engine_through_the_kernel_path(interpret, draft: str):
+    """A draft model and the verify pass both through DecodeGraphs: the same tokens as the
+    general path, greedy and seeded, with guesses all accepted (the target as its own draft)
+    or nearly all rejected (a random draft)."""
+    from tritonlm.engine.speculative import DraftModelDrafter
+
+    model, tok = tiny()
+    draft_model = model if draft == "self" else tiny(draft)[0]
+    out = []
+    for kernel in (False, True):
+        make = kernel_runner if kernel else TorchRunner
+        runner = make(model)
+        cache = KVCacheManager(runner.spec, 8 * 272 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv,
+                               device_tables=kernel)
+        engine = Engine(runner, tok, cache, SchedulerConfig(max_num_batched_tokens=24), max_context=128,
+                        drafter=DraftModelDrafter(make(draft_model), cache), num_draft_tokens=3)
+        col = Collector()
+        rids = [col.request(engine, p, max_tokens=10) for p in ("hello there", "a b c d e f g h")]
+        rids.append(col.request(engine, "sampled", max_tokens=10, temperature=0.9, seed=3))
+        drain(engine)
+        out.append([col.ids(r) for r in rids])
+        assert engine.runner.decode_graphs is not None or not kernel
+    assert out[0] == out[1]
+
+
 def test_engine_tokens_through_the_padded_kernel_path(interpret):
     model, tok = tiny()
     out = []
