@@ -90,6 +90,9 @@ INPUTS: tuple[Tensor, ...] = (
         "`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `repetition_penalty`, `frequency_penalty`, `presence_penalty`, "
         "`logit_bias` (token id -> bias in [-100, 100]), `stop`, `stop_token_ids`, `bad_words`, `ignore_eos`, "
         "`logprobs` (0 or true: the chosen token's); `n`, `best_of` 1; other keys are refused by name"),
+    _in("return_logprobs", "BOOL",
+        "vLLM backend's flag (NVIDIA's OpenAI frontend sends it with every request): true asks for the chosen "
+        "tokens' log-probabilities, as `return_log_probs`", False),
     _in("return_num_input_tokens", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends true): accepted; the final response carries `num_input_tokens` either way",
         False),
@@ -484,7 +487,7 @@ def parse_request(
         stop_token_ids=overrides.get("stop_token_ids", ()),
         end_id=end_id,
         stop_words=words("stop_words"),
-        return_log_probs=get("return_log_probs"),
+        return_log_probs=bool(get("return_log_probs") or _value(inputs, "return_logprobs")),
     )
     try:
         params.validate()

@@ -464,17 +464,21 @@ NVIDIA_CHAT = {  # {"model": "tiny", "messages": ..., "max_completion_tokens": 1
 }
 
 
-def nvidia_inputs(prompt: str, sampling: dict, stream: bool, echo: bool = False):
+def nvidia_inputs(prompt: str, sampling: dict, stream: bool, echo: bool = False, logprobs: bool | None = None):
+    """logprobs: the current frontend's return_logprobs flag (main branch's
+    _create_vllm_generate_request sends it with every request; r25.08 did not)."""
     def t(name, arr, dtype):
         i = grpcclient.InferInput(name, list(arr.shape), dtype)
         i.set_data_from_numpy(arr)
         return i
 
+    flag = [] if logprobs is None else [t("return_logprobs", np.bool_([logprobs]), "BOOL")]
     return [
         t("text_input", np.array([prompt.encode()], dtype=object), "BYTES"),
         t("stream", np.bool_([stream]), "BOOL"),
         t("exclude_input_in_output", np.bool_([not echo]), "BOOL"),
         t("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=object), "BYTES"),
+        *flag,
         t("return_num_input_tokens", np.bool_([True]), "BOOL"),
         t("return_num_output_tokens", np.bool_([True]), "BOOL"),
     ]
@@ -516,6 +520,10 @@ def test_nvidia_frontend_tensors_are_served(triton_server):
         assert int(final["num_input_tokens"]) == len(tiny()[1](prompt).input_ids)
     pieces, _ = replay(triton_server, nvidia_inputs(prompt, NVIDIA_COMPLETION, False, echo=True))
     assert pieces == [prompt + ref]
+    # the current frontend: logprobs and top_logprobs left out of the dump, return_logprobs false
+    current = {k: v for k, v in NVIDIA_COMPLETION.items() if k != "best_of"}
+    pieces, final = replay(triton_server, nvidia_inputs(prompt, current, True, logprobs=False))
+    assert "".join(pieces) == ref and final["finish_reason"] == b"length"
     # the chat form: the stop string keeps its comma (a JSON list, not TensorRT-LLM's comma form)
     chat_prompt = chat_template_prompt(USER)
     full = text_of(hf_greedy_text(chat_prompt, 12))

@@ -172,3 +172,10 @@ def test_sampling_parameters_number_past_floats_range_is_refused_naming_the_fiel
     sampling = np.array([f'{{"{key}": {number}}}'.encode()], dtype=object)
     with pytest.raises(InvalidRequestError, match=rf"^sampling_parameters\.{key}: "):
         parse_request({"text_input": TEXT, "sampling_parameters": sampling}, 4)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_vllm_backends_return_logprobs_flag_asks_for_log_probs(flag: bool):
+    """NVIDIA's current OpenAI frontend sends return_logprobs with every vLLM-backend request."""
+    parsed = parse_request({"text_input": TEXT, "return_logprobs": np.array([flag])}, 4)
+    assert parsed.params.return_log_probs is flag
