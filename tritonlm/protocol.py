@@ -18,7 +18,7 @@ from typing import Union
 
 import numpy as np
 
-from tritonlm.engine.request import GenerationEvent, InvalidRequestError, SamplingParams
+from tritonlm.engine.request import MAX_TOP_LOG_PROBS, GenerationEvent, InvalidRequestError, SamplingParams
 
 Default = Union[bool, int, float, None]
 
@@ -84,12 +84,16 @@ INPUTS: tuple[Tensor, ...] = (
     _in("stop_words", "BYTES", "strings that end the answer (TensorRT-LLM's comma-separated form works too)", dims=(-1,)),
     _in("bad_words", "BYTES", "words never generated (as written and after a space)", dims=(-1,)),
     _in("return_log_probs", "BOOL", "true: responses also carry `output_log_probs`", False),
+    _in("top_log_probs", "INT32",
+        "with `return_log_probs`: also the N most likely tokens at each position (`output_top_token_ids`, "
+        "`output_top_log_probs`: log_softmax of the model's raw logits); in [0, 20], 0: off", 0),
     # what Triton's OpenAI frontend sends to a vLLM-backend model (`--backend vllm`)
     _in("sampling_parameters", "BYTES",
         "vLLM backend's JSON object of settings (NVIDIA's OpenAI frontend sends it): `max_tokens`, `min_tokens`, "
         "`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `repetition_penalty`, `frequency_penalty`, `presence_penalty`, "
         "`logit_bias` (token id -> bias in [-100, 100]), `stop`, `stop_token_ids`, `bad_words`, `ignore_eos`, "
-        "`logprobs` (0 or true: the chosen token's); `n`, `best_of` 1; other keys are refused by name"),
+        "`logprobs` (true or 0: the chosen token's; N up to 20: and the N most likely); `n`, `best_of` 1; other keys "
+        "are refused by name"),
     _in("return_logprobs", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends it with every request): true asks for the chosen "
         "tokens' log-probabilities, as `return_log_probs`", False),
@@ -109,6 +113,11 @@ OUTPUTS: tuple[Tensor, ...] = (
     _out("num_output_tokens", "INT32", "final response: tokens generated"),
     _out("num_cached_tokens", "INT32", "final response: prompt tokens served from the prefix cache (`enable_prefix_caching`)"),
     _out("output_log_probs", "FP32", "with `return_log_probs`: log-probability of each token of this response", dims=(-1,)),
+    _out("output_top_token_ids", "INT32",
+         "with `top_log_probs` N: for each token of this response, the N most likely token ids, most likely first",
+         dims=(-1, -1)),
+    _out("output_top_log_probs", "FP32",
+         "with `top_log_probs` N: their log-probabilities (log_softmax of the model's raw logits)", dims=(-1, -1)),
     _out("acceptance_rate", "FP32", "final response: accepted / proposed draft tokens (0 without speculation)"),
     _out("total_accepted_draft_tokens", "INT32", "final response: draft tokens the target accepted"),
     _out("total_draft_tokens", "INT32", "final response: draft tokens proposed"),
@@ -383,8 +392,12 @@ def parse_sampling_parameters(text: str, limits: RequestLimits) -> dict:
             if v:
                 out[name] = -1
         elif kind == "logprobs":  # vLLM: the chosen token's plus this many alternatives; true/false from chat requests
-            if not isinstance(v, bool) and _sp_number(key, v, True) != 0:
-                raise _sp_error(key, f"only 0 (the chosen token's log-probability; alternatives are not computed) or true/false, got {v}")
+            if not isinstance(v, bool):
+                n = _sp_number(key, v, True)
+                if not 0 <= n <= MAX_TOP_LOG_PROBS:
+                    raise _sp_error(key, f"must be in [0, {MAX_TOP_LOG_PROBS}] (alternatives per token), got {v}")
+                if n:
+                    out["top_log_probs"] = n
             out[name] = v is not False
         elif kind == "no_alternatives":
             if _sp_number(key, v, True) != 0:
@@ -454,6 +467,7 @@ def parse_request(
 
     # errors about a field name it as the request did: a sampling_parameters key, or min_length
     keys = {name: key for key, (name, _) in SAMPLING_KEYS.items() if name}
+    keys["top_log_probs"] = "logprobs"  # vLLM's logprobs=N sets both
     renames = {name: f"sampling_parameters.{keys[name]}" for name in overrides}
     min_tokens = _value(inputs, "min_tokens")
     if min_tokens is None:
@@ -487,7 +501,8 @@ def parse_request(
         stop_token_ids=overrides.get("stop_token_ids", ()),
         end_id=end_id,
         stop_words=words("stop_words"),
-        return_log_probs=bool(get("return_log_probs") or _value(inputs, "return_logprobs")),
+        return_log_probs=bool(get("return_log_probs") or _value(inputs, "return_logprobs") or get("top_log_probs")),
+        top_log_probs=get("top_log_probs"),
     )
     try:
         params.validate()
@@ -521,12 +536,20 @@ def _tensor(name: str, values) -> np.ndarray:
     return np.array(values, dtype=OUTPUT[name].numpy_type)
 
 
-def event_outputs(event: GenerationEvent, prefix: str = "", with_log_probs: bool = False) -> dict[str, np.ndarray]:
+def event_outputs(
+    event: GenerationEvent, prefix: str = "", with_log_probs: bool = False, top_log_probs: int = 0
+) -> dict[str, np.ndarray]:
     """Output tensors for one response. Intermediate stream responses carry text only;
     the final one also says why it finished and the token counts."""
     out: dict[str, np.ndarray] = {"text_output": _tensor("text_output", [(prefix + event.text).encode("utf-8")])}
     if with_log_probs:
         out["output_log_probs"] = _tensor("output_log_probs", event.log_probs)
+    if top_log_probs:  # [tokens, N]
+        tops = event.top_log_probs
+        out["output_top_token_ids"] = _tensor("output_top_token_ids", [[t for t, _ in top] for top in tops]).reshape(
+            len(tops), top_log_probs)
+        out["output_top_log_probs"] = _tensor("output_top_log_probs", [[lp for _, lp in top] for top in tops]).reshape(
+            len(tops), top_log_probs)
     if event.finished:
         rate = event.accepted_draft_tokens / event.draft_tokens if event.draft_tokens else 0.0
         out["finish_reason"] = _tensor("finish_reason", [(event.finish_reason or "").encode()])

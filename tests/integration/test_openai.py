@@ -270,6 +270,49 @@ def test_chat_uses_the_models_template_and_equals_the_grpc_path(client, triton_s
     assert "".join(t.token for t in lp.choices[0].logprobs.content) == lp.choices[0].message.content
 
 
+def hf_top(prompt: str, n: int, steps: int) -> list[list[tuple[str, float]]]:
+    """transformers' reference: at each of the greedy answer's positions, its n most likely
+    tokens (text alone, log_softmax of the logits)."""
+    import torch
+
+    from tests.helpers.models import hf_logits
+
+    model, tok = tiny()
+    ids, answer = list(tok(prompt).input_ids), hf_greedy_text(prompt, steps)
+    out = []
+    for i in range(len(answer)):
+        values, order = torch.topk(torch.log_softmax(hf_logits(model, ids + answer[:i])[-1], -1), n)
+        out.append([(tok.decode([t]), v) for t, v in zip(order.tolist(), values.tolist())])
+    return out
+
+
+def test_top_logprobs_equal_transformers(client):
+    """Chat's top_logprobs and completions' logprobs N: the most likely tokens and their
+    log-probabilities at every position equal log_softmax over transformers' logits, streamed
+    or not."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    want = hf_top(chat_template_prompt(messages), 4, 6)
+    r = client.chat.completions.create(model="tiny_chat", messages=messages, max_tokens=6, logprobs=True, top_logprobs=4)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want) == 6
+    for entry, top in zip(content, want):
+        assert [a.token for a in entry.top_logprobs] == [t for t, _ in top]
+        assert np.allclose([a.logprob for a in entry.top_logprobs], [v for _, v in top], atol=1e-3)
+        assert entry.logprob == pytest.approx(top[0][1], abs=1e-3)  # greedy: the chosen token is the most likely
+        assert all(a.bytes == list(a.token.encode()) for a in entry.top_logprobs)
+    chunks = list(client.chat.completions.create(model="tiny_chat", messages=messages, max_tokens=6, logprobs=True,
+                                                 top_logprobs=4, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [[a.token for a in e.top_logprobs] for e in streamed] == [[a.token for a in e.top_logprobs] for e in content]
+    prompt = PROMPTS[0]
+    want = hf_top(prompt, 5, 5)
+    lp = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, logprobs=5).choices[0].logprobs
+    assert len(lp.top_logprobs) == 5
+    for got, top in zip(lp.top_logprobs, want):
+        assert set(got) == {t for t, _ in top}  # a {token text: log-probability} map per position
+        assert all(got[t] == pytest.approx(v, abs=1e-3) for t, v in top if [x for x, _ in top].count(t) == 1)
+
+
 def test_chat_without_a_template_is_a_clear_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
@@ -290,7 +333,8 @@ ERRORS = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", r"token ids must be in \[0, "),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "min_p": 1.5}, 400, "min_p", r"^min_p: "),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", r"token ids must be >= 0"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs", r"only 0"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 6}, 400, "logprobs", r"^logprobs: "),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs", r"with echo"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of", r"only 1"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix", r"not supported"),
     ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]}, 400, "prompt", r"token-id prompts"),
@@ -311,7 +355,9 @@ ERRORS = [
     ("/v1/chat/completions", {"model": "tiny_chat", "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
      400, "messages[0].role", r"not supported"),
     ("/v1/chat/completions", {"model": "tiny_chat", "messages": []}, 400, "messages", r"^messages: "),
-    ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "logprobs": True, "top_logprobs": 2}, 400, "top_logprobs", r"only 0"),
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "top_logprobs": 2}, 400, "top_logprobs", r"needs logprobs: true"),
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", r"^top_logprobs: "),
     ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "max_completion_tokens": -1}, 400,
      "max_completion_tokens", r"^max_completion_tokens: "),
 ]

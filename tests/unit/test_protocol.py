@@ -37,7 +37,7 @@ def test_contract_rows_are_well_formed():
         assert len(names) == len(set(names)), names
         for t in rows:
             assert t.dtype in NUMPY_TYPES, t
-            assert t.dims in ((1,), (-1,)), t
+            assert t.dims in ((1,), (-1,)) or (rows is OUTPUTS and t.dims == (-1, -1)), t  # [tokens, N] alternatives
             assert t.meaning and "|" not in t.meaning and "\n" not in t.meaning, t
     assert [t.name for t in INPUTS if not t.optional] == ["text_input"]
     assert all(t.default is None for t in OUTPUTS)
@@ -129,8 +129,10 @@ def test_parser_defaults_are_the_contract_defaults():
 
 def test_event_outputs_follow_the_contract():
     event = GenerationEvent(request_id=1, text="ok", log_probs=[-0.5], finished=True, finish_reason="stop",
-                            num_input_tokens=2, num_output_tokens=1, draft_tokens=4, accepted_draft_tokens=3)
-    out = event_outputs(event, with_log_probs=True)
+                            num_input_tokens=2, num_output_tokens=1, draft_tokens=4, accepted_draft_tokens=3,
+                            top_log_probs=[[(7, -0.5), (9, -1.5)]])
+    out = event_outputs(event, with_log_probs=True, top_log_probs=2)
+    assert out["output_top_token_ids"].tolist() == [[7, 9]] and out["output_top_log_probs"].tolist() == [[-0.5, -1.5]]
     assert list(out) and set(out) == {t.name for t in OUTPUTS}  # a final response with log probs: all of them
     for t in OUTPUTS:
         assert out[t.name].dtype == np.dtype(NUMPY_TYPES[t.dtype]), t.name
@@ -179,3 +181,15 @@ def test_the_vllm_backends_return_logprobs_flag_asks_for_log_probs(flag: bool):
     """NVIDIA's current OpenAI frontend sends return_logprobs with every vLLM-backend request."""
     parsed = parse_request({"text_input": TEXT, "return_logprobs": np.array([flag])}, 4)
     assert parsed.params.return_log_probs is flag
+
+
+def test_vllm_logprobs_n_asks_for_the_n_most_likely_tokens():
+    """sampling_parameters.logprobs N (vLLM; NVIDIA's frontend sends chat's top_logprobs so)."""
+    parsed = parse_request({"text_input": TEXT, "sampling_parameters": np.array([b'{"logprobs": 5}'], dtype=object)}, 4)
+    assert parsed.params.return_log_probs and parsed.params.top_log_probs == 5
+    parsed = parse_request({"text_input": TEXT, "top_log_probs": np.array([3], np.int32)}, 4)
+    assert parsed.params.return_log_probs and parsed.params.top_log_probs == 3
+    with pytest.raises(InvalidRequestError, match=r"^sampling_parameters\.logprobs: must be in \[0, 20\]"):
+        parse_request({"text_input": TEXT, "sampling_parameters": np.array([b'{"logprobs": 21}'], dtype=object)}, 4)
+    with pytest.raises(InvalidRequestError, match=r"^top_log_probs: must be in \[0, 20\]"):
+        parse_request({"text_input": TEXT, "top_log_probs": np.array([21], np.int32)}, 4)

@@ -44,6 +44,7 @@ def merge(first: GenerationEvent, then: GenerationEvent) -> GenerationEvent:
         text=first.text + then.text,
         token_ids=first.token_ids + then.token_ids,
         log_probs=first.log_probs + then.log_probs,
+        top_log_probs=first.top_log_probs + then.top_log_probs,
     )
 
 

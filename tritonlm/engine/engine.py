@@ -127,6 +127,8 @@ class Engine:
         eos = self.eos_id if end_id is None else (None if end_id < 0 else end_id)
         asked = request.num_draft_tokens
         k_max = self.num_draft_tokens if asked is None else min(asked, self.num_draft_tokens)
+        if request.params.top_log_probs:  # alternatives come from one position's logits: no speculation
+            k_max = 0
         seq = Sequence.create(request, self.tokenizer, eos, k_max)
         with self._cond:
             if self._stop:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonlm.engine.scheduler import ScheduledBatch, Scheduler
-from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row, sample_rows
+from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row, sample_rows, top_log_probs
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import AdaptiveK, Drafter, Proposal, verify_row
 
@@ -37,6 +37,8 @@ class RowOutput:
     proposed: int = 0  # speculative guesses checked this step
     accepted: int = 0  # of which the target accepted
     error: str | None = None  # this row failed (the others carry on)
+    # with top_log_probs N: each token's N most likely (token id, log-probability); None: not asked
+    top_log_probs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -183,6 +185,7 @@ class ModelExecutor:
                 drawn = dict(zip(picked, sample_rows(stacked, [fwd.rows[i][0].sampling for i in picked])))
             except Exception:  # noqa: BLE001 - the rows sample alone, each with its own error
                 log.warning("batched sampling failed; sampling row by row", exc_info=True)
+        alternatives: list[tuple[RowOutput, int]] = []  # rows that asked for top log-probabilities
         for i in ready:  # a prefill chunk that is not the prompt's last has no token yet
             seq, fed, logits = fwd.rows[i]
             try:
@@ -197,6 +200,19 @@ class ModelExecutor:
             except Exception as e:  # noqa: BLE001 - one bad row must not fail its batch
                 log.exception("sampling failed for request %s", seq.id)
                 outputs.append(RowOutput(seq, error=f"internal error while sampling: {e}"))
+                continue
+            if seq.request.params.top_log_probs and seq.id not in fwd.proposals:
+                alternatives.append((outputs[-1], i))
+        if alternatives:  # the most likely tokens of every row that asked, one topk for all
+            try:
+                tops = top_log_probs(torch.stack([last(i) for _, i in alternatives]),
+                                     [out.seq.request.params.top_log_probs for out, _ in alternatives])
+                for (out, _), top in zip(alternatives, tops):
+                    out.top_log_probs = [top]
+            except Exception as e:  # noqa: BLE001 - those rows fail, the others carry on
+                log.exception("top log-probabilities failed")
+                for out, _ in alternatives:
+                    out.tokens, out.error = [], f"internal error while computing top log-probabilities: {e}"
         num_tokens = sum(len(fed) for _, fed, _ in fwd.rows)
         return StepOutput(outputs, len(fwd.plan), num_tokens, fwd.seconds)
 

@@ -48,6 +48,7 @@ class Deferred:
     seq: Sequence
     token: int
     logprob: float
+    top: list[tuple[int, float]] | None = None  # with top_log_probs
 
 
 @dataclass
@@ -83,7 +84,7 @@ class OutputProcessor:
             if out.error is not None:
                 self._fail(seq, out.error)
                 continue
-            used, finish_reason = self._append(seq, out.tokens, now)
+            used, finish_reason = self._append(seq, out.tokens, now, out.top_log_probs)
             if out.proposed:  # counted before the final event, which reports the totals
                 accepted = min(out.accepted, used)  # guesses after the sequence ended do not count
                 seq.draft_tokens += out.proposed
@@ -118,6 +119,7 @@ class OutputProcessor:
                 self._fail(seq, out.error)
                 continue
             (token, logprob), = out.tokens
+            top = out.top_log_probs[0] if out.top_log_probs else None
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self._observe("on_first_token", now - seq.request.arrival)
@@ -128,9 +130,9 @@ class OutputProcessor:
             seq.token_ids.append(token)
             self.stats.tokens_generated += 1
             if len(seq.token_ids) >= min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.max_context):
-                self._complete_row(Deferred(seq, token, logprob), ends="length")
+                self._complete_row(Deferred(seq, token, logprob, top), ends="length")
                 continue
-            deferred.append(Deferred(seq, token, logprob))
+            deferred.append(Deferred(seq, token, logprob, top))
         self._observe("on_step", step.batch_size, step.num_tokens, step.seconds,
                       self.stats.tokens_generated - generated_before)
         self._flush()
@@ -147,7 +149,7 @@ class OutputProcessor:
         """The row's text and event, as process() makes them; `ends`: it finishes with
         this reason unless a stop string ends it first."""
         seq = row.seq
-        self._report(seq, seq.detok.update(), row.token, row.logprob)
+        self._report(seq, seq.detok.update(), row.token, row.logprob, row.top)
         if seq.detok.stopped or ends is not None:
             self._finish(seq, "stop" if seq.detok.stopped else ends)
         elif seq.request.stream:
@@ -161,7 +163,10 @@ class OutputProcessor:
         except Exception:  # metrics must never cost a client its response
             log.exception("metrics hook %s failed", hook)
 
-    def _append(self, seq: Sequence, tokens: list[tuple[int, float]], now: float) -> tuple[int, str | None]:
+    def _append(
+        self, seq: Sequence, tokens: list[tuple[int, float]], now: float,
+        tops: list[list[tuple[int, float]]] | None = None,
+    ) -> tuple[int, str | None]:
         """Add tokens in order until the sequence should finish; returns how many were used
         and the finish reason (None: it goes on). The caller finishes it."""
         history, detok, params = seq.token_ids, seq.detok, seq.request.params
@@ -177,19 +182,23 @@ class OutputProcessor:
             history.append(token)
             self.stats.tokens_generated += 1
             text = detok.update()
-            self._report(seq, text, token, logprob)
+            self._report(seq, text, token, logprob, tops[used - 1] if tops else None)
             if detok.stopped:
                 return used, "stop"
             if len(history) >= length_at:
                 return used, "length"
         return len(tokens), None
 
-    def _report(self, seq: Sequence, text: str, token: int, logprob: float) -> None:
+    def _report(
+        self, seq: Sequence, text: str, token: int, logprob: float, top: list[tuple[int, float]] | None = None
+    ) -> None:
         """Accumulate until the stream's next event or the final one."""
         seq.pending_text.append(text)
         seq.pending_ids.append(token)
         if seq.request.params.return_log_probs:
             seq.pending_log_probs.append(logprob)
+        if seq.request.params.top_log_probs:
+            seq.pending_top_log_probs.append(top or [])
 
     def _stream(self, seq: Sequence) -> None:
         """A streaming sequence's event for this step's tokens: one per step that made tokens
@@ -207,8 +216,9 @@ class OutputProcessor:
 
     @staticmethod
     def _take_pending(seq: Sequence) -> dict:
-        out = {"text": "".join(seq.pending_text), "token_ids": seq.pending_ids, "log_probs": seq.pending_log_probs}
-        seq.pending_text, seq.pending_ids, seq.pending_log_probs = [], [], []
+        out = {"text": "".join(seq.pending_text), "token_ids": seq.pending_ids, "log_probs": seq.pending_log_probs,
+               "top_log_probs": seq.pending_top_log_probs}
+        seq.pending_text, seq.pending_ids, seq.pending_log_probs, seq.pending_top_log_probs = [], [], [], []
         return out
 
     # ---- endings ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ _ids = itertools.count(1)
 
 
 MIN_TEMPERATURE = 1e-5  # below it: greedy
+MAX_TOP_LOG_PROBS = 20  # OpenAI's limit for top_logprobs
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it the penalised logits overflow or vanish
 
 
@@ -35,6 +36,9 @@ class SamplingParams:
     stop_words: tuple[str, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()  # token id sequences that must never be produced
     return_log_probs: bool = False
+    # with return_log_probs: also the this-many most likely tokens at each position, from the
+    # model's raw logits (log_softmax), as OpenAI's top_logprobs and vLLM's logprobs=N
+    top_log_probs: int = 0
     # OpenAI's penalties, counted over the answer so far (not the prompt): a token's logit
     # loses frequency_penalty x its count, and presence_penalty once it has appeared
     frequency_penalty: float = 0.0
@@ -79,6 +83,8 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p: must be in [0, 1] (0 = off), got {self.min_p}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids: token ids must be >= 0, got {list(self.stop_token_ids)}")
+        if not 0 <= self.top_log_probs <= MAX_TOP_LOG_PROBS:
+            raise InvalidRequestError(f"top_log_probs: must be in [0, {MAX_TOP_LOG_PROBS}], got {self.top_log_probs}")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens: {self.min_tokens} is more than max_tokens={self.max_tokens}")
 
@@ -91,6 +97,8 @@ class GenerationEvent:
     text: str = ""  # new text since the previous event
     token_ids: list[int] = field(default_factory=list)  # new token ids since the previous event
     log_probs: list[float] = field(default_factory=list)
+    # with top_log_probs N: for each token, the N most likely (token id, log-probability)
+    top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None

@@ -302,3 +302,13 @@ def sample_row(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
         if token is not None:
             return token, 0.0
     return sample_rows(logits.unsqueeze(0), [row])[0]
+
+
+def top_log_probs(logits: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]]]:
+    """logits [n, V] raw -> for row i its counts[i] most likely (token id, log-probability),
+    most likely first: log_softmax of the model's raw logits (before penalties, bans and
+    temperature), one host sync for the batch."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [n, V]
+    values, ids = torch.topk(logprobs, max(counts), dim=-1)  # [n, K]
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(ids[i][:k], values[i][:k])) for i, k in enumerate(counts)]

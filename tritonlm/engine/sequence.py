@@ -39,6 +39,7 @@ class Sequence:
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
     pending_log_probs: list[float] = field(default_factory=list)
+    pending_top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     draft_tokens: int = 0  # speculative decoding: guesses proposed / accepted so far
     accepted_draft_tokens: int = 0
 

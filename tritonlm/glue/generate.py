@@ -89,7 +89,7 @@ class GenerateHandler:
             if event.error is not None:
                 link.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(event.error)), final=True)
                 return
-            outputs = event_outputs(event, prefix, with_log_probs=want_logprobs)
+            outputs = event_outputs(event, prefix, with_log_probs=want_logprobs, top_log_probs=params.top_log_probs)
             prefix = ""
             tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
             link.send(pb_utils.InferenceResponse(output_tensors=tensors), final=event.finished)

@@ -18,7 +18,7 @@ import urllib.request
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -56,6 +56,9 @@ def _error_response(e: OpenAIError) -> JSONResponse:
 
 
 # --- one choice ------------------------------------------------------------------------------
+Token = tuple[str, float, "list[tuple[str, float]] | None"]  # (text, log-probability, most likely alternatives)
+
+
 @dataclass
 class Choice:
     index: int
@@ -64,33 +67,52 @@ class Choice:
     prompt: str
     gen: Generation
     text: list[str] = field(default_factory=list)
-    tokens: list[tuple[str, float]] = field(default_factory=list)  # (token text, log-probability)
+    # (token text, log-probability, the most likely tokens there as (text, log-probability) or None)
+    tokens: list[Token] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's, served from the prefix cache
     completion_tokens: int = 0
     chars: int = 0  # characters of text so far
     piece_start: int = 0  # where the last piece's text starts in it (logprobs' text_offset)
+    token_text: Callable[[int], str] | None = None  # a token id's text, for the most likely tokens
 
-    def absorb(self, piece: Piece) -> list[tuple[str, float]]:
-        """Add one Triton response; returns its tokens (text, logprob) when log-probs were asked.
-        A response covering several tokens (a character split over tokens is held back until
-        complete) gives its text to its last token, the others get ""."""
+    def absorb(self, piece: Piece) -> list[Token]:
+        """Add one Triton response; returns its tokens (text, logprob, top) when log-probs were
+        asked. A response covering several tokens (a character split over tokens is held back
+        until complete) gives its text to its last token, the others get ""."""
         self.text.append(piece.text)
         self.piece_start, self.chars = self.chars, self.chars + len(piece.text)
-        new: list[tuple[str, float]] = []
+        new: list[Token] = []
         if piece.log_probs:
-            new = [("", lp) for lp in piece.log_probs[:-1]] + [(piece.text, piece.log_probs[-1])]
+            texts = [""] * (len(piece.log_probs) - 1) + [piece.text]
+            tops: list = [None] * len(texts)
+            if piece.top and self.token_text is not None:
+                tops = [[(self.token_text(i), lp) for i, lp in top] for top in piece.top]
+            new = list(zip(texts, piece.log_probs, tops))
             self.tokens.extend(new)
         elif piece.text and self.tokens:  # text released at the end without a new token
-            t, lp = self.tokens[-1]
-            self.tokens[-1] = (t + piece.text, lp)
+            t, lp, top = self.tokens[-1]
+            self.tokens[-1] = (t + piece.text, lp, top)
         if piece.final:
             self.finish_reason = FINISH_REASONS.get(piece.finish_reason or "", "stop")
             self.prompt_tokens = piece.num_input_tokens or 0
             self.cached_tokens = piece.num_cached_tokens or 0
             self.completion_tokens = piece.num_output_tokens or 0
         return new
+
+
+def _token_texts(tokenizer) -> Callable[[int], str]:
+    """token id -> its text alone (tokenizer.decode), remembered: a vocabulary's few likely
+    tokens recur from position to position."""
+    known: dict[int, str] = {}
+
+    def text(token: int) -> str:
+        if token not in known:
+            known[token] = tokenizer.decode([token])
+        return known[token]
+
+    return text
 
 
 def usage(choices: list[Choice]) -> dict:
@@ -101,17 +123,23 @@ def usage(choices: list[Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion_logprobs(tokens: list[tuple[str, float]], start: int = 0) -> dict:
+def completion_logprobs(tokens: list[Token], start: int = 0) -> dict:
     offsets, at = [], start
-    for t, _ in tokens:
+    for t, _, _ in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": [t for t, _ in tokens], "token_logprobs": [lp for _, lp in tokens], "top_logprobs": None,
+    # OpenAI's completions form: one {token text: log-probability} map per position
+    tops = [dict(top) for _, _, top in tokens] if any(top is not None for _, _, top in tokens) else None
+    return {"tokens": [t for t, _, _ in tokens], "token_logprobs": [lp for _, lp, _ in tokens], "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[tuple[str, float]]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []} for t, lp in tokens]}
+def chat_logprobs(tokens: list[Token]) -> dict:
+    def entry(t: str, lp: float) -> dict:
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top or []]}
+                        for t, lp, top in tokens]}
 
 
 async def _start(backend: TritonBackend, model: str, jobs: list[tuple[int, str, dict]], n: int, stream: bool, chat: bool
@@ -397,7 +425,7 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         info = await app.state.backend.model(req.model)
         n = req.n or 1
         jobs = [(p, text, req.sampling(j)) for p, text in enumerate(req.prompts()) for j in range(n)]
-        return await _answer(request, req, info.name, jobs, n, chat=False, echo=bool(req.echo))
+        return await _answer(request, req, info, jobs, n, chat=False, echo=bool(req.echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -407,13 +435,20 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         prompt = await templates.render(info.name, info.parameters, req.chat_messages())
         n = req.n or 1
         jobs = [(0, prompt, req.sampling(j)) for j in range(n)]
-        return await _answer(request, req, info.name, jobs, n, chat=True, echo=False)
+        return await _answer(request, req, info, jobs, n, chat=True, echo=False)
 
-    async def _answer(request: Request, req, model: str, jobs, n: int, *, chat: bool, echo: bool):
+    async def _answer(request: Request, req, info, jobs, n: int, *, chat: bool, echo: bool):
+        model = info.name
         want_logprobs = req.wants_logprobs()
         stream = bool(req.stream)
+        token_text = None
+        if req.top_alternatives():  # the most likely tokens come back as ids: their text needs the tokenizer
+            tok = await templates.tokenizer(model, info.parameters, param="top_logprobs" if chat else "logprobs")
+            token_text = _token_texts(tok)
         # per-token responses from Triton when streaming, or to list each token's log-probability
         choices = await _start(app.state.backend, model, jobs, n, stream or want_logprobs, chat)
+        for c in choices:
+            c.token_text = token_text
         if stream:
             firsts = await _first_pieces(choices)
             return _stream(choices, firsts, chat=chat, model=model, include_usage=req.include_usage,

@@ -99,6 +99,10 @@ class _Request(BaseModel):
     def wants_logprobs(self) -> bool:
         return False
 
+    def top_alternatives(self) -> int:
+        """How many most likely tokens to list at each position (top_logprobs / logprobs N)."""
+        return 0
+
     def sampling(self, choice: int = 0) -> dict:
         """sampling_parameters for the `choice`-th of n generations (each gets seed + choice,
         so several choices with a seed differ from each other and repeat across requests)."""
@@ -118,7 +122,7 @@ class _Request(BaseModel):
         if self.ignore_eos:
             out["ignore_eos"] = True
         if self.wants_logprobs():
-            out["logprobs"] = 0  # the chosen token's
+            out["logprobs"] = self.top_alternatives()  # the chosen token's, and this many most likely
         return out
 
 
@@ -135,9 +139,6 @@ class CompletionRequest(_Request):
             raise unsupported("suffix", "is not supported by this server (no insertion)")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", f"only 1 is supported, got {self.best_of}")
-        if self.logprobs:
-            raise unsupported("logprobs", f"only 0 is supported (the chosen token's log-probability, in token_logprobs; "
-                                          f"alternatives are not computed), got {self.logprobs}")
         if self.echo and self.logprobs is not None:
             raise unsupported("logprobs", "with echo: the prompt's log-probabilities are not computed")
         if len(self.prompts()) * (self.n or 1) > MAX_CHOICES:
@@ -161,6 +162,9 @@ class CompletionRequest(_Request):
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
 
+    def top_alternatives(self) -> int:
+        return self.logprobs or 0
+
 
 class ChatCompletionRequest(_Request):
     messages: list[Any] = Field(min_length=1)
@@ -170,9 +174,8 @@ class ChatCompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.top_logprobs:
-            raise unsupported("top_logprobs", f"only 0 is supported (alternatives' log-probabilities are not computed), "
-                                              f"got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_field("top_logprobs", "needs logprobs: true")
         self.chat_messages()
 
     def new_tokens(self) -> int | None:
@@ -180,6 +183,9 @@ class ChatCompletionRequest(_Request):
 
     def wants_logprobs(self) -> bool:
         return bool(self.logprobs)
+
+    def top_alternatives(self) -> int:
+        return self.top_logprobs or 0 if self.logprobs else 0
 
     def chat_messages(self) -> list[dict]:
         """The messages as the chat template takes them: role and text content."""

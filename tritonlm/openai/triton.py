@@ -51,6 +51,7 @@ class Piece:
 
     text: str = ""
     log_probs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: the most likely (id, log-prob)
     final: bool = False
     finish_reason: str | None = None
     num_input_tokens: int | None = None
@@ -71,6 +72,9 @@ def parse_response(result) -> Piece:
     lp = result.as_numpy("output_log_probs")
     if lp is not None:
         piece.log_probs = lp.reshape(-1).tolist()
+    top_ids, top_lps = result.as_numpy("output_top_token_ids"), result.as_numpy("output_top_log_probs")
+    if top_ids is not None and top_lps is not None:  # [tokens, N]
+        piece.top = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lps.tolist())]
     reason = _scalar(result, "finish_reason")
     if reason is not None:
         piece.finish_reason = reason.decode() if isinstance(reason, bytes) else str(reason)

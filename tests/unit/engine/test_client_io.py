@@ -15,7 +15,8 @@ def seq(request_id: int, on_event=None):
 
 
 def tokens(request_id: int, text: str, ids: list[int], **final) -> GenerationEvent:
-    return GenerationEvent(request_id, text=text, token_ids=ids, log_probs=[-0.5] * len(ids), **final)
+    return GenerationEvent(request_id, text=text, token_ids=ids, log_probs=[-0.5] * len(ids),
+                           top_log_probs=[[(t, -0.5)] for t in ids], **final)
 
 
 def test_coalesce_merges_a_streams_waiting_events_in_order_and_never_an_error():
@@ -35,6 +36,7 @@ def test_coalesce_merges_a_streams_waiting_events_in_order_and_never_an_error():
     ]
     final = out[0][1]
     assert final.log_probs == [-0.5] * 3 and final.finish_reason == "length" and final.num_output_tokens == 3
+    assert final.top_log_probs == [[(1, -0.5)], [(2, -0.5)], [(3, -0.5)]]  # every token's alternatives, in order
     assert out[2][1] is error
 
 

@@ -229,3 +229,42 @@ def test_overlap_gives_the_same_tokens_text_and_events_as_without():
 
 def test_overlap_defaults_on_only_where_the_forward_pass_is_asynchronous():
     assert overlap_engine(None).overlap is False  # the CPU runner: nothing to overlap with
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_top_log_probs_are_transformers_log_softmax(overlap: bool):
+    """top_log_probs N: at every generated position the N most likely tokens and their
+    log-probabilities, those of log_softmax over transformers' own logits for the same
+    prefix (within 1e-3), in a batch with rows that ask for none; sampled rows too."""
+    import torch
+
+    from tests.helpers.models import hf_logits
+
+    model, tok = tiny()
+    engine = overlap_engine(overlap)
+    col = Collector()
+    asked = [col.request(engine, MIXED_PROMPTS[0], max_tokens=8, return_log_probs=True, top_log_probs=5),
+             col.request(engine, MIXED_PROMPTS[1], max_tokens=6, return_log_probs=True, top_log_probs=20,
+                         temperature=0.8, seed=11, stream=False)]
+    plain = col.request(engine, MIXED_PROMPTS[2], max_tokens=6)
+    drain(engine)
+    assert all(not e.top_log_probs for e in col.events[plain])
+    for rid, prompt, n in ((asked[0], MIXED_PROMPTS[0], 5), (asked[1], MIXED_PROMPTS[1], 20)):
+        ids = col.ids(rid)
+        tops = [t for e in col.events[rid] for t in e.top_log_probs]
+        assert len(tops) == len(ids) and all(len(t) == n for t in tops)
+        history = list(tok(prompt).input_ids)
+        for token, top in zip(ids, tops):
+            want = torch.log_softmax(hf_logits(model, history)[-1], -1)  # [V]: the last position's
+            values, order = torch.topk(want, n)
+            got_ids, got_values = zip(*top)
+            assert list(got_ids) == order.tolist()
+            assert torch.allclose(torch.tensor(got_values), values, atol=1e-3)
+            history.append(token)
+
+
+def test_top_log_probs_are_refused_beyond_twenty():
+    from tritonlm.engine.request import InvalidRequestError as Invalid
+
+    with pytest.raises(Invalid, match=r"^top_log_probs: must be in \[0, 20\], got 21"):
+        Collector().request(overlap_engine(False), "x", top_log_probs=21)

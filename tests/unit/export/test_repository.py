@@ -53,7 +53,8 @@ def test_generation_entry_contract(exported, model):
     assert list(inputs["stop_words"].dims) == [-1]
     outputs = {o.name for o in cfg.output}
     assert {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "output_log_probs",
-            "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_cached_tokens"} == outputs
+            "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_cached_tokens",
+            "output_top_token_ids", "output_top_log_probs"} == outputs
     # the saved HF folder is the same model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
