@@ -273,27 +273,40 @@ def main() -> int:
     def exactness() -> None:
         compare_engines("exactness", "", runner_for(short, torch.float32))
 
+    def decode_batch(r, bsz: int, past: int, random_kv: bool = False) -> tuple[KVCacheManager, StepBatch]:
+        """A pool with bsz rows of `past` cached tokens and their decode step's batch. random_kv:
+        the pool filled with seeded noise (the same in every pool), so rows differ."""
+        cache = KVCacheManager(r.spec, (bsz + 1) * (past + 32) * r.spec.bytes_per_token, 16, allocate_kv=r.allocate_kv,
+                               device_tables=True)
+        ids = list(range(bsz))
+        for b in ids:
+            cache.allocate(b, past + 16)
+        if random_kv:
+            torch.manual_seed(9)
+            for t in cache.pool.k + cache.pool.v:
+                t.normal_()
+        return cache, StepBatch.from_block_table([[7]] * bsz, [past] * bsz, cache.device_table.gather(ids), 16)
+
+    def step_ms(r, batch: StepBatch, cache: KVCacheManager) -> float:
+        """Milliseconds per decode step, after 3 warm-up steps."""
+        for _ in range(3):
+            r.forward(batch, cache.pool)
+        sync()
+        n = 30 if on_gpu else 2
+        t0 = time.perf_counter()
+        for _ in range(n):
+            r.forward(batch, cache.pool)
+        sync()
+        return (time.perf_counter() - t0) / n * 1000
+
     def step_time() -> None:
         for name, graphs_mode, attention in (("graphs", "auto", "auto"), ("eager kernel", "off", "auto"),
                                              ("gather + SDPA", "off", "gather")):
             r = runner_for(full, torch.bfloat16 if on_gpu else torch.float32, graphs_mode, attention)
             for bsz in ((1, 32, 128, 256) if on_gpu else (1, 4)):
                 past = 512 if on_gpu else 16
-                cache = KVCacheManager(r.spec, (bsz + 1) * (past + 32) * r.spec.bytes_per_token, 16, allocate_kv=r.allocate_kv,
-                                       device_tables=True)
-                ids = list(range(bsz))
-                for b in ids:
-                    cache.allocate(b, past + 16)
-                batch = StepBatch.from_block_table([[7]] * bsz, [past] * bsz, cache.device_table.gather(ids), 16)
-                for _ in range(3):
-                    r.forward(batch, cache.pool)
-                sync()
-                steps = 30 if on_gpu else 2
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    r.forward(batch, cache.pool)
-                sync()
-                ms = (time.perf_counter() - t0) / steps * 1000
+                cache, batch = decode_batch(r, bsz, past)
+                ms = step_ms(r, batch, cache)
                 record("step time", f"decode step bf16, {name}, batch {bsz}, context {past}", ms,
                        f"ms/step = {bsz / ms * 1000:.0f} tok/s")
 
@@ -357,25 +370,9 @@ def main() -> int:
         for bsz in ((1, 32, 128, 256) if on_gpu else (1, 4)):
             past = 512 if on_gpu else 16
             for name, r in (("plain", plain), ("compiled", fused)):
-                cache = KVCacheManager(r.spec, (bsz + 1) * (past + 32) * r.spec.bytes_per_token, 16,
-                                       allocate_kv=r.allocate_kv, device_tables=True)
-                ids = list(range(bsz))
-                for b in ids:
-                    cache.allocate(b, past + 16)
-                torch.manual_seed(9)  # the same random K/V in both pools: rows that differ from each other
-                for t in cache.pool.k + cache.pool.v:
-                    t.normal_()
-                batch = StepBatch.from_block_table([[7]] * bsz, [past] * bsz, cache.device_table.gather(ids), 16)
+                cache, batch = decode_batch(r, bsz, past, random_kv=True)
                 first = r.forward(batch, cache.pool).float()
-                for _ in range(3):
-                    r.forward(batch, cache.pool)
-                sync()
-                n = 30 if on_gpu else 2
-                t1 = time.perf_counter()
-                for _ in range(n):
-                    r.forward(batch, cache.pool)
-                sync()
-                steps[name, bsz] = ((time.perf_counter() - t1) / n * 1000, first.cpu())
+                steps[name, bsz] = (step_ms(r, batch, cache), first.cpu())
             (ms_p, lp), (ms_c, lc) = steps["plain", bsz], steps["compiled", bsz]
             top1 = (lp.argmax(-1) == lc.argmax(-1)).float().mean().item()
             record("compiled", f"decode step {dtype}, batch {bsz}, context {past}: compiled + graph", ms_c,

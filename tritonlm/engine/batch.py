@@ -9,9 +9,10 @@ KV pool layout (see kv_cache.KVPool): per layer one K and one V tensor of shape
 `slot_table[b, p]` is the slot of position p of sequence b (p < past_len + num_new;
 entries past that are padding and point at slot 0, never read unmasked).
 
-On a GPU the slot table is not built on the host: the batch carries each row's block
-table instead (`block_table`, gathered on the device from block_table.DeviceBlockTable),
-and the runner derives the slots there (`slots_on`).
+When the KV cache keeps device block tables (KVCacheManager's `device_table`), the batch
+carries each row's block table instead (`block_table`, gathered from the persistent
+block_table.DeviceBlockTable where the pool lives) and the runner maps the slots itself
+(runners.base.plan_step, runners.decode_graphs).
 """
 
 from __future__ import annotations
@@ -30,16 +31,6 @@ class StepBatch:
     all_logits: bool = False  # True: logits for every new token (speculative verify); False: last valid one only
     block_table: torch.Tensor | None = None  # [B, M] int32 on the pool's device, each row's blocks in order
     block_size: int = 0  # tokens per block, with block_table
-
-    def slots_on(self, device: torch.device | str, width: int) -> torch.Tensor:
-        """[B, width] int64 slot table on `device` (width >= max(past_len + num_new)): the
-        host table moved there, or mapped from the block table where it already lives."""
-        if self.slot_table is not None:
-            return self.slot_table[:, :width].to(device, torch.int64, non_blocking=True)
-        from tritonlm.engine.block_table import slot_mapping
-
-        total = (self.past_len + self.num_new).to(self.block_table.device, non_blocking=True)
-        return slot_mapping(self.block_table, total, width, self.block_size).to(device)
 
     @property
     def batch_size(self) -> int:

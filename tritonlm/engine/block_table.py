@@ -84,9 +84,6 @@ class DeviceBlockTable:
     def rows(self, seq_ids: list[int]) -> list[int]:
         return [self._row_of[s] for s in seq_ids]
 
-    def blocks_of(self, seq_id: int) -> int:
-        return self._width_of[seq_id]
-
     def gather(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
         """[B, width] int32 on the device: the block tables of seq_ids, in order."""
         rows = torch.tensor(self.rows(seq_ids), dtype=torch.int64).to(self.device, non_blocking=True)  # [B]

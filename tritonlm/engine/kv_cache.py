@@ -107,7 +107,11 @@ class KVCacheManager:
         """budget_bytes counts the whole model's K/V (spec.bytes_per_token per token).
         allocate_kv: the runner's `allocate_kv`, called once with the number of slots;
         None keeps the accounting only (`pool` is None). prefix_caching: full blocks are
-        shared between requests with the same prefix and stay cached once freed."""
+        shared between requests with the same prefix and stay cached once freed.
+        device_tables: keep every live sequence's blocks in a DeviceBlockTable on the pool's
+        device as well (default: whenever there is a pool), so a step's slots are mapped from
+        them with tensor ops where the pool is (Scheduler.batch, runners.base.plan_step)
+        instead of built row by row on the host."""
         if block_size <= 0:
             raise CacheBudgetError(f"kv_block_size must be positive, got {block_size}")
         self.spec = spec

@@ -80,6 +80,8 @@ def test_symlink_in_the_repository_is_followed_but_dotdot_is_applied_to_the_text
         ({"cancellation_check_period_ms": "0"}, r"cancellation_check_period_ms: must be >= 1, got 0"),
         ({"stream_interval": "0"}, r"stream_interval: must be >= 1, got 0"),
         ({"attention_backend": "flash"}, r"attention_backend: 'flash'; use one of auto, paged, gather"),
+        ({"cuda_graphs": "on"}, r"cuda_graphs: 'on'; use one of auto, off"),
+        ({"compile_decode": "sometimes"}, r"compile_decode: 'sometimes' is not a boolean \(true/false\)"),
         ({"attention_backend": "paged", "tensor_parallel_size": "2"},
          r"attention_backend: 'paged' \(refuse to load without the kernel\) is checked for the torch runtime "
          r"without model parallelism; use 'auto' \(model-parallel ranks use the kernel where it runs\) or 'gather'"),

@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.block_table import position_slots, slot_mapping
 from tritonlm.engine.kv_cache import SCRATCH_SLOT, KVPool
 from tritonlm.engine.model_shape import ModelShape
 
@@ -140,8 +141,6 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
     if batch.slot_table is None and device.type != "cpu":
         return _device_plan(batch, device, ids, positions, valid, past_len, num_new, total, max_total, packed)
     if batch.slot_table is None:  # block tables on the host: slots mapped with tensor ops, no loop per row
-        from tritonlm.engine.block_table import slot_mapping
-
         slot_table = slot_mapping(batch.block_table, total, max_total, batch.block_size)  # [B, L]
     else:
         slot_table = batch.slot_table[:, :max_total].to(torch.int64)  # [B, L]
@@ -189,8 +188,6 @@ def _device_plan(
 ) -> ForwardBatch:
     """plan_step for a batch with block tables: the small per-row tensors go over in one
     staged copy and the slots are mapped on the device (block_table.slot_mapping)."""
-    from tritonlm.engine.block_table import position_slots, slot_mapping
-
     parts = [ids, positions, valid.to(torch.int64), past_len, num_new, total] + ([packed] if packed is not None else [])
     moved = stage(parts, device)
     d_ids, d_pos, d_valid, d_past, d_new, d_total = moved[:6]

@@ -111,12 +111,7 @@ class TorchRunner:
         uncompiled step, logged. Returns what the decode steps will run."""
         if not self.transformer.decode_kernel:
             return f"no decode graphs: {self.attention_why}"
-        from tritonlm.engine.runners.decode_graphs import DecodeGraphs
-
-        blocks = -(-self.max_context // block_size)
-        graphs = self.cuda_graphs == "auto"
-        self.decode_graphs = DecodeGraphs(self.transformer, pool, self.max_batch, blocks, block_size, graphs,
-                                          compile=self.compile_decode)
+        self.decode_graphs = self._new_decode_graphs(pool, block_size)
         try:
             self.decode_graphs.capture_all()
         except Exception as e:  # noqa: BLE001 - the uncompiled step serves instead
@@ -125,7 +120,7 @@ class TorchRunner:
             log.warning("compile_decode: torch.compile failed (%s: %s); decode steps run uncompiled",
                         type(e).__name__, e)
             self.compile_decode = False
-            self.decode_graphs = DecodeGraphs(self.transformer, pool, self.max_batch, blocks, block_size, graphs)
+            self.decode_graphs = self._new_decode_graphs(pool, block_size)
             self.decode_graphs.capture_all()
         what = "CUDA graphs" if self.decode_graphs.use_graphs else "eager padded steps"
         return f"{what} for batch buckets {self.decode_graphs.buckets}" + (", compiled" if self.compile_decode else "")
@@ -136,13 +131,15 @@ class TorchRunner:
             return None
         graphs = self.decode_graphs
         if graphs is None or graphs.pool is not pool:
-            from tritonlm.engine.runners.decode_graphs import DecodeGraphs
-
-            blocks = -(-self.max_context // batch.block_size)
-            graphs = self.decode_graphs = DecodeGraphs(
-                self.transformer, pool, self.max_batch, blocks, batch.block_size, graphs=self.cuda_graphs == "auto",
-                compile=self.compile_decode)
+            graphs = self.decode_graphs = self._new_decode_graphs(pool, batch.block_size)
         return graphs if graphs.accepts(batch) else None
+
+    def _new_decode_graphs(self, pool: KVPool, block_size: int):
+        from tritonlm.engine.runners.decode_graphs import DecodeGraphs
+
+        blocks = -(-self.max_context // block_size)  # the block-table width of a full-context sequence
+        return DecodeGraphs(self.transformer, pool, self.max_batch, blocks, block_size,
+                            graphs=self.cuda_graphs == "auto", compile=self.compile_decode)
 
     def close(self) -> None:
         pass
