@@ -79,18 +79,21 @@ def wait_until(cond, timeout_s: float, step: float = 0.1) -> bool:
 
 
 def wait_for_requests(metrics_port: int, model: str, count: int, timeout_s: float = HANG_GUARD_S) -> bool:
-    """Wait until the model's engine holds `count` requests (waiting + running, from the
-    server's metrics): a test that signals the server must know its requests are in."""
-    from tritonlm.perf.serverstats import engine_gauges
+    """Wait until `count` requests have reached the model's engine (waiting + running +
+    finished, from the server's metrics): a test that signals the server must know its
+    requests are in. Finished ones count too, so a fast host that completes the first
+    requests before the last arrive still gets there."""
+    from tritonlm.perf.serverstats import metric_sum, read_metrics
 
-    def inside() -> float:
+    def arrived() -> float:
         try:
-            g = engine_gauges(f"http://127.0.0.1:{metrics_port}/metrics", model)
+            samples = read_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
         except OSError:
             return -1
-        return g.get("requests_waiting", 0) + g.get("requests_running", 0)
+        names = ("tritonlm_requests_waiting", "tritonlm_requests_running", "tritonlm_requests_finished_total")
+        return sum(metric_sum(samples, n, model) or 0 for n in names)
 
-    return wait_until(lambda: inside() >= count, timeout_s)
+    return wait_until(lambda: arrived() >= count, timeout_s)
 
 
 class Output:
