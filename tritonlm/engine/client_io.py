@@ -45,6 +45,10 @@ def merge(first: GenerationEvent, then: GenerationEvent) -> GenerationEvent:
         token_ids=first.token_ids + then.token_ids,
         log_probs=first.log_probs + then.log_probs,
         top_log_probs=first.top_log_probs + then.top_log_probs,
+        ranks=first.ranks + then.ranks,
+        prompt_log_probs=first.prompt_log_probs if first.prompt_log_probs is not None else then.prompt_log_probs,
+        prompt_top_log_probs=(first.prompt_top_log_probs if first.prompt_top_log_probs is not None
+                              else then.prompt_top_log_probs),
     )
 
 

@@ -8,7 +8,8 @@ Kinds of rows in one step:
     speculating   1 pending token + K guesses -> logits of all K+1 positions, verified
 Speculating rows and decodes share one pass (all logits when anyone speculates). Prefill
 chunks run in passes of their own, so decoding rows keep the decode-width kernels and no
-prompt-long logits are ever made; chunks share a pass while padding them to one width
+prompt-long logits are made, except for a prompt whose log-probabilities are asked
+(prompt_log_probs): its chunks run in passes that keep every position's logits; chunks share a pass while padding them to one width
 costs little (`group_prefill`): 32 prompts arriving together take one pass, not 32.
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonlm.engine.scheduler import ScheduledBatch, Scheduler
-from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row, sample_rows, top_log_probs
+from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row, sample_rows, token_ranks, top_log_probs
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import AdaptiveK, Drafter, Proposal, verify_row
 
@@ -39,6 +40,8 @@ class RowOutput:
     error: str | None = None  # this row failed (the others carry on)
     # with top_log_probs N: each token's N most likely (token id, log-probability); None: not asked
     top_log_probs: list[list[tuple[int, float]]] | None = None
+    # with return_log_probs: each token's rank by raw log-probability (1: the most likely); None: not ranked
+    ranks: list[int | None] | None = None
 
 
 @dataclass
@@ -112,8 +115,12 @@ class ModelExecutor:
         plain = [(seq, seq.pending_tokens[:n]) for seq, n in plan if seq.id not in proposals]
         len_before = {seq.id: seq.num_tokens for seq, _ in verify}  # pending token included
         result = ForwardResult(plan, [], proposals, len_before, 0.0)
+        # rows whose prompt is being scored: every position's logits, in passes of their own
+        scored = [(seq, toks) for seq, toks in plain if seq.scores_prompt]
+        plain = [(seq, toks) for seq, toks in plain if not seq.scores_prompt]
         if self.scheduler.recompute:  # benchmark baseline: every row its whole history, one pass
             self._run(result, plain, all_logits=False)
+            self._run(result, scored, all_logits=True)
         else:
             decode = [(seq, toks) for seq, toks in plain if not seq.in_prefill]
             self._run(result, verify + decode, all_logits=bool(verify))
@@ -121,6 +128,8 @@ class ModelExecutor:
             # off the decode-width kernels (paged attention in place, the one-call decoder stack)
             for group in group_prefill([(seq, toks) for seq, toks in plain if seq.in_prefill]):
                 self._run(result, group, all_logits=False)
+            for group in group_prefill(scored):
+                self._run(result, group, all_logits=True)
         result.seconds = time.perf_counter() - t0
         return result
 
@@ -163,12 +172,16 @@ class ModelExecutor:
         """A RowOutput for every row that has a next token; a row whose sampling fails gets
         an error and leaves the others alone."""
         outputs = []
+        failed_prompts = self._score_prompts(fwd)
         try:
             greedy = self._greedy(fwd)
         except Exception:  # noqa: BLE001 - every row then samples alone, each with its own error
             log.exception("batched greedy sampling failed; sampling row by row")
             greedy = {}
         ready = [i for i, (seq, _, _) in enumerate(fwd.rows) if seq.num_computed >= seq.num_tokens]
+        # a row whose prompt scoring failed fails now, mid-prefill too (its list would be out of step)
+        outputs += [RowOutput(seq, error=failed_prompts[seq.id]) for seq, _, _ in fwd.rows if seq.id in failed_prompts]
+        ready = [i for i in ready if fwd.rows[i][0].id not in failed_prompts]
 
         def last(i: int) -> torch.Tensor:  # row i's logits at its last fed position: [V]
             _, fed, logits = fwd.rows[i]
@@ -201,20 +214,51 @@ class ModelExecutor:
                 log.exception("sampling failed for request %s", seq.id)
                 outputs.append(RowOutput(seq, error=f"internal error while sampling: {e}"))
                 continue
-            if seq.request.params.top_log_probs and seq.id not in fwd.proposals:
+            if seq.request.params.return_log_probs and seq.id not in fwd.proposals:
                 alternatives.append((outputs[-1], i))
-        if alternatives:  # the most likely tokens of every row that asked, one topk for all
+        if alternatives:  # the most likely tokens and the chosen one's rank, for every row that asked
             try:
-                tops = top_log_probs(torch.stack([last(i) for _, i in alternatives]),
-                                     [out.seq.request.params.top_log_probs for out, _ in alternatives])
-                for (out, _), top in zip(alternatives, tops):
-                    out.top_log_probs = [top]
+                stacked = torch.stack([last(i) for _, i in alternatives])  # [n, V]
+                tops = top_log_probs(stacked, [out.seq.request.params.top_log_probs for out, _ in alternatives])
+                ranks = token_ranks(stacked, [out.tokens[0][0] for out, _ in alternatives])
+                for (out, _), top, rank in zip(alternatives, tops, ranks):
+                    if out.seq.request.params.top_log_probs:
+                        out.top_log_probs = [top]
+                    out.ranks = [rank]
             except Exception as e:  # noqa: BLE001 - those rows fail, the others carry on
                 log.exception("top log-probabilities failed")
                 for out, _ in alternatives:
                     out.tokens, out.error = [], f"internal error while computing top log-probabilities: {e}"
         num_tokens = sum(len(fed) for _, fed, _ in fwd.rows)
         return StepOutput(outputs, len(fwd.plan), num_tokens, fwd.seconds)
+
+    def _score_prompts(self, fwd: ForwardResult) -> dict[int, str]:
+        """The prompt log-probabilities of this step's scored prefill chunks, appended to their
+        sequences' lists: position j's logits give the log-probability of prompt token j + 1.
+        Returns seq id -> error for the rows where that failed (they fail, the others carry on)."""
+        failed: dict[int, str] = {}
+        for seq, fed, logits in fwd.rows:
+            if logits.dim() != 2 or not seq.scores_prompt:
+                continue
+            try:
+                start = seq.num_computed - len(fed)  # the position of fed[0]
+                first = len(seq.prompt_log_probs)  # the next prompt token to score
+                end = min(start + len(fed) + 1, seq.num_prompt_tokens)  # this chunk predicts tokens up to end - 1
+                if end <= first:
+                    continue
+                logprobs = torch.log_softmax(logits[first - 1 - start : end - 1 - start].to(torch.float32), dim=-1)  # [m, V]
+                targets = torch.tensor(seq.token_ids[first:end], device=logprobs.device)  # [m]
+                seq.prompt_log_probs.extend(logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist())
+                n = seq.request.params.prompt_log_probs
+                if n:
+                    values, ids = torch.topk(logprobs, n, dim=-1)  # [m, n]
+                    seq.prompt_top_log_probs.extend(list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))
+                else:
+                    seq.prompt_top_log_probs.extend([] for _ in range(end - first))
+            except Exception as e:  # noqa: BLE001 - one bad row must not fail its batch
+                log.exception("prompt log-probabilities failed for request %s", seq.id)
+                failed[seq.id] = f"internal error while computing the prompt's log-probabilities: {e}"
+        return failed
 
     @staticmethod
     def _greedy(fwd: ForwardResult) -> dict[int, int]:

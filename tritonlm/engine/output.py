@@ -49,6 +49,7 @@ class Deferred:
     token: int
     logprob: float
     top: list[tuple[int, float]] | None = None  # with top_log_probs
+    rank: int | None = None  # with return_log_probs
 
 
 @dataclass
@@ -84,7 +85,7 @@ class OutputProcessor:
             if out.error is not None:
                 self._fail(seq, out.error)
                 continue
-            used, finish_reason = self._append(seq, out.tokens, now, out.top_log_probs)
+            used, finish_reason = self._append(seq, out.tokens, now, out.top_log_probs, out.ranks)
             if out.proposed:  # counted before the final event, which reports the totals
                 accepted = min(out.accepted, used)  # guesses after the sequence ended do not count
                 seq.draft_tokens += out.proposed
@@ -120,6 +121,7 @@ class OutputProcessor:
                 continue
             (token, logprob), = out.tokens
             top = out.top_log_probs[0] if out.top_log_probs else None
+            rank = out.ranks[0] if out.ranks else None
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self._observe("on_first_token", now - seq.request.arrival)
@@ -130,9 +132,9 @@ class OutputProcessor:
             seq.token_ids.append(token)
             self.stats.tokens_generated += 1
             if len(seq.token_ids) >= min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.max_context):
-                self._complete_row(Deferred(seq, token, logprob, top), ends="length")
+                self._complete_row(Deferred(seq, token, logprob, top, rank), ends="length")
                 continue
-            deferred.append(Deferred(seq, token, logprob, top))
+            deferred.append(Deferred(seq, token, logprob, top, rank))
         self._observe("on_step", step.batch_size, step.num_tokens, step.seconds,
                       self.stats.tokens_generated - generated_before)
         self._flush()
@@ -149,7 +151,7 @@ class OutputProcessor:
         """The row's text and event, as process() makes them; `ends`: it finishes with
         this reason unless a stop string ends it first."""
         seq = row.seq
-        self._report(seq, seq.detok.update(), row.token, row.logprob, row.top)
+        self._report(seq, seq.detok.update(), row.token, row.logprob, row.top, row.rank)
         if seq.detok.stopped or ends is not None:
             self._finish(seq, "stop" if seq.detok.stopped else ends)
         elif seq.request.stream:
@@ -165,7 +167,7 @@ class OutputProcessor:
 
     def _append(
         self, seq: Sequence, tokens: list[tuple[int, float]], now: float,
-        tops: list[list[tuple[int, float]]] | None = None,
+        tops: list[list[tuple[int, float]]] | None = None, ranks: list[int | None] | None = None,
     ) -> tuple[int, str | None]:
         """Add tokens in order until the sequence should finish; returns how many were used
         and the finish reason (None: it goes on). The caller finishes it."""
@@ -182,7 +184,7 @@ class OutputProcessor:
             history.append(token)
             self.stats.tokens_generated += 1
             text = detok.update()
-            self._report(seq, text, token, logprob, tops[used - 1] if tops else None)
+            self._report(seq, text, token, logprob, tops[used - 1] if tops else None, ranks[used - 1] if ranks else None)
             if detok.stopped:
                 return used, "stop"
             if len(history) >= length_at:
@@ -190,13 +192,15 @@ class OutputProcessor:
         return len(tokens), None
 
     def _report(
-        self, seq: Sequence, text: str, token: int, logprob: float, top: list[tuple[int, float]] | None = None
+        self, seq: Sequence, text: str, token: int, logprob: float, top: list[tuple[int, float]] | None = None,
+        rank: int | None = None,
     ) -> None:
         """Accumulate until the stream's next event or the final one."""
         seq.pending_text.append(text)
         seq.pending_ids.append(token)
         if seq.request.params.return_log_probs:
             seq.pending_log_probs.append(logprob)
+            seq.pending_ranks.append(rank)
         if seq.request.params.top_log_probs:
             seq.pending_top_log_probs.append(top or [])
 
@@ -217,8 +221,12 @@ class OutputProcessor:
     @staticmethod
     def _take_pending(seq: Sequence) -> dict:
         out = {"text": "".join(seq.pending_text), "token_ids": seq.pending_ids, "log_probs": seq.pending_log_probs,
-               "top_log_probs": seq.pending_top_log_probs}
+               "top_log_probs": seq.pending_top_log_probs, "ranks": seq.pending_ranks}
         seq.pending_text, seq.pending_ids, seq.pending_log_probs, seq.pending_top_log_probs = [], [], [], []
+        seq.pending_ranks = []
+        if seq.prompt_log_probs is not None and not seq.prompt_log_probs_sent:  # the first event carries them
+            out["prompt_log_probs"], out["prompt_top_log_probs"] = seq.prompt_log_probs, seq.prompt_top_log_probs
+            seq.prompt_log_probs_sent = True
         return out
 
     # ---- endings ----------------------------------------------------------------------------

@@ -46,6 +46,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0: off
     stop_token_ids: tuple[int, ...] = ()  # producing one ends the answer (finish_reason stop), like EOS
+    # the prompt's log-probabilities (vLLM's prompt_logprobs): None off; 0 each prompt token's
+    # own; N also the N most likely tokens there. Such a prompt skips the prefix cache (a
+    # cached position has no logits) and its prefill keeps every position's logits.
+    prompt_log_probs: int | None = None
 
     @property
     def changes_logits(self) -> bool:
@@ -85,6 +89,9 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids: token ids must be >= 0, got {list(self.stop_token_ids)}")
         if not 0 <= self.top_log_probs <= MAX_TOP_LOG_PROBS:
             raise InvalidRequestError(f"top_log_probs: must be in [0, {MAX_TOP_LOG_PROBS}], got {self.top_log_probs}")
+        if self.prompt_log_probs is not None and not 0 <= self.prompt_log_probs <= MAX_TOP_LOG_PROBS:
+            raise InvalidRequestError(
+                f"prompt_log_probs: must be in [0, {MAX_TOP_LOG_PROBS}] (alternatives per prompt token), got {self.prompt_log_probs}")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens: {self.min_tokens} is more than max_tokens={self.max_tokens}")
 
@@ -99,6 +106,13 @@ class GenerationEvent:
     log_probs: list[float] = field(default_factory=list)
     # with top_log_probs N: for each token, the N most likely (token id, log-probability)
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # with return_log_probs: each token's rank in the vocabulary by raw log-probability (1: the
+    # most likely, as vLLM's Logprob.rank); None for a token a speculative verify made (not ranked)
+    ranks: list[int | None] = field(default_factory=list)
+    # with prompt_log_probs, on the first event only: each prompt token's log-probability (None
+    # for the first token, which nothing predicts) and, with N, the N most likely there
+    prompt_log_probs: list[float | None] | None = None
+    prompt_top_log_probs: list[list[tuple[int, float]]] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None

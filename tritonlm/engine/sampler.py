@@ -312,3 +312,11 @@ def top_log_probs(logits: torch.Tensor, counts: list[int]) -> list[list[tuple[in
     values, ids = torch.topk(logprobs, max(counts), dim=-1)  # [n, K]
     values, ids = values.tolist(), ids.tolist()
     return [list(zip(ids[i][:k], values[i][:k])) for i, k in enumerate(counts)]
+
+
+def token_ranks(logits: torch.Tensor, tokens: list[int]) -> list[int]:
+    """logits [n, V] raw -> for row i the rank of tokens[i] by raw log-probability (1: the most
+    likely; vLLM's Logprob.rank), one host sync for the batch."""
+    rows = logits.to(torch.float32)  # [n, V]
+    chosen = rows.gather(-1, torch.tensor(tokens, device=rows.device).unsqueeze(-1))  # [n, 1]
+    return ((rows > chosen).sum(dim=-1) + 1).tolist()

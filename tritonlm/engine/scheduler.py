@@ -112,7 +112,8 @@ class Scheduler:
             prompt = seq.request.prompt_ids
             if self.cache.prefix_caching and not seq.block_digests:
                 seq.block_digests = self.cache.prompt_digests(prompt)
-            hits = self.cache.find_prefix(seq.block_digests, prompt)
+            # a prompt whose log-probabilities are asked runs whole: cached positions have no logits
+            hits = [] if seq.request.params.prompt_log_probs is not None else self.cache.find_prefix(seq.block_digests, prompt)
             if not self.cache.can_allocate(seq.reserve_tokens, hits):
                 break  # head-of-line waits: later, smaller requests must not starve it
             self.waiting.popleft()

@@ -40,12 +40,19 @@ class Sequence:
     pending_ids: list[int] = field(default_factory=list)
     pending_log_probs: list[float] = field(default_factory=list)
     pending_top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
+    pending_ranks: list[int | None] = field(default_factory=list)
+    # with prompt_log_probs: filled by the executor as the prefill chunks run (the first prompt
+    # token's entry is None: nothing predicts it), sent with the first event
+    prompt_log_probs: list[float | None] | None = None
+    prompt_top_log_probs: list[list[tuple[int, float]]] | None = None
+    prompt_log_probs_sent: bool = False
     draft_tokens: int = 0  # speculative decoding: guesses proposed / accepted so far
     accepted_draft_tokens: int = 0
 
     @staticmethod
     def create(request: GenerationRequest, tokenizer, eos_id: int | None, spec_k_max: int = 0) -> "Sequence":
         history = list(request.prompt_ids)
+        scored = request.params.prompt_log_probs is not None
         return Sequence(
             request=request,
             token_ids=history,
@@ -54,6 +61,8 @@ class Sequence:
             reserve_tokens=len(history) + request.params.max_tokens,
             spec_k_max=spec_k_max,
             spec_k=spec_k_max,
+            prompt_log_probs=[None] if scored else None,
+            prompt_top_log_probs=[[]] if scored else None,
         )
 
     @property
@@ -76,6 +85,11 @@ class Sequence:
     def pending_tokens(self) -> list[int]:
         """Tokens not yet in the KV cache: the prompt (prefill) or the last sampled token."""
         return self.token_ids[self.num_computed :]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not all computed yet."""
+        return self.prompt_log_probs is not None and len(self.prompt_log_probs) < self.num_prompt_tokens
 
     @property
     def in_prefill(self) -> bool:

@@ -268,3 +268,57 @@ def test_top_log_probs_are_refused_beyond_twenty():
 
     with pytest.raises(Invalid, match=r"^top_log_probs: must be in \[0, 20\], got 21"):
         Collector().request(overlap_engine(False), "x", top_log_probs=21)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompt_log_probs_are_transformers_log_softmax_with_chunks_and_prefix_cache(overlap: bool):
+    """prompt_log_probs N: every prompt token's log-probability (None for the first) and the N
+    most likely tokens there equal log_softmax over transformers' logits of the whole prompt
+    (within 1e-3): with a prefill split into 7-token chunks, in a batch with rows that ask for
+    none, and for a prompt whose blocks are already in the prefix cache (it is run whole);
+    the chosen tokens' ranks are their ranks in transformers' distribution."""
+    import torch
+
+    from tests.helpers.models import hf_logits
+
+    model, tok = tiny()
+    engine = overlap_engine(overlap, max_num_batched_tokens=7)
+    engine.cache.prefix_caching = True
+    prompt = MIXED_PROMPTS[1] * 3  # several cache blocks
+    col = Collector()
+    warm = col.request(engine, prompt, max_tokens=2)
+    drain(engine)
+    asked = [col.request(engine, prompt, max_tokens=3, prompt_log_probs=4, return_log_probs=True),
+             col.request(engine, MIXED_PROMPTS[0], max_tokens=3, prompt_log_probs=0, stream=False)]
+    plain = col.request(engine, MIXED_PROMPTS[2], max_tokens=3)
+    again = col.request(engine, prompt, max_tokens=1)  # the same prompt, not scored: served from the cache
+    drain(engine)
+    assert col.final(again).num_cached_tokens > 0
+    assert col.final(warm).num_cached_tokens == 0 and col.final(asked[0]).num_cached_tokens == 0
+    assert all(e.prompt_log_probs is None for e in col.events[plain])
+    for rid, text, n in ((asked[0], prompt, 4), (asked[1], MIXED_PROMPTS[0], 0)):
+        ids = list(tok(text).input_ids)
+        firsts = [e for e in col.events[rid] if e.prompt_log_probs is not None]
+        assert len(firsts) == 1 and firsts[0] is col.events[rid][0]  # once, on the first event
+        got, tops = firsts[0].prompt_log_probs, firsts[0].prompt_top_log_probs
+        want = torch.log_softmax(hf_logits(model, ids), -1)  # [P, V]: position j predicts token j + 1
+        assert got[0] is None and len(got) == len(tops) == len(ids)
+        assert torch.allclose(torch.tensor(got[1:]), want[torch.arange(len(ids) - 1), ids[1:]], atol=1e-3)
+        for j in range(1, len(ids)):
+            assert len(tops[j]) == n
+            if n:
+                values, order = torch.topk(want[j - 1], n)
+                assert [t for t, _ in tops[j]] == order.tolist()
+                assert torch.allclose(torch.tensor([v for _, v in tops[j]]), values, atol=1e-3)
+    history = list(tok(prompt).input_ids)
+    for token, rank in zip(col.ids(asked[0]), [r for e in col.events[asked[0]] for r in e.ranks]):
+        logits = hf_logits(model, history)[-1]
+        assert rank == int((logits > logits[token]).sum()) + 1
+        history.append(token)
+
+
+def test_prompt_log_probs_are_refused_beyond_twenty():
+    from tritonlm.engine.request import InvalidRequestError as Invalid
+
+    with pytest.raises(Invalid, match=r"^prompt_log_probs: must be in \[0, 20\]"):
+        Collector().request(overlap_engine(False), "x", prompt_log_probs=21)
