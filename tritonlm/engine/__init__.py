@@ -10,6 +10,7 @@ batch      - StepBatch: what one forward pass computes
 runners/   - one forward pass with cache (PyTorch Transformer, ONNX Runtime)
 parallel/  - the same Transformer split over worker processes (tensor / pipeline)
 sampler    - per-row sampling (greedy, temperature, top-k/p, seed, penalties)
+guided     - guided decoding: guides compiled to grammar matchers, each row's matcher state
 speculative- drafters (draft model, prompt lookup) and the verification rule
 detok      - incremental, UTF-8-safe detokenization and stop strings
 loader     - settings -> a ready Engine (tokenizer, runner, KV budget, drafter)

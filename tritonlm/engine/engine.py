@@ -18,6 +18,7 @@ from tritonlm.engine.client_io import CancellationPoller, EventDispatcher
 from tritonlm.engine.compute_thread import ComputeThread
 from tritonlm.engine.cpu_cores import ThreadGovernor
 from tritonlm.engine.executor import ModelExecutor
+from tritonlm.engine.guided import GuideCompiler
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.output import Deferred, EngineObserver, EngineStats, OutputProcessor
 from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError
@@ -81,11 +82,22 @@ class Engine:
         self._last_expiry_check = 0.0
         self._dispatcher: EventDispatcher | None = None
         self._poller: CancellationPoller | None = None
+        self._guides: GuideCompiler | None = None
+        self._guides_lock = threading.Lock()
 
     @property
     def cache(self) -> KVCacheManager:
         """The KV accounting, read only (the scheduler owns it)."""
         return self.scheduler.cache
+
+    @property
+    def guides(self) -> GuideCompiler:
+        """Guided decoding's compiled guides for this model's tokenizer, made at the first
+        guided request (reading the vocabulary takes a moment)."""
+        with self._guides_lock:
+            if self._guides is None:
+                self._guides = GuideCompiler(self.tokenizer, self.runner.spec.vocab_size)
+            return self._guides
 
     @property
     def stats(self) -> EngineStats:
@@ -119,6 +131,11 @@ class Engine:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(f"{name}: token ids must be in [0, {vocab}), got {bad[:5]}")
+        if p.guided is not None and p.end_id is not None and p.end_id < 0 and not p.stop_token_ids:
+            raise InvalidRequestError(
+                "guided_decoding: a guided answer ends on a token once the guide is complete, but end_id is -1 "
+                "and there are no stop_token_ids; keep the EOS (no end_id) or give stop_token_ids"
+            )
 
     def submit(self, request: GenerationRequest) -> None:
         """Validate and queue. Raises InvalidRequestError / ServerBusyError (nothing queued then)."""
@@ -129,7 +146,9 @@ class Engine:
         k_max = self.num_draft_tokens if asked is None else min(asked, self.num_draft_tokens)
         if request.params.top_log_probs:  # alternatives come from one position's logits: no speculation
             k_max = 0
-        seq = Sequence.create(request, self.tokenizer, eos, k_max)
+        # the guide compiled here, on the caller's thread: a bad one is refused before queueing
+        guide = self.guides.start(request.params.guided) if request.params.guided is not None else None
+        seq = Sequence.create(request, self.tokenizer, eos, k_max, guide)
         with self._cond:
             if self._stop:
                 raise ServerBusyError("the model is shutting down; retry on another instance")

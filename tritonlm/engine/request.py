@@ -23,6 +23,32 @@ class ServerBusyError(RuntimeError):
     """The waiting queue is full: the client should retry later."""
 
 
+GUIDE_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A constraint on the answer's text (structured output): the sampler only lets through
+    tokens that keep the text inside it.
+
+    kind:
+      - "json_schema": `spec` is a JSON Schema (a JSON string);
+      - "json_object": any JSON object (`spec` is empty);
+      - "regex": `spec` is a regular expression the whole answer must match;
+      - "grammar": `spec` is a grammar (EBNF / GBNF, or Lark where the library takes it);
+      - "choice": `spec` is a JSON list of strings; the answer is exactly one of them.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in GUIDE_KINDS:
+            raise InvalidRequestError(f"guided_decoding: kind must be one of {', '.join(GUIDE_KINDS)}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(f"guided_decoding: a {self.kind} guide needs its text, got an empty one")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -46,6 +72,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0: off
     stop_token_ids: tuple[int, ...] = ()  # producing one ends the answer (finish_reason stop), like EOS
+    guided: GuidedDecoding | None = None  # structured output: the answer stays inside this guide
     # the prompt's log-probabilities (vLLM's prompt_logprobs): None off; 0 each prompt token's
     # own; N also the N most likely tokens there. Such a prompt skips the prefix cache (a
     # cached position has no logits) and its prefill keeps every position's logits.
@@ -89,6 +116,8 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids: token ids must be >= 0, got {list(self.stop_token_ids)}")
         if not 0 <= self.top_log_probs <= MAX_TOP_LOG_PROBS:
             raise InvalidRequestError(f"top_log_probs: must be in [0, {MAX_TOP_LOG_PROBS}], got {self.top_log_probs}")
+        if self.guided is not None:
+            self.guided.validate()
         if self.prompt_log_probs is not None and not 0 <= self.prompt_log_probs <= MAX_TOP_LOG_PROBS:
             raise InvalidRequestError(
                 f"prompt_log_probs: must be in [0, {MAX_TOP_LOG_PROBS}] (alternatives per prompt token), got {self.prompt_log_probs}")

@@ -1,6 +1,8 @@
 """Next-token choice per row of one batch, each row with its own settings.
 
-Order: repetition penalty (Hugging Face's), frequency and presence penalties over
+Order: the guide's mask (guided decoding, guided.py: tokens that would leave the guide
+out, the row's end tokens only where the guide is complete), repetition penalty (Hugging
+Face's), frequency and presence penalties over
 the answer so far and logit bias (OpenAI's), banned tokens (bad words, EOS and
 stop token ids before min_tokens), temperature, min-p, top-k, top-p (vLLM's order
 of the last four), then argmax (greedy) or an inverse-CDF draw with the row's own
@@ -22,6 +24,7 @@ import torch
 
 from tritonlm.engine import draws
 from tritonlm.engine.draws import SAMPLE, inverse_cdf
+from tritonlm.engine.guided import GuideState, allocate_masks, apply_mask, fill_masks
 from tritonlm.engine.request import SamplingParams
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -40,10 +43,18 @@ class RowState:
     num_prompt: int
     eos_id: int | None
     seed: int  # the row's draws are a function of it (draws.py): set, or random per request
+    # guided decoding: the matcher over this row's answer, which follows token_ids by itself
+    # (forks share it: it rolls back to whichever history it is synced with next)
+    guide: GuideState | None = None
 
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt
+
+    @property
+    def end_ids(self) -> list[int]:
+        """The tokens that end the answer: its EOS and stop token ids."""
+        return ([] if self.eos_id is None else [self.eos_id]) + list(self.params.stop_token_ids)
 
     def ends_on(self, token: int) -> bool:
         """Producing token ends the answer: the row's EOS or one of its stop token ids."""
@@ -54,24 +65,44 @@ class RowState:
         return draws.uniform(self.seed, self.num_generated, stream)
 
     @staticmethod
-    def make(params: SamplingParams, token_ids: list[int], eos_id: int | None) -> "RowState":
+    def make(params: SamplingParams, token_ids: list[int], eos_id: int | None, guide: GuideState | None = None) -> "RowState":
         """token_ids: the prompt, by reference (the history grows in place). Without a seed in
         the request the row gets a random one, so unseeded requests differ from run to run."""
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        return RowState(params, token_ids, len(token_ids), eos_id, seed)
+        return RowState(params, token_ids, len(token_ids), eos_id, seed, guide)
 
     def fork(self) -> "RowState":
         """A copy whose history can grow with guesses (drafting, verifying) without touching
         the sequence's; the seed is kept, so its draws at an index are the sequence's own."""
-        return RowState(self.params, list(self.token_ids), self.num_prompt, self.eos_id, self.seed)
+        return RowState(self.params, list(self.token_ids), self.num_prompt, self.eos_id, self.seed, self.guide)
+
+    def guide_mask(self) -> torch.Tensor:
+        """[ceil(V / 32)] int32: the guide's allowed tokens after this row's history."""
+        return guide_masks([self])[0]
 
 
-def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
-    """[V] raw logits -> [V] logits with penalties, bans and temperature applied (a new tensor)."""
+def guide_masks(rows: list[RowState]) -> torch.Tensor:
+    """[n, ceil(V / 32)] int32: each guided row's allowed tokens after its history, filled
+    together on the grammar library's threads."""
+    states = [row.guide for row in rows]
+    assert all(s is not None for s in states)
+    for row, state in zip(rows, states):
+        state.sync(row.token_ids[row.num_prompt:], row.end_ids)
+    masks = allocate_masks(len(rows), states[0].compiler.vocab_size)
+    fill_masks(states, masks, states[0].compiler)
+    return masks
+
+
+def process_logits(logits: torch.Tensor, row: RowState, guide_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[V] raw logits -> [V] logits with the guide's mask, penalties, bans and temperature
+    applied (a new tensor). guide_mask: the row's [ceil(V / 32)] mask when already made
+    (guide_masks); a guided row without one makes its own."""
     p = row.params
     device = logits.device
     # NaN (an overflow upstream) can never win; +inf would make every probability NaN
     out = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=FLOAT32_MAX)
+    if row.guide is not None:
+        apply_mask(out, row.guide_mask() if guide_mask is None else guide_mask, row.guide, row.end_ids)
     if p.repetition_penalty != 1.0 and row.token_ids:
         seen = to_device(sorted(set(row.token_ids)), torch.int64, device)
         vals = out[seen]
@@ -101,7 +132,8 @@ def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
 def banned_tokens(row: RowState) -> list[int]:
     p = row.params
     banned: list[int] = []
-    if row.num_generated < p.min_tokens:
+    # a finished guide leaves only the end tokens: min_tokens cannot hold them back
+    if row.num_generated < p.min_tokens and not (row.guide is not None and row.guide.must_end()):
         if row.eos_id is not None:
             banned.append(row.eos_id)
         banned.extend(p.stop_token_ids)
@@ -148,7 +180,8 @@ def plain_greedy(row: RowState) -> bool:
     """Greedy with nothing that changes the logits and no log-probability asked for: the
     next token is the raw logits' argmax."""
     p = row.params
-    return p.greedy and not p.changes_logits and not p.return_log_probs and not banned_tokens(row)
+    return (p.greedy and not p.changes_logits and not p.return_log_probs and row.guide is None
+            and not banned_tokens(row))
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int | None]:
@@ -206,9 +239,9 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def owns_logits(row: RowState) -> bool:
-    """The row's logits change in a way of its own (penalties, bias, bans): process_logits
-    runs on that row alone."""
-    return row.params.changes_logits or bool(banned_tokens(row))
+    """The row's logits change in a way of its own (guide, penalties, bias, bans):
+    process_logits runs on that row alone."""
+    return row.guide is not None or row.params.changes_logits or bool(banned_tokens(row))
 
 
 def filters(params: SamplingParams) -> bool:
@@ -231,9 +264,11 @@ def sample_rows(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, f
     device = logits.device
     processed = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=FLOAT32_MAX)  # [n, V]
     own = [owns_logits(row) for row in rows]
+    guided = [i for i, row in enumerate(rows) if row.guide is not None]
+    masks = dict(zip(guided, guide_masks([rows[i] for i in guided]))) if guided else {}  # i -> [ceil(V / 32)]
     for i, row in enumerate(rows):
         if own[i]:
-            processed[i] = process_logits(logits[i], row)  # temperature included
+            processed[i] = process_logits(logits[i], row, masks.get(i))  # temperature included
 
     greedy = [row.params.greedy for row in rows]
     # temperature 1 where it is already applied (own rows) or means nothing (greedy)

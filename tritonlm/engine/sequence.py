@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from tritonlm.engine.detok import IncrementalDetokenizer
+from tritonlm.engine.guided import GuideState
 from tritonlm.engine.request import GenerationRequest
 from tritonlm.engine.sampler import RowState
 
@@ -50,13 +51,14 @@ class Sequence:
     accepted_draft_tokens: int = 0
 
     @staticmethod
-    def create(request: GenerationRequest, tokenizer, eos_id: int | None, spec_k_max: int = 0) -> "Sequence":
+    def create(request: GenerationRequest, tokenizer, eos_id: int | None, spec_k_max: int = 0,
+               guide: GuideState | None = None) -> "Sequence":
         history = list(request.prompt_ids)
         scored = request.params.prompt_log_probs is not None
         return Sequence(
             request=request,
             token_ids=history,
-            sampling=RowState.make(request.params, history, eos_id),
+            sampling=RowState.make(request.params, history, eos_id, guide),
             detok=IncrementalDetokenizer(tokenizer, history, request.params.stop_words),
             reserve_tokens=len(history) + request.params.max_tokens,
             spec_k_max=spec_k_max,
