@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Callable, Union
 
 import numpy as np
 
@@ -87,16 +87,20 @@ INPUTS: tuple[Tensor, ...] = (
     _in("top_log_probs", "INT32",
         "with `return_log_probs`: also the N most likely tokens at each position (`output_top_token_ids`, "
         "`output_top_log_probs`: log_softmax of the model's raw logits); in [0, 20], 0: off", 0),
+    _in("prompt_log_probs", "INT32",
+        "the prompt's log-probabilities (vLLM's `prompt_logprobs`): 0 each prompt token's own (`prompt_log_probs` output), "
+        "N in [1, 20] also the N most likely tokens there; absent: off. Such a prompt is not served from the prefix cache"),
     # what Triton's OpenAI frontend sends to a vLLM-backend model (`--backend vllm`)
     _in("sampling_parameters", "BYTES",
         "vLLM backend's JSON object of settings (NVIDIA's OpenAI frontend sends it): `max_tokens`, `min_tokens`, "
         "`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `repetition_penalty`, `frequency_penalty`, `presence_penalty`, "
         "`logit_bias` (token id -> bias in [-100, 100]), `stop`, `stop_token_ids`, `bad_words`, `ignore_eos`, "
-        "`logprobs` (true or 0: the chosen token's; N up to 20: and the N most likely); `n`, `best_of` 1; other keys "
-        "are refused by name"),
+        "`logprobs` (true or 0: the chosen token's; N up to 20: and the N most likely), `prompt_logprobs` (as the "
+        "`prompt_log_probs` input); `n`, `best_of` 1; other keys are refused by name"),
     _in("return_logprobs", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends it with every request): true asks for the chosen "
-        "tokens' log-probabilities, as `return_log_probs`", False),
+        "tokens' log-probabilities, as `return_log_probs`, and for them in the vLLM backend's form too (the `logprobs` "
+        "output)", False),
     _in("return_num_input_tokens", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends true): accepted; the final response carries `num_input_tokens` either way",
         False),
@@ -118,6 +122,19 @@ OUTPUTS: tuple[Tensor, ...] = (
          dims=(-1, -1)),
     _out("output_top_log_probs", "FP32",
          "with `top_log_probs` N: their log-probabilities (log_softmax of the model's raw logits)", dims=(-1, -1)),
+    _out("logprobs", "BYTES",
+         "with `return_logprobs`: the vLLM backend's form, one JSON string: for each token of this response an object "
+         "token id -> {`logprob`, `rank`, `decoded_token`} holding the chosen token (its `output_log_probs` value; `rank` "
+         "left out where a speculative verify made it) and the `logprobs` N most likely (raw log_softmax)"),
+    _out("prompt_token_ids", "INT32", "with `prompt_log_probs`, first response: the prompt's token ids", dims=(-1,)),
+    _out("prompt_log_probs", "FP32",
+         "with `prompt_log_probs`, first response: each prompt token's log-probability given the tokens before it "
+         "(log_softmax of the raw logits); the first is NaN (nothing predicts it)", dims=(-1,)),
+    _out("prompt_top_token_ids", "INT32",
+         "with `prompt_log_probs` N, first response: at each prompt position the N most likely token ids (the "
+         "first row -1)", dims=(-1, -1)),
+    _out("prompt_top_log_probs", "FP32",
+         "with `prompt_log_probs` N, first response: their log-probabilities (the first row NaN)", dims=(-1, -1)),
     _out("acceptance_rate", "FP32", "final response: accepted / proposed draft tokens (0 without speculation)"),
     _out("total_accepted_draft_tokens", "INT32", "final response: draft tokens the target accepted"),
     _out("total_draft_tokens", "INT32", "final response: draft tokens proposed"),
@@ -219,6 +236,7 @@ class ParsedRequest:
     exclude_input_in_output: bool
     num_draft_tokens: int | None
     bad_words_text: tuple[str, ...]  # turned into token ids by the caller (needs the tokenizer)
+    vllm_logprobs: bool = False  # return_logprobs: also the vLLM backend's `logprobs` output
     # field -> what the request called it, where that differs ("sampling_parameters.max_tokens",
     # "min_length"): later errors about the field name what was sent (rename_error)
     renames: dict[str, str] = field(default_factory=dict)
@@ -319,6 +337,7 @@ SAMPLING_KEYS: dict[str, tuple[str | None, str]] = {
     "bad_words": ("bad_words", "words"),
     "ignore_eos": ("end_id", "bool"),  # true: end_id -1
     "logprobs": ("return_log_probs", "logprobs"),  # int (completions) or bool (chat)
+    "prompt_logprobs": ("prompt_log_probs", "int"),
     "top_logprobs": (None, "no_alternatives"),
     "n": (None, "one"),
     "best_of": (None, "one"),
@@ -483,6 +502,11 @@ def parse_request(
     if end_id is not None and (end_id < -1 or (vocab_size is not None and end_id >= vocab_size)):
         allowed = f"a token id in [0, {vocab_size})" if vocab_size is not None else "a token id >= 0"
         raise InvalidRequestError(f"end_id: must be -1 (never stop on a token) or {allowed}, got {end_id}")
+    prompt_log_probs = get("prompt_log_probs")
+    if prompt_log_probs is not None and not 0 <= prompt_log_probs <= MAX_TOP_LOG_PROBS:
+        raise InvalidRequestError(rename_error(
+            f"prompt_log_probs: must be in [0, {MAX_TOP_LOG_PROBS}] (alternatives per prompt token), got {prompt_log_probs}",
+            renames))
     num_draft = get("num_draft_tokens")
     if num_draft is not None and num_draft < 0:
         raise InvalidRequestError(f"num_draft_tokens: must be >= 0 (0 turns speculation off), got {num_draft}")
@@ -503,6 +527,7 @@ def parse_request(
         stop_words=words("stop_words"),
         return_log_probs=bool(get("return_log_probs") or _value(inputs, "return_logprobs") or get("top_log_probs")),
         top_log_probs=get("top_log_probs"),
+        prompt_log_probs=prompt_log_probs,
     )
     try:
         params.validate()
@@ -516,6 +541,7 @@ def parse_request(
         num_draft_tokens=num_draft,
         bad_words_text=words("bad_words"),
         renames=renames,
+        vllm_logprobs=bool(_value(inputs, "return_logprobs")),
     )
 
 
@@ -536,14 +562,47 @@ def _tensor(name: str, values) -> np.ndarray:
     return np.array(values, dtype=OUTPUT[name].numpy_type)
 
 
+def vllm_logprobs(event: GenerationEvent, token_text: Callable[[int], str]) -> str:
+    """The vLLM backend's `logprobs` output for one response (its src/model.py): a JSON list,
+    per token, of {token id: {"logprob", "rank", "decoded_token"}} holding the chosen token and
+    the most likely ones (ranks 1..N). NVIDIA's OpenAI frontend reads it
+    (_get_logprobs_from_response in its engine/utils/triton.py)."""
+    out = []
+    ranks = event.ranks or [None] * len(event.token_ids)
+    tops = event.top_log_probs or [[] for _ in event.token_ids]
+    for token, logprob, rank, top in zip(event.token_ids, event.log_probs, ranks, tops):
+        entries = {str(t): {"logprob": lp, "rank": r, "decoded_token": token_text(t)} for r, (t, lp) in enumerate(top, 1)}
+        if str(token) not in entries:
+            chosen = {"logprob": logprob, "decoded_token": token_text(token)}
+            if rank is not None:
+                chosen["rank"] = rank
+            entries = {str(token): chosen, **entries}
+        out.append(entries)
+    return json.dumps(out, ensure_ascii=False)
+
+
 def event_outputs(
-    event: GenerationEvent, prefix: str = "", with_log_probs: bool = False, top_log_probs: int = 0
+    event: GenerationEvent, prefix: str = "", with_log_probs: bool = False, top_log_probs: int = 0,
+    token_text: Callable[[int], str] | None = None, prompt_ids: list[int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Output tensors for one response. Intermediate stream responses carry text only;
-    the final one also says why it finished and the token counts."""
+    the final one also says why it finished and the token counts. token_text (a token id's
+    text): also the vLLM backend's `logprobs` output. prompt_ids: the prompt's tokens, for the
+    response that carries their log-probabilities."""
     out: dict[str, np.ndarray] = {"text_output": _tensor("text_output", [(prefix + event.text).encode("utf-8")])}
     if with_log_probs:
         out["output_log_probs"] = _tensor("output_log_probs", event.log_probs)
+        if token_text is not None:
+            out["logprobs"] = _tensor("logprobs", [vllm_logprobs(event, token_text).encode("utf-8")])
+    if event.prompt_log_probs is not None:
+        values = [math.nan if v is None else v for v in event.prompt_log_probs]
+        out["prompt_token_ids"] = _tensor("prompt_token_ids", (prompt_ids or [])[: len(values)])
+        out["prompt_log_probs"] = _tensor("prompt_log_probs", values)
+        n = max((len(top) for top in event.prompt_top_log_probs or []), default=0)
+        if n:  # [prompt tokens, N]; the first position has none
+            rows = [top if top else [(-1, math.nan)] * n for top in event.prompt_top_log_probs]
+            out["prompt_top_token_ids"] = _tensor("prompt_top_token_ids", [[t for t, _ in r] for r in rows]).reshape(len(rows), n)
+            out["prompt_top_log_probs"] = _tensor("prompt_top_log_probs", [[v for _, v in r] for r in rows]).reshape(len(rows), n)
     if top_log_probs:  # [tokens, N]
         tops = event.top_log_probs
         out["output_top_token_ids"] = _tensor("output_top_token_ids", [[t for t, _ in top] for top in tops]).reshape(

@@ -33,6 +33,20 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# a Hermes-style template with tools (the format SmolLM2-Instruct and Qwen templates teach), kept
+# short for the tiny model's 256-token context: each tool as name(parameters) in the system
+# turn, calls as <tool_call> blocks, results as <tool_response>
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}"
+    "({{ t['function']['parameters']['properties'] | list | join(',') }}){% endfor %}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
+    "{%- for c in m['tool_calls'] %}<tool_call>{\"name\": {{ c['function']['name'] | tojson }}, "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ m['content'] }}</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
 PROMPTS = ["The capital of France is", "Once upon a time there was a small robot who wanted", "Hi",
            "Café naïve — 你好，世界 🙂", "def main(): return"]
 LONG_CONTEXT = 8192
@@ -49,13 +63,14 @@ def triton_repo(tmp_path_factory):
 
     repo = tmp_path_factory.mktemp("openairepo")
     add_generation_model(repo, "tiny")
-    chat = add_generation_model(repo, "tiny_chat")
     tok = tiny()[1]
-    tok.chat_template = CHATML  # the model's "own" template: saved with its tokenizer
-    try:
-        tok.save_pretrained(chat / "1" / "hf")
-    finally:
-        tok.chat_template = None
+    for name, template in (("tiny_chat", CHATML), ("tiny_tools", TOOLS_TEMPLATE)):
+        folder = add_generation_model(repo, name)
+        tok.chat_template = template  # the model's "own" template: saved with its tokenizer
+        try:
+            tok.save_pretrained(folder / "1" / "hf")
+        finally:
+            tok.chat_template = None
     # one running sequence, one waiting, the next is told "server busy"
     add_long_model(repo, "long", max_num_seqs=1, max_queue_size=1)
     shutil.copytree(REPO_ROOT / "model_repository" / "echo", repo / "echo")  # not a generation model
@@ -614,3 +629,236 @@ def test_perf_llm_measures_through_the_openai_api(triton_server, frontend, trito
         assert 0 < float(row["ttft_p50_ms"]) <= float(row["latency_p50_ms"]) and float(row["output_tokens_per_s"]) > 0
     overhead = list(csv.DictReader(open(tmp_path / "overhead.csv")))
     assert [int(r["concurrency"]) for r in overhead] == [1, 2] and all(float(r["ratio"]) > 0 for r in overhead)
+
+
+# ---- tool calls ----------------------------------------------------------------------------------
+# enum-valued parameters: a guided answer is a few dozen tokens, whatever the seeded weights prefer
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+TOOL_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def assert_valid_calls(message, names: set[str]):
+    import jsonschema
+
+    assert message.tool_calls and message.content is None
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_PARAMS[call.function.name])
+    assert len({c.id for c in message.tool_calls}) == len(message.tool_calls)
+
+
+def test_named_and_required_tool_calls_always_parse_and_validate(client):
+    """Guided decoding keeps the answer a valid call: each of n sampled choices is one, checked
+    with jsonschema; streamed deltas re-assembled equal the non-streamed call for the same seed."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=named,
+                                       max_tokens=96, temperature=1.0, seed=3, n=2)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        assert_valid_calls(c.message, {"get_weather"})
+    r = client.chat.completions.create(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=96, temperature=1.0, seed=4, n=2)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        assert_valid_calls(c.message, {"get_weather", "get_time"})
+    for choice in (named, "required"):
+        ask = dict(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=96,
+                   temperature=1.0, seed=5)
+        whole = client.chat.completions.create(**ask).choices[0]
+        calls: list[dict] = []
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        for chunk in chunks:
+            for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                if d.id is not None:  # a call's first delta: id, type and name
+                    assert d.index == len(calls) and d.type == "function"
+                    calls.append({"id": d.id, "name": d.function.name, "arguments": d.function.arguments or ""})
+                else:
+                    calls[d.index]["arguments"] += d.function.arguments
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_reads_hermes_calls_from_the_templates_prompt(client, triton_server):
+    """auto: the template renders the tools (transformers' apply_chat_template is the reference
+    prompt); the answer is that prompt's greedy text read by the Hermes reader: content, or
+    tool calls naming the tools with JSON-object arguments. A template without tools is a 400."""
+    from tritonlm.openai.tools import HermesReader
+
+    tok = tiny()[1]
+    prompt = tok.apply_chat_template(ASK, tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True,
+                                     chat_template=TOOLS_TEMPLATE)
+    assert "Tools: get_weather(city,unit) get_time(zone)" in prompt
+    text = grpc(triton_server, prompt, model="tiny_tools", max_tokens=24).text
+    reader = HermesReader({"get_weather", "get_time"})
+    reader.feed(text)
+    reader.finish()
+    content, calls = reader.message()
+    r = client.chat.completions.create(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], max_tokens=24)
+    message = r.choices[0].message
+    if calls:
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        assert message.content == content and r.choices[0].finish_reason in ("tool_calls", "length")
+    else:
+        assert message.content == text and not message.tool_calls
+    streamed = list(client.chat.completions.create(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], max_tokens=24,
+                                                   stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (message.content or "")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny_chat", messages=ASK, tools=[WEATHER], tool_choice="auto")
+    assert e.value.body["param"] == "tools" and "does not render tools" in e.value.body["message"]
+
+
+def test_tool_history_is_templated_as_transformers_does(client, triton_server):
+    """An assistant turn with tool_calls (content null) and the tool's answer, rendered by the
+    model's template as transformers renders the same conversation (arguments as objects)."""
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+    ]
+    as_templates_take_it = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+    ]
+    prompt = tiny()[1].apply_chat_template(as_templates_take_it, tokenize=False, add_generation_prompt=True,
+                                           chat_template=TOOLS_TEMPLATE)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>' in prompt
+    assert "<tool_response>21 degrees</tool_response>" in prompt
+    ref = grpc(triton_server, prompt, model="tiny_tools", max_tokens=8)
+    r = client.chat.completions.create(model="tiny_tools", messages=history, max_tokens=8)
+    assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.num_input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny_tools", messages=ASK + [{"role": "tool", "content": "x"}])
+    assert e.value.body["param"] == "messages[1].tool_call_id"
+
+
+# ---- echo with the prompt's log-probabilities ----------------------------------------------------
+def test_echo_logprobs_are_the_prompts_then_the_answers_and_equal_transformers(client):
+    """echo + logprobs N: every prompt token (the first with null) then every answer token, each
+    log_softmax of transformers' logits over the whole text (within 1e-3), its N most likely
+    tokens too; streamed, the same lists."""
+    import torch
+
+    from tests.helpers.models import hf_logits
+
+    model, tok = tiny()
+    prompt = PROMPTS[1]
+    ids, answer = list(tok(prompt).input_ids), hf_greedy_text(prompt, 4)
+    with torch.no_grad():
+        want = torch.log_softmax(hf_logits(model, ids + answer), -1)  # [P + A, V]: position j predicts token j + 1
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=2).choices[0]
+    lp = r.logprobs
+    assert r.text == prompt + text_of(answer)
+    # the prompt's tokens one by one; the answer's spell its text (a response holding several
+    # tokens gives its text to the last of them, as without echo)
+    assert lp.tokens[: len(ids)] == [tok.decode([t]) for t in ids] and len(lp.tokens) == len(ids) + len(answer)
+    assert "".join(lp.tokens[len(ids):]) == text_of(answer)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    every = ids + answer
+    assert np.allclose(lp.token_logprobs[1:], [want[j - 1, every[j]].item() for j in range(1, len(every))], atol=1e-3)
+    for j in range(1, len(every)):
+        values, order = torch.topk(want[j - 1], 2)
+        assert set(lp.top_logprobs[j]) == {tok.decode([t]) for t in order.tolist()}
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=2, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    tokens = [t for s in streamed for t in s.tokens]
+    assert tokens[: len(ids)] == lp.tokens[: len(ids)] and "".join(tokens[len(ids):]) == text_of(answer)
+    values = [v for s in streamed for v in s.token_logprobs]
+    assert values[0] is None and np.allclose(values[1:], lp.token_logprobs[1:], atol=1e-5)
+    assert [o for s in streamed for o in s.text_offset] == [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+
+
+def replay_responses(server, inputs, model="tiny") -> list[dict[str, np.ndarray]]:
+    """Every response's outputs (name -> array) of one request over a gRPC stream."""
+    import queue
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        out = []
+        while True:
+            result, error = q.get(timeout=60)
+            if error is not None:
+                raise GenerateError(str(error))
+            names = [o.name for o in result.get_response().outputs]
+            out.append({n: result.as_numpy(n) for n in names})
+            final = result.get_response().parameters.get("triton_final_response")
+            if final and final.bool_param:
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def frontend_completion_logprobs(responses: list[dict[str, np.ndarray]]) -> dict:
+    """What NVIDIA's current OpenAI frontend makes of the responses' `logprobs` output, read as
+    its python/openai/openai_frontend/engine/utils/triton.py does (_get_logprobs_from_response:
+    one string, "null" or JSON; _get_openai_completion_format_logprobs_from_vllm_response: per
+    token the entry of lowest rank is the chosen one, every entry goes to top_logprobs)."""
+    import sys
+
+    tokens, token_logprobs, top_logprobs = [], [], []
+    for response in responses:
+        if "logprobs" not in response:
+            continue
+        tensor = response["logprobs"]
+        assert tensor.size == 1  # its _to_string reads exactly one string
+        text = tensor.reshape(-1)[0].decode()
+        if text == "null":
+            continue
+        for per_token in json.loads(text):
+            if not per_token:
+                continue
+            ranked = sorted(per_token.items(), key=lambda x: x[1].get("rank", sys.maxsize))
+            tokens.append(ranked[0][1]["decoded_token"])
+            token_logprobs.append(ranked[0][1]["logprob"])
+            top_logprobs.append({d["decoded_token"]: d["logprob"] for _, d in ranked})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs}
+
+
+def test_nvidia_frontends_logprobs_and_prompt_log_probs_decode_as_transformers(triton_server):
+    """The current frontend sends return_logprobs and sampling_parameters' logprobs N; its reading
+    of the `logprobs` output gives the greedy tokens, their log-probabilities and the N most likely,
+    equal to transformers' (within 1e-3), streamed or not. The `prompt_log_probs` input gives the
+    prompt's tokens and theirs on the first response (the first NaN)."""
+    import torch
+
+    from tests.helpers.models import hf_logits
+
+    model, tok = tiny()
+    prompt = PROMPTS[0]
+    ids, answer = list(tok(prompt).input_ids), hf_greedy_text(prompt, 6)
+    with torch.no_grad():
+        want = torch.log_softmax(hf_logits(model, ids + answer), -1)  # [P + A, V]
+    sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "temperature": 0.0, "top_p": 1,
+                "max_tokens": 6, "logprobs": 2}
+    for stream in (False, True):
+        responses = replay_responses(triton_server, nvidia_inputs(prompt, sampling, stream, logprobs=True))
+        got = frontend_completion_logprobs(responses)
+        assert got["tokens"] == [tok.decode([t]) for t in answer]
+        chosen = [want[len(ids) - 1 + i, t].item() for i, t in enumerate(answer)]
+        assert np.allclose(got["token_logprobs"], chosen, atol=1e-3)
+        for i, top in enumerate(got["top_logprobs"]):
+            values, order = torch.topk(want[len(ids) - 1 + i], 2)
+            assert sorted(top) == sorted(tok.decode([t]) for t in order.tolist())
+            assert np.allclose(sorted(top.values()), sorted(values.tolist()), atol=1e-3)
+    inputs = nvidia_inputs(prompt, {"max_tokens": 2}, True)
+    scored = grpcclient.InferInput("prompt_log_probs", [1], "INT32")
+    scored.set_data_from_numpy(np.array([2], dtype=np.int32))
+    first = replay_responses(triton_server, inputs + [scored])[0]
+    assert first["prompt_token_ids"].tolist() == ids and np.isnan(first["prompt_log_probs"][0])
+    assert np.allclose(first["prompt_log_probs"][1:], [want[j - 1, ids[j]].item() for j in range(1, len(ids))], atol=1e-3)
+    assert first["prompt_top_token_ids"].shape == (len(ids), 2)
+    assert first["prompt_top_token_ids"][1:].tolist() == [torch.topk(want[j - 1], 2).indices.tolist() for j in range(1, len(ids))]

@@ -5,6 +5,7 @@ input naming the field, as the engine's caller sends it (no Triton checks in fro
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -96,13 +97,16 @@ def _sample(t, wrong: bool = False) -> np.ndarray:
     good = {"INT32": np.array([1], np.int32), "UINT64": np.array([1], np.uint64), "FP32": np.array([0.5], np.float32),
             "BOOL": np.array([True]), "BYTES": np.array([b"x"], dtype=object)}
     if not wrong:
-        return np.array([b'{"max_tokens": 2}'], dtype=object) if t.name == "sampling_parameters" else good[t.dtype]
+        valid = {"sampling_parameters": b'{"max_tokens": 2}', "guided_decoding_guide_type": b"json"}
+        return np.array([valid[t.name]], dtype=object) if t.name in valid else good[t.dtype]
     return good["INT32"] if t.dtype in ("BOOL", "BYTES") else np.array([b"x"], dtype=object)
 
 
 @pytest.mark.parametrize("t", [t for t in INPUTS if t.optional], ids=lambda t: t.name)
 def test_parser_accepts_each_input_with_its_contract_type(t):
-    parse_request({"text_input": TEXT, t.name: _sample(t)}, 4)
+    # a guide comes with its type
+    typed = {"guided_decoding_guide_type": np.array([b"regex"], dtype=object)} if t.name == "guided_decoding_guide" else {}
+    parse_request({"text_input": TEXT, t.name: _sample(t), **typed}, 4)
 
 
 @pytest.mark.parametrize("t", [t for t in INPUTS if t.optional], ids=lambda t: t.name)
@@ -130,9 +134,13 @@ def test_parser_defaults_are_the_contract_defaults():
 def test_event_outputs_follow_the_contract():
     event = GenerationEvent(request_id=1, text="ok", log_probs=[-0.5], finished=True, finish_reason="stop",
                             num_input_tokens=2, num_output_tokens=1, draft_tokens=4, accepted_draft_tokens=3,
-                            top_log_probs=[[(7, -0.5), (9, -1.5)]])
-    out = event_outputs(event, with_log_probs=True, top_log_probs=2)
+                            top_log_probs=[[(7, -0.5), (9, -1.5)]], ranks=[1], prompt_log_probs=[None, -2.0],
+                            prompt_top_log_probs=[[], [(3, -1.0), (5, -2.0)]])
+    out = event_outputs(event, with_log_probs=True, top_log_probs=2, token_text=lambda t: f"<{t}>", prompt_ids=[4, 5])
     assert out["output_top_token_ids"].tolist() == [[7, 9]] and out["output_top_log_probs"].tolist() == [[-0.5, -1.5]]
+    assert out["prompt_token_ids"].tolist() == [4, 5] and np.isnan(out["prompt_log_probs"][0])
+    assert out["prompt_log_probs"][1] == -2.0 and out["prompt_top_token_ids"].tolist() == [[-1, -1], [3, 5]]
+    assert np.isnan(out["prompt_top_log_probs"][0]).all() and out["prompt_top_log_probs"][1].tolist() == [-1.0, -2.0]
     assert list(out) and set(out) == {t.name for t in OUTPUTS}  # a final response with log probs: all of them
     for t in OUTPUTS:
         assert out[t.name].dtype == np.dtype(NUMPY_TYPES[t.dtype]), t.name
@@ -193,3 +201,27 @@ def test_vllm_logprobs_n_asks_for_the_n_most_likely_tokens():
         parse_request({"text_input": TEXT, "sampling_parameters": np.array([b'{"logprobs": 21}'], dtype=object)}, 4)
     with pytest.raises(InvalidRequestError, match=r"^top_log_probs: must be in \[0, 20\]"):
         parse_request({"text_input": TEXT, "top_log_probs": np.array([21], np.int32)}, 4)
+
+
+def test_prompt_logprobs_key_and_input_set_prompt_log_probs_and_are_bounded():
+    sp = parse_request({"text_input": TEXT, "sampling_parameters": np.array([b'{"prompt_logprobs": 3}'], dtype=object)}, 4)
+    assert sp.params.prompt_log_probs == 3
+    assert parse_request({"text_input": TEXT, "prompt_log_probs": np.array([0], dtype=np.int32)}, 4).params.prompt_log_probs == 0
+    assert parse_request({"text_input": TEXT}, 4).params.prompt_log_probs is None
+    with pytest.raises(InvalidRequestError, match=r"^sampling_parameters\.prompt_logprobs: must be in \[0, 20\]"):
+        parse_request({"text_input": TEXT, "sampling_parameters": np.array([b'{"prompt_logprobs": 21}'], dtype=object)}, 4)
+
+
+def test_vllm_logprobs_output_is_the_vllm_backends_json():
+    """The vLLM backend's form (its src/model.py): per token {id: {logprob, rank, decoded_token}},
+    the chosen token with its rank and the most likely ones ranked 1..N."""
+    from tritonlm.protocol import vllm_logprobs
+
+    event = GenerationEvent(request_id=1, token_ids=[9, 7], log_probs=[-1.5, -0.2],
+                            top_log_probs=[[(7, -0.5)], [(7, -0.2)]], ranks=[3, 1])
+    got = json.loads(vllm_logprobs(event, lambda t: f"<{t}>"))
+    assert got == [{"9": {"logprob": -1.5, "rank": 3, "decoded_token": "<9>"},
+                    "7": {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"}},
+                   {"7": {"logprob": -0.2, "rank": 1, "decoded_token": "<7>"}}]
+    unranked = GenerationEvent(request_id=1, token_ids=[9], log_probs=[-1.5], ranks=[None])
+    assert json.loads(vllm_logprobs(unranked, str)) == [{"9": {"logprob": -1.5, "decoded_token": "9"}}]

@@ -8,6 +8,7 @@ the request's response sender (the last one flagged final).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 import threading
@@ -81,6 +82,8 @@ class GenerateHandler:
             params = type(params)(**{**params.__dict__, "bad_words": bad_word_token_ids(self.engine.tokenizer, parsed.bad_words_text)})
         prefix = "" if (parsed.exclude_input_in_output or parsed.stream) else parsed.text
         want_logprobs = params.return_log_probs
+        prompt_ids = self.engine.encode(parsed.text)
+        token_text = self._token_text if parsed.vllm_logprobs else None
 
         link = ClientLink(request, sender)
 
@@ -89,7 +92,8 @@ class GenerateHandler:
             if event.error is not None:
                 link.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(event.error)), final=True)
                 return
-            outputs = event_outputs(event, prefix, with_log_probs=want_logprobs, top_log_probs=params.top_log_probs)
+            outputs = event_outputs(event, prefix, with_log_probs=want_logprobs, top_log_probs=params.top_log_probs,
+                                    token_text=token_text, prompt_ids=prompt_ids)
             prefix = ""
             tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
             link.send(pb_utils.InferenceResponse(output_tensors=tensors), final=event.finished)
@@ -97,7 +101,7 @@ class GenerateHandler:
         try:
             self.engine.submit(
                 GenerationRequest(
-                    prompt_ids=self.engine.encode(parsed.text),
+                    prompt_ids=prompt_ids,
                     params=params,
                     on_event=on_event,
                     stream=parsed.stream,
@@ -107,6 +111,11 @@ class GenerateHandler:
             )
         except InvalidRequestError as e:  # name the field as the request did (a sampling_parameters key)
             raise InvalidRequestError(rename_error(str(e), parsed.renames)) from None
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one handler per model process
+    def _token_text(self, token: int) -> str:
+        """A token id's text alone (vLLM's decoded_token): a vocabulary's likely tokens recur."""
+        return self.engine.tokenizer.decode([token])
 
     def finalize(self):
         self.heartbeat.stop()

@@ -32,6 +32,9 @@ from tritonlm.openai.schemas import ChatCompletionRequest, CompletionRequest, pa
 from tritonlm.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from tritonlm.openai.tokenize import detokenize as detokenize_ids
 from tritonlm.openai.tokenize import tokenize as tokenize_text
+from tritonlm.openai.tools import Reader, ToolDelta
+from tritonlm.openai.tools import guide as tool_guide
+from tritonlm.openai.tools import reader as tool_reader
 from tritonlm.openai.triton import Generation, Piece, TritonBackend
 
 log = logging.getLogger(__name__)
@@ -76,11 +79,46 @@ class Choice:
     chars: int = 0  # characters of text so far
     piece_start: int = 0  # where the last piece's text starts in it (logprobs' text_offset)
     token_text: Callable[[int], str] | None = None  # a token id's text, for the most likely tokens
+    # echo with logprobs: the prompt's tokens (the first one's log-probability None), from the first response
+    echo_tokens: list[Token] | None = None
+    reader: Reader | None = None  # chat with tools: reads the answer into content and tool calls
+
+    def final_reason(self) -> str | None:
+        """finish_reason: "tool_calls" for an answer that ended on its own with calls."""
+        if self.reader is not None and self.reader.calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
+
+    def message(self) -> dict:
+        """The whole answer as a chat message: content, or the calls (and the text outside them)."""
+        text = "".join(self.text)
+        if self.reader is None:
+            return {"role": "assistant", "content": text}
+        self.reader.feed(text)
+        self.reader.finish()
+        content, calls = self.reader.message()
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": content, "tool_calls": calls}
+
+    def absorb_prompt(self, piece: Piece) -> None:
+        """The prompt's tokens and log-probabilities, when this response carries them."""
+        if piece.prompt_log_probs is None or self.echo_tokens is not None or self.token_text is None:
+            return
+        tops = [None if top is None else [(self.token_text(i), lp) for i, lp in top] for top in piece.prompt_top]
+        self.echo_tokens = [(self.token_text(t), lp, top)
+                              for t, lp, top in zip(piece.prompt_ids, piece.prompt_log_probs, tops)]
+
+    @property
+    def prompt_chars(self) -> int:
+        """Where the answer's tokens start in the logprobs' text_offset: after the prompt's tokens."""
+        return sum(len(t) for t, _, _ in self.echo_tokens or [])
 
     def absorb(self, piece: Piece) -> list[Token]:
         """Add one Triton response; returns its tokens (text, logprob, top) when log-probs were
         asked. A response covering several tokens (a character split over tokens is held back
         until complete) gives its text to its last token, the others get ""."""
+        self.absorb_prompt(piece)
         self.text.append(piece.text)
         self.piece_start, self.chars = self.chars, self.chars + len(piece.text)
         new: list[Token] = []
@@ -124,12 +162,14 @@ def usage(choices: list[Choice]) -> dict:
 
 
 def completion_logprobs(tokens: list[Token], start: int = 0) -> dict:
+    """OpenAI's legacy completions form; with echo the prompt's tokens come first, the first
+    of them with a null log-probability and null top_logprobs (nothing predicts it)."""
     offsets, at = [], start
     for t, _, _ in tokens:
         offsets.append(at)
         at += len(t)
     # OpenAI's completions form: one {token text: log-probability} map per position
-    tops = [dict(top) for _, _, top in tokens] if any(top is not None for _, _, top in tokens) else None
+    tops = [None if top is None else dict(top) for _, _, top in tokens] if any(top is not None for _, _, top in tokens) else None
     return {"tokens": [t for t, _, _ in tokens], "token_logprobs": [lp for _, lp, _ in tokens], "top_logprobs": tops,
             "text_offset": offsets}
 
@@ -262,10 +302,12 @@ def _stream(choices: list[Choice], firsts: list[Piece], *, chat: bool, model: st
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = f'data: {{"id":"{rid}","object":"{obj}","created":{created},"model":{_dumps(model)},"choices":['
 
-    def chunk(c: Choice, text: str | None, tokens, finish: str | None, role: bool = False) -> str:
+    def chunk(c: Choice, text: str | None, tokens, finish: str | None, role: bool = False, start: int | None = None,
+              calls: list[ToolDelta] | None = None) -> str:
         lp = "null"
         if want_logprobs and tokens is not None:
-            lp = _dumps(chat_logprobs(tokens) if chat else completion_logprobs(tokens, c.piece_start))
+            at = c.prompt_chars + c.piece_start if start is None else start
+            lp = _dumps(chat_logprobs(tokens) if chat else completion_logprobs(tokens, at))
         fin = "null" if finish is None else f'"{finish}"'
         if chat:
             delta = {}
@@ -273,6 +315,8 @@ def _stream(choices: list[Choice], firsts: list[Piece], *, chat: bool, model: st
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [d.chunk() for d in calls]
             body = f'{{"index":{c.index},"delta":{_dumps(delta)},"logprobs":{lp},"finish_reason":{fin}}}'
         else:
             body = f'{{"index":{c.index},"text":{_dumps(text or "")},"logprobs":{lp},"finish_reason":{fin}}}'
@@ -283,11 +327,19 @@ def _stream(choices: list[Choice], firsts: list[Piece], *, chat: bool, model: st
             for c in choices:
                 if chat:
                     yield chunk(c, "", None, None, role=True)
-                elif echo:
-                    yield chunk(c, c.prompt, None, None)
+                elif echo:  # the prompt, with its log-probabilities when asked (they came with the first response)
+                    c.absorb_prompt(firsts[c.index])
+                    yield chunk(c, c.prompt, c.echo_tokens, None, start=0)
             async for c, piece in _pieces(choices, firsts):
                 tokens = c.absorb(piece)
-                if piece.text or tokens or piece.final:
+                if c.reader is not None:  # tools: the text becomes content and call deltas as it is read
+                    reading = c.reader.feed(piece.text)
+                    if piece.final:
+                        end = c.reader.finish()
+                        reading.content, reading.calls = reading.content + end.content, reading.calls + end.calls
+                    if reading.content or reading.calls or tokens or piece.final:
+                        yield chunk(c, reading.content or None, tokens, c.final_reason(), calls=reading.calls)
+                elif piece.text or tokens or piece.final:
                     yield chunk(c, piece.text if (piece.text or not piece.final) else None, tokens, c.finish_reason)
             if include_usage:
                 yield f'data: {{"id":"{rid}","object":"{obj}","created":{created},"model":{_dumps(model)},' \
@@ -432,23 +484,36 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         req = parse_body(ChatCompletionRequest, await _body(request))
         check_available(req.model)
         info = await app.state.backend.model(req.model)
-        prompt = await templates.render(info.name, info.parameters, req.chat_messages())
+        functions, choice = req.functions_list, req.choice
+        prompt = await templates.render(info.name, info.parameters, req.chat_messages(),
+                                        tools=[f.given for f in functions], need_tools=choice == "auto")
         n = req.n or 1
         jobs = [(0, prompt, req.sampling(j)) for j in range(n)]
-        return await _answer(request, req, info, jobs, n, chat=True, echo=False)
+        call_guide = tool_guide(choice, functions, req.parallel)
+        for _, _, sampling in jobs:  # named and required: the answer is kept a valid call
+            if call_guide is not None:
+                if "guided_decoding" in sampling:
+                    raise OpenAIError(400, "tool_choice: a named or required tool call is itself a constraint on the "
+                                      "answer; send it without response_format or another guide", param="tool_choice",
+                                      code="invalid_value")
+                sampling["guided_decoding"] = call_guide
+        readers = [tool_reader(choice, functions, req.parallel) for _ in jobs]  # each choice its own
+        return await _answer(request, req, info, jobs, n, chat=True, echo=False, readers=readers)
 
-    async def _answer(request: Request, req, info, jobs, n: int, *, chat: bool, echo: bool):
+    async def _answer(request: Request, req, info, jobs, n: int, *, chat: bool, echo: bool, readers=None):
         model = info.name
         want_logprobs = req.wants_logprobs()
         stream = bool(req.stream)
         token_text = None
-        if req.top_alternatives():  # the most likely tokens come back as ids: their text needs the tokenizer
+        # the most likely tokens and the echoed prompt's come back as ids: their text needs the tokenizer
+        if req.top_alternatives() or (echo and want_logprobs):
             tok = await templates.tokenizer(model, info.parameters, param="top_logprobs" if chat else "logprobs")
             token_text = _token_texts(tok)
         # per-token responses from Triton when streaming, or to list each token's log-probability
         choices = await _start(app.state.backend, model, jobs, n, stream or want_logprobs, chat)
         for c in choices:
             c.token_text = token_text
+            c.reader = readers[c.index] if readers else None
         if stream:
             firsts = await _first_pieces(choices)
             return _stream(choices, firsts, chat=chat, model=model, include_usage=req.include_usage,
@@ -472,10 +537,9 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
             text = "".join(c.text)
             lp = None
             if want_logprobs:
-                lp = chat_logprobs(c.tokens) if chat else completion_logprobs(c.tokens)
+                lp = chat_logprobs(c.tokens) if chat else completion_logprobs((c.echo_tokens or []) + c.tokens)
             if chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": c.finish_reason})
+                out.append({"index": c.index, "message": c.message(), "logprobs": lp, "finish_reason": c.final_reason()})
             else:
                 out.append({"index": c.index, "text": (c.prompt if echo else "") + text, "logprobs": lp,
                             "finish_reason": c.finish_reason})

@@ -58,7 +58,10 @@ class ChatTemplates:
         return self._loaded[key]
 
     async def render(self, model: str, parameters: dict[str, str], messages: list[dict],
-                     add_generation_prompt: bool = True) -> str:
+                     add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                     need_tools: bool = False) -> str:
+        """The prompt. tools: rendered by the template, in its own format; need_tools: a
+        template that leaves them out (no tool support) is a 400 naming `tools`."""
         tok = await self.tokenizer(model, parameters)
         if not getattr(tok, "chat_template", None):
             raise OpenAIError(
@@ -68,7 +71,17 @@ class ChatTemplates:
                 param="messages", code="no_chat_template",
             )
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+            if need_tools and text == tok.apply_chat_template(messages, tokenize=False,
+                                                              add_generation_prompt=add_generation_prompt):
+                raise OpenAIError(
+                    400, f"tools: the chat template of '{model}' does not render tools, so the model cannot be offered "
+                    "them with tool_choice \"auto\"; send tool_choice \"required\" or a named function (the answer is "
+                    "then constrained to a valid call), or give the model a template with tool support",
+                    param="tools", code="no_tool_support")
+        except OpenAIError:
+            raise
         except Exception as e:  # a template may raise on purpose (e.g. roles must alternate)
             raise OpenAIError(400, f"messages: the chat template of '{model}' refused them: {e}", param="messages",
                               code="invalid_value") from None

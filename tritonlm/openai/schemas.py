@@ -1,19 +1,22 @@
 """The OpenAI request bodies this server takes, and what each field becomes on the Triton side.
 
 Parsing is strict: an unknown field, a value of the wrong type or out of range, and a known
-field this server does not support (tools, response_format, images,
-alternatives' log-probabilities) each get a 400 whose `param` and message name the field.
+field this server does not support (a response_format other than text, images, the deprecated
+functions) each get a 400 whose `param` and message name the field. Tools are checked in
+tritonlm/openai/tools.py.
 `sampling()` turns a request into the `sampling_parameters` JSON of tritonlm's generation
 model (tritonlm/protocol.py, SAMPLING_KEYS).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tritonlm.openai.errors import OpenAIError, bad_field, unsupported
+from tritonlm.openai.tools import Function, check_tool_choice, check_tools
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # Triton requests one HTTP request may start (prompts x n)
@@ -51,10 +54,11 @@ class _Request(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    # known, refused while set (checked in check_supported)
+    # chat only: tool calls (tritonlm/openai/tools.py); refused on completions
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
+    # known, refused while set (checked in check_supported)
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
@@ -66,11 +70,10 @@ class _Request(BaseModel):
 
     # --- checks beyond the types ----------------------------------------------------------
     def check_supported(self) -> None:
-        for name in ("tools", "functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort"):
+        for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort"):
             if getattr(self, name) is not None:
-                raise unsupported(name, "is not supported by this server (plain text generation only)")
-        if self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", "is not supported by this server (no tools); leave it out or send \"none\"")
+                hint = " (send tools and tool_choice)" if name in ("functions", "function_call") else ""
+                raise unsupported(name, f"is not supported by this server{hint}")
         rf = self.response_format
         if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text" and len(rf) == 1):
             raise unsupported("response_format", 'is not supported by this server: only {"type": "text"} (no JSON mode or schemas)')
@@ -135,12 +138,13 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(self, name) is not None:
+                raise unsupported(name, "is a chat field: use /v1/chat/completions")
         if self.suffix:
             raise unsupported("suffix", "is not supported by this server (no insertion)")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", f"only 1 is supported, got {self.best_of}")
-        if self.echo and self.logprobs is not None:
-            raise unsupported("logprobs", "with echo: the prompt's log-probabilities are not computed")
         if len(self.prompts()) * (self.n or 1) > MAX_CHOICES:
             raise bad_field("n", f"{len(self.prompts())} prompts x n={self.n} choices; at most {MAX_CHOICES} per request")
 
@@ -165,18 +169,41 @@ class CompletionRequest(_Request):
     def top_alternatives(self) -> int:
         return self.logprobs or 0
 
+    def sampling(self, choice: int = 0) -> dict:
+        out = super().sampling(choice)
+        if self.echo and self.logprobs is not None:  # the prompt's tokens get theirs too (vLLM's name)
+            out["prompt_logprobs"] = self.logprobs
+        return out
+
 
 class ChatCompletionRequest(_Request):
     messages: list[Any] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    _functions: list = []  # the checked tools (check_supported)
+    _choice: Any = "none"  # the checked tool_choice
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise bad_field("top_logprobs", "needs logprobs: true")
+        self._functions = check_tools(self.tools) if self.tools is not None else []
+        self._choice = check_tool_choice(self.tool_choice, self._functions)
         self.chat_messages()
+
+    @property
+    def functions_list(self) -> list[Function]:
+        return self._functions
+
+    @property
+    def choice(self) -> str | Function:
+        """tool_choice, checked: "none", "auto", "required" or the named Function."""
+        return self._choice
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
 
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -188,22 +215,27 @@ class ChatCompletionRequest(_Request):
         return self.top_logprobs or 0 if self.logprobs else 0
 
     def chat_messages(self) -> list[dict]:
-        """The messages as the chat template takes them: role and text content."""
+        """The messages as the chat template takes them: role and text content; an assistant's
+        tool_calls with their arguments as objects, and tool results with their tool_call_id
+        (the form transformers' chat templates take)."""
         out = []
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"
             if not isinstance(m, dict):
                 raise bad_field(where, "expected an object with role and content")
             role = m.get("role")
-            if role not in ("system", "developer", "user", "assistant"):
-                if role in ("tool", "function"):
-                    raise unsupported(f"{where}.role", f"{role!r} messages are not supported (no tools)")
-                raise bad_field(f"{where}.role", f"expected system, developer, user or assistant, got {role!r}")
+            if role not in ("system", "developer", "user", "assistant", "tool"):
+                if role == "function":
+                    raise unsupported(f"{where}.role", "'function' messages are deprecated and not supported; send 'tool' messages")
+                raise bad_field(f"{where}.role", f"expected system, developer, user, assistant or tool, got {role!r}")
+            allowed = {"role", "content", "name", "refusal"} | ({"tool_calls"} if role == "assistant" else set()) \
+                | ({"tool_call_id"} if role == "tool" else set())
             for key in m:
-                if key in ("tool_calls", "function_call", "audio"):
-                    raise unsupported(f"{where}.{key}", "is not supported by this server (no tools or audio)")
-                if key not in ("role", "content", "name", "refusal"):
-                    raise bad_field(f"{where}.{key}", "unrecognized field")
+                if key in ("function_call", "audio"):
+                    raise unsupported(f"{where}.{key}", "is not supported by this server (send tool_calls; no audio)")
+                if key not in allowed:
+                    raise bad_field(f"{where}.{key}", "unrecognized field" if key not in ("tool_calls", "tool_call_id")
+                                    else f"only allowed on {'assistant' if key == 'tool_calls' else 'tool'} messages")
             content = m.get("content")
             if isinstance(content, list):
                 texts = []
@@ -221,14 +253,47 @@ class ChatCompletionRequest(_Request):
             elif content is None:
                 if role != "assistant":
                     raise bad_field(f"{where}.content", "required")
-                content = ""
+                content = None if m.get("tool_calls") else ""
             elif not isinstance(content, str):
                 raise bad_field(f"{where}.content", "expected a string or a list of text parts")
             message = {"role": "system" if role == "developer" else role, "content": content}
             if isinstance(m.get("name"), str):
                 message["name"] = m["name"]
+            if role == "assistant" and m.get("tool_calls") is not None:
+                message["tool_calls"] = _history_calls(m["tool_calls"], f"{where}.tool_calls")
+            if role == "tool":
+                if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                    raise bad_field(f"{where}.tool_call_id", "required: the id of the call this answers")
+                message["tool_call_id"] = m["tool_call_id"]
             out.append(message)
         return out
+
+
+def _history_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's tool_calls as chat templates take them: arguments as an object."""
+    if not isinstance(calls, list):
+        raise bad_field(where, "expected a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(call.get("function"), dict):
+            raise bad_field(at, 'expected {"id": ..., "type": "function", "function": {"name": ..., "arguments": "..."}}')
+        fn = call["function"]
+        if not isinstance(fn.get("name"), str):
+            raise bad_field(f"{at}.function.name", "required: a string")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as e:
+                raise bad_field(f"{at}.function.arguments", f"not valid JSON ({e})") from None
+        if not isinstance(arguments, dict):
+            raise bad_field(f"{at}.function.arguments", "expected a JSON object")
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
 
 
 def _loc(loc: tuple) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +53,11 @@ class Piece:
     text: str = ""
     log_probs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: the most likely (id, log-prob)
+    # the first response of a request that asked for prompt_logprobs: the prompt's token ids, each
+    # one's log-probability (None for the first) and the most likely tokens there (None for the first)
+    prompt_ids: list[int] | None = None
+    prompt_log_probs: list[float | None] | None = None
+    prompt_top: list[list[tuple[int, float]] | None] | None = None
     final: bool = False
     finish_reason: str | None = None
     num_input_tokens: int | None = None
@@ -75,6 +81,14 @@ def parse_response(result) -> Piece:
     top_ids, top_lps = result.as_numpy("output_top_token_ids"), result.as_numpy("output_top_log_probs")
     if top_ids is not None and top_lps is not None:  # [tokens, N]
         piece.top = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lps.tolist())]
+    prompt_ids, prompt_lps = result.as_numpy("prompt_token_ids"), result.as_numpy("prompt_log_probs")
+    if prompt_ids is not None and prompt_lps is not None:
+        piece.prompt_ids = prompt_ids.reshape(-1).tolist()
+        piece.prompt_log_probs = [None if math.isnan(v) else v for v in prompt_lps.reshape(-1).tolist()]
+        top_ids, top_lps = result.as_numpy("prompt_top_token_ids"), result.as_numpy("prompt_top_log_probs")
+        piece.prompt_top = [None] * len(piece.prompt_ids)
+        if top_ids is not None and top_lps is not None:  # [prompt tokens, N]; the first row has none
+            piece.prompt_top = [None] + [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist()[1:], top_lps.tolist()[1:])]
     reason = _scalar(result, "finish_reason")
     if reason is not None:
         piece.finish_reason = reason.decode() if isinstance(reason, bytes) else str(reason)

@@ -54,7 +54,8 @@ def test_generation_entry_contract(exported, model):
     outputs = {o.name for o in cfg.output}
     assert {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "output_log_probs",
             "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_cached_tokens",
-            "output_top_token_ids", "output_top_log_probs"} == outputs
+            "output_top_token_ids", "output_top_log_probs", "logprobs", "prompt_token_ids", "prompt_log_probs",
+            "prompt_top_token_ids", "prompt_top_log_probs"} == outputs
     # the saved HF folder is the same model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
