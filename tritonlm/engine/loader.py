@@ -34,14 +34,15 @@ def resolve_settings_precision(settings: EngineSettings) -> Precision:
         precision = resolve_precision(settings.dtype, settings.device)
     except PrecisionError as e:
         raise SettingsError(f"dtype: {e}") from None
-    log.info("precision: %s%s on %s (%s)", precision.name, " weights, float32 compute" if precision.int8_weights else "",
+    log.info("precision: %s%s on %s (%s)", precision.name, " weights, float32 compute" if precision.int8_weights or precision.int8_weight_only else "",
              settings.device, precision.reason)
     return precision
 
 
 def _torch_runner_kwargs(settings: EngineSettings) -> dict:
     precision = resolve_settings_precision(settings)
-    return {"dtype": precision.compute, "int8": precision.int8_weights, "attention": settings.attention_backend,
+    return {"dtype": precision.compute, "int8": precision.int8_weights, "int8_weight_only": precision.int8_weight_only,
+            "attention": settings.attention_backend,
             "cuda_graphs": settings.cuda_graphs, "max_batch": settings.max_num_seqs,
             "compile_decode": settings.compile_decode}
 

@@ -5,6 +5,10 @@
                                    quantized linear: fbgemm, VNNI where the CPU has it);
                                    activations quantized per call; compute and KV float32.
                                    CPU only.
+    int8_weight_only               weights int8 per output channel, activations float32:
+                                   the weights are widened to float inside tritonlm's own
+                                   matmul kernel (kernels/weight_only_int8.cpp). Closer to
+                                   float32's output than int8; CPU only.
     auto                           bfloat16 where the device multiplies bf16 natively (a
                                    GPU of compute capability 8.0+, a CPU with AVX512-BF16
                                    or AMX), else float32. Opt-in: the default, float32,
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = (*COMPUTE_DTYPES, "int8", "auto")
+DTYPE_NAMES = (*COMPUTE_DTYPES, "int8", "int8_weight_only", "auto")
 
 
 class PrecisionError(ValueError):
@@ -29,10 +33,11 @@ class PrecisionError(ValueError):
 
 @dataclass(frozen=True)
 class Precision:
-    name: str  # the resolved setting: float32 | bfloat16 | float16 | int8
+    name: str  # the resolved setting: float32 | bfloat16 | float16 | int8 | int8_weight_only
     compute: torch.dtype  # activations and the KV cache
-    int8_weights: bool
+    int8_weights: bool  # int8 x int8: int8 weights, activations quantized per token
     reason: str  # why this precision, for the log
+    int8_weight_only: bool = False  # int8 weights, float32 activations
 
 
 def native_bf16(device: str | torch.device) -> tuple[bool, str]:
@@ -67,6 +72,12 @@ def resolve_precision(name: str, device: str | torch.device) -> Precision:
         if why:
             raise PrecisionError(f"{why}; use float32, bfloat16 or auto there")
         return Precision("int8", torch.float32, True, "set in the config")
+    if name == "int8_weight_only":
+        device = torch.device(device)
+        if device.type != "cpu":
+            raise PrecisionError(f"int8_weight_only runs on the CPU only (tritonlm's C++ kernel); device is {device}; "
+                                 "use float32, bfloat16 or auto there")
+        return Precision("int8_weight_only", torch.float32, False, "set in the config", int8_weight_only=True)
     if name == "auto":
         native, found = native_bf16(device)
         if native:

@@ -62,7 +62,7 @@ class EngineSettings:
     runtime: str = "torch"  # "torch" | "onnx"
     onnx_model: Path | None = None
     device: str = "cpu"
-    dtype: str = "float32"  # torch runtime: float32 | bfloat16 | float16 | int8 | auto (engine.precision)
+    dtype: str = "float32"  # torch runtime: float32 | bfloat16 | float16 | int8 | int8_weight_only | auto (engine.precision)
     max_context: int | None = None  # None: the model's own maximum
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float | None = None  # of free device memory, when kv_cache_bytes is not set
@@ -301,7 +301,10 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("dtype", "float32",
        "torch runtime precision, resolved at load and logged. `bfloat16` / `float16`: compute and KV in half"
        " precision (half the KV bytes per token); `int8`: CPU only, weights int8 per output channel "
-       "(SmoothQuant-smoothed), activations quantized per token, compute and KV float32; `auto`: bfloat16 "
+       "(SmoothQuant-smoothed), activations quantized per token, compute and KV float32; `int8_weight_only`:"
+       " CPU only, weights (LM head included) int8 per output channel, activations and KV float32, the "
+       "weights widened to float inside tritonlm's C++ kernel (closer to float32 than `int8`, about as fast "
+       "for one stream, slower for long prompts: [configuration.md](configuration.md#precision)); `auto`: bfloat16 "
        "where the device multiplies it natively (a GPU of compute capability 8.0+, a CPU with AVX512-BF16 or"
        " AMX), else float32. Anything but float32 needs `runtime: torch` without model parallelism and may "
        "change greedy text at near ties"),
@@ -338,7 +341,7 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
        "([serving.md](serving.md#cpu-threads)); a number: exactly that many, never changed"),
     _P("attention_backend", "auto",
        "torch runtime, how decode steps read the KV cache. `paged`: tritonlm's C++ kernels read K/V in place"
-       " (CPU with float32 compute: `dtype` float32 or int8; compiled for the host CPU at the first load, "
+       " (CPU with float32 compute: `dtype` float32, int8 or int8_weight_only; compiled for the host CPU at the first load, "
        "needs g++); `gather`: copy each sequence's K/V, then torch's SDPA; `auto`: `paged` where it runs, "
        "else `gather` (logged)"),
     _P("cuda_graphs", "auto",

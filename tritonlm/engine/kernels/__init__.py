@@ -9,6 +9,12 @@
         a layer's element-wise steps fused (decode_ops.cpp)
     torch.ops.tritonlm.int8_linear(x, smooth, bias, packed, buf, reduce_range)
         an int8 projection, rows quantized alone, in one op (decode_ops.cpp)
+    torch.ops.tritonlm.w8_linear(x, w, scale, bias, isa), .w8_isas()
+        a projection with int8 weights and float32 activations (`dtype: int8_weight_only`),
+        AVX-512 / AVX2 / scalar chosen by the CPU's flags at run time (weight_only_int8.cpp)
+    torch.ops.tritonlm.panel_linear(x, panel, bias, out), .panel_supported()
+        a float32 projection over weights in 16-wide output panels (runners/layers.py's
+        PanelLinear; AVX-512 builds only) (float_panel.cpp)
     torch.classes.tritonlm.DecoderStack, torch.ops.tritonlm.decoder_stack(stack, x, ...)
         a decode step's layers (Llama family, GPT-2), those ops in one call (decoder_stack.cpp)
 
@@ -46,7 +52,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "decode_ops.cpp", _HERE / "decoder_stack.cpp"]
+_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "decode_ops.cpp", _HERE / "decoder_stack.cpp",
+            _HERE / "weight_only_int8.cpp", _HERE / "float_panel.cpp"]
 _HEADERS = [_HERE / "simd_math.h"]
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # (available, why), once per process

@@ -11,7 +11,11 @@
 //
 //   torch.classes.tritonlm.DecoderStack(heads)
 //     .add_float(blocked, bias)                     one projection, oneDNN's blocked float32 weight
+//     .add_panel(panel, bias, out)                  one projection, float32 weights in 16-wide output
+//                                                   panels (float_panel.cpp's panel_linear)
 //     .add_int8(packed, smooth, bias, reduce_range) one projection, PyTorch's packed int8 weight
+//     .add_w8(w, scale, bias)                       one projection, int8 weights [out, in] with float
+//                                                   activations (weight_only_int8.cpp's w8_linear)
 //     .add_layer(ln_attn, ln_attn_b, attn_eps, ln_mlp, ln_mlp_b, mlp_eps, rms, act, attn_scale)
 //                                                   closes a layer: the 4 projections added
 //                                                   before it are its qkv, o, gate_up (fc), down;
@@ -70,6 +74,11 @@ struct Ops {
                                       std::string_view, c10::List<std::optional<at::Scalar>>,
                                       std::optional<std::string_view>)>
       linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&, std::string_view)>
+      w8_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
+      panel_linear;
 
   static const Ops& get() {
     static const Ops ops = [] {
@@ -91,6 +100,11 @@ struct Ops {
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                 std::string_view, c10::List<std::optional<at::Scalar>>,
                                 std::optional<std::string_view>)>(),
+          d.findSchemaOrThrow("tritonlm::w8_linear", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const std::optional<at::Tensor>&, std::string_view)>(),
+          d.findSchemaOrThrow("tritonlm::panel_linear", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>(),
       };
     }();
     return ops;
@@ -122,7 +136,10 @@ struct PinnedRows {
 
 struct Projection {
   at::Tensor blocked;  // float: oneDNN's blocked [out, in]; undefined for int8
+  at::Tensor panel;    // float: [P, in, 16] output panels (float_panel.cpp); undefined otherwise
+  int64_t out = 0;     // the panel's output channels
   Packed packed;       // int8: PyTorch's packed per-channel weights; null for float
+  at::Tensor w8, w8_scale;  // weight-only int8: [out, in] int8 and [out, groups] float32; undefined otherwise
   std::optional<at::Tensor> smooth, bias;
   bool reduce_range = false;
 
@@ -134,7 +151,11 @@ struct Projection {
     const int64_t rows = flat.size(0);
     const std::optional<at::Tensor> b = with_bias ? bias : std::nullopt;
     at::Tensor y;
-    if (packed) {
+    if (panel.defined()) {
+      y = ops.panel_linear.call(flat, panel, b, out);
+    } else if (w8.defined()) {
+      y = ops.w8_linear.call(flat.contiguous(), w8, w8_scale, b, "auto");
+    } else if (packed) {
       y = ops.int8_linear.call(flat.contiguous(), smooth, b, packed, pinned.take(rows, in, flat.options()),
                                reduce_range);
     } else {
@@ -185,6 +206,17 @@ struct DecoderStack : torch::CustomClassHolder {
     add(std::move(p));
   }
 
+  void add_panel(at::Tensor panel, std::optional<at::Tensor> bias, int64_t out) {
+    TORCH_CHECK(panel.device().is_cpu() && panel.scalar_type() == at::kFloat && panel.dim() == 3 &&
+                    panel.size(2) == 16 && panel.is_contiguous(),
+                "DecoderStack.add_panel: panel must be a contiguous float32 CPU tensor [P, in, 16]");
+    Projection p;
+    p.panel = std::move(panel);
+    p.out = out;
+    p.bias = std::move(bias);
+    add(std::move(p));
+  }
+
   void add_int8(Packed packed, std::optional<at::Tensor> smooth, std::optional<at::Tensor> bias, bool reduce_range) {
     TORCH_CHECK(packed, "DecoderStack.add_int8: packed must be PyTorch's packed int8 linear weights");
     Projection p;
@@ -192,6 +224,18 @@ struct DecoderStack : torch::CustomClassHolder {
     p.smooth = std::move(smooth);
     p.bias = std::move(bias);
     p.reduce_range = reduce_range;
+    add(std::move(p));
+  }
+
+  void add_w8(at::Tensor w, at::Tensor scale, std::optional<at::Tensor> bias) {
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
+                "DecoderStack.add_w8: w must be a contiguous int8 CPU tensor [out, in]");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == w.size(0),
+                "DecoderStack.add_w8: scale must be float32 [", w.size(0), ", groups]");
+    Projection p;
+    p.w8 = std::move(w);
+    p.w8_scale = std::move(scale);
+    p.bias = std::move(bias);
     add(std::move(p));
   }
 
@@ -274,6 +318,8 @@ TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
       .def(torch::init<int64_t>())
       .def("add_float", &DecoderStack::add_float)
       .def("add_int8", &DecoderStack::add_int8)
+      .def("add_w8", &DecoderStack::add_w8)
+      .def("add_panel", &DecoderStack::add_panel)
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers);
   m.def("decoder_stack(__torch__.torch.classes.tritonlm.DecoderStack stack, Tensor x, Tensor(a!)[] k_caches, "

@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tritonlm.engine.runners.layers import INT8_REDUCE_RANGE, BlockedLinear, Int8Linear, Linear, gelu_tanh
+from tritonlm.engine.runners.layers import (
+    INT8_REDUCE_RANGE,
+    BlockedLinear,
+    Int8Linear,
+    Linear,
+    PanelLinear,
+    WeightOnlyInt8Linear,
+    gelu_tanh,
+)
 
 if TYPE_CHECKING:
     from tritonlm.engine.runners.model import Transformer
@@ -26,8 +34,9 @@ if TYPE_CHECKING:
 def build_decoder_stack(model: Transformer) -> object | None:
     """The model's layers as one DecoderStack, or None where its ops do not cover them. It
     takes Llama-family layers (RMSNorm, silu(gate) * up) and GPT-2's (LayerNorm, gelu tanh
-    over fc) whose projections are all oneDNN-blocked float32 or int8 through the fused
-    int8 op (the C++ kernels must be loaded: Transformer.use_paged_kernel)."""
+    over fc) whose projections are all float32 in panels or oneDNN-blocked, int8 through the fused
+    int8 op or weight-only int8 through w8_linear (the C++ kernels must be loaded:
+    Transformer.use_paged_kernel)."""
     if not model.layers:
         return None
     rms = model.layers[0].ln_attn.rms
@@ -39,7 +48,8 @@ def build_decoder_stack(model: Transformer) -> object | None:
         return None
 
     def runs_in_stack(p: Linear) -> bool:
-        return isinstance(p, BlockedLinear) or (isinstance(p, Int8Linear) and p.fused_op)
+        return (isinstance(p, (BlockedLinear, PanelLinear)) or (isinstance(p, Int8Linear) and p.fused_op)
+                or (isinstance(p, WeightOnlyInt8Linear) and p.native))
 
     for L in model.layers:
         mlp_in = L.gate_up if act == "silu_mul" else L.fc
@@ -55,6 +65,10 @@ def build_decoder_stack(model: Transformer) -> object | None:
         for p in (L.qkv, L.o, L.gate_up if act == "silu_mul" else L.fc, L.down):
             if isinstance(p, BlockedLinear):
                 stack.add_float(p.blocked, p.b)
+            elif isinstance(p, PanelLinear):
+                stack.add_panel(p.panel, p.b, p.out)
+            elif isinstance(p, WeightOnlyInt8Linear):
+                stack.add_w8(p.w, p.scale, p.b)
             else:
                 stack.add_int8(p.packed, p.smooth, p.b, INT8_REDUCE_RANGE)
         a, m = L.ln_attn, L.ln_mlp

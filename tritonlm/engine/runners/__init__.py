@@ -60,7 +60,7 @@ def load_runner(
                      pool (TorchRunner; the runner's `attention` says what it uses)
     threads          onnx only: ONNX Runtime's intra-op threads (0: its default); torch's are
                      the calling thread's (torch.set_num_threads)
-    torch_options    torch only: TorchRunner's cuda_graphs, max_batch, max_context
+    torch_options    torch only: TorchRunner's cuda_graphs, max_batch, max_context, int8_weight_only
     """
     if kind == "torch":
         from tritonlm.engine.runners.torch_runner import TorchRunner

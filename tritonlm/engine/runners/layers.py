@@ -2,9 +2,9 @@
 
     projections   one class per weight format, each computing y = x @ W + b through the
                   same call, `apply(x, bias)`: FloatLinear (w [in, out], `x @ w`),
-                  BlockedLinear (oneDNN's blocked layout, the CPU float default) and
+                  BlockedLinear (oneDNN's blocked layout, the CPU float default),
                   Int8Linear (per-output-channel int8, every token's activations quantized
-                  alone). Slicing and quantization read FloatLinear's plain weights
+                  alone) and WeightOnlyInt8Linear (int8 weights, float activations). Slicing and quantization read FloatLinear's plain weights
                   (`Linear.plain`); the other formats are made from it last.
     norms         Norm (LayerNorm or RMSNorm)
     RoPE          rope_inv_freq, rope_cos_sin, apply_rope
@@ -159,6 +159,45 @@ class BlockedLinear(Linear):
         return self.blocked, self.nbytes
 
 
+PANEL_LANES = 16  # output channels per panel (float_panel.cpp's kLanes)
+
+
+def panels_available() -> bool:
+    """tritonlm's C++ kernels are built and have the AVX-512 panel kernel."""
+    from tritonlm.engine.kernels import kernels_available
+
+    return kernels_available()[0] and bool(torch.ops.tritonlm.panel_supported())
+
+
+@dataclass(eq=False)
+class PanelLinear(Linear):
+    """The float32 weight in 16-wide output panels, [P, in, 16] with panel[p, k, j] =
+    W[k, 16 p + j] (zero past `out`), run by tritonlm's panel kernel (float_panel.cpp): each
+    panel is one contiguous stream, which small-M steps read at close to the memory's rate,
+    and a row's result does not depend on the other rows of its batch."""
+
+    panel: torch.Tensor  # [P, in, 16]
+    b: torch.Tensor | None  # [out]
+    out: int
+
+    @staticmethod
+    def from_float(p: Linear) -> "PanelLinear":
+        """p's weights in panels (a new tensor: no [in, out] copy is kept)."""
+        p = p.plain()
+        w = p.w  # [in, out]
+        n_in, out = w.shape
+        padded = -(-out // PANEL_LANES) * PANEL_LANES
+        w = F.pad(w.to(torch.float32), (0, padded - out))  # [in, P * 16]
+        panel = w.view(n_in, padded // PANEL_LANES, PANEL_LANES).transpose(0, 1).contiguous()  # [P, in, 16]
+        return PanelLinear(panel, owned_copy(p.b), out)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.tritonlm.panel_linear(x, self.panel, bias, self.out)
+
+    def plain(self) -> FloatLinear:
+        raise ValueError("panel weights cannot be sliced or quantized: slice or quantize the plain model, then pack")
+
+
 @dataclass(eq=False)
 class Int8Linear(Linear):
     """Per-output-channel int8 weights prepacked for PyTorch's dynamic quantized linear
@@ -213,6 +252,49 @@ class Int8Linear(Linear):
 
     def opaque_weight(self) -> tuple[object, int]:
         return self.packed, self.nbytes
+
+
+@dataclass(eq=False)
+class WeightOnlyInt8Linear(Linear):
+    """int8 weights with float32 scales, float32 activations (`dtype: int8_weight_only`):
+    y = x @ (w * scale)^T + b, one scale per output channel or per group of consecutive
+    inputs of a channel (scale [out, G], each covering in / G inputs). Activations are never quantized,
+    so the only error is the weights' rounding. With the C++ kernels (`native`) the weights
+    are widened to float inside the matmul (kernels/weight_only_int8.cpp); without them, to
+    a float copy per call."""
+
+    w: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out, G] float32
+    b: torch.Tensor | None  # [out]
+    native: bool = False  # through torch.ops.tritonlm.w8_linear
+
+    @staticmethod
+    def from_float(p: Linear, group: int | None = None) -> "WeightOnlyInt8Linear":
+        """p's weights rounded symmetrically to int8, scale = max |w| / 127 over each group of
+        `group` consecutive inputs of an output channel; per output channel when group is None
+        or does not divide the inputs into groups of a multiple of 16 (what the kernel takes)."""
+        p = p.plain()
+        w = p.w.float().t()  # [out, in]
+        out, width = w.shape
+        if group is None or width % group or group % 16:
+            group = width
+        grouped = w.reshape(out, width // group, group)  # [out, G, group]
+        scale = (grouped.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)  # [out, G, 1]
+        q = torch.round(grouped / scale).clamp_(-127, 127).to(torch.int8).reshape(out, width).contiguous()
+        return WeightOnlyInt8Linear(q, scale.squeeze(2).contiguous(), owned_copy(p.b))
+
+    def dequantized(self) -> torch.Tensor:  # [out, in] float32
+        per_input = self.scale.repeat_interleave(self.w.shape[1] // self.scale.shape[1], dim=1)  # [out, in]
+        return self.w.float() * per_input
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.native:
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return torch.ops.tritonlm.w8_linear(flat, self.w, self.scale, bias, "auto").view(*x.shape[:-1], -1)
+        return F.linear(x, self.dequantized(), bias)
+
+    def plain(self) -> FloatLinear:
+        raise ValueError("int8 weights cannot be sliced: slice the float model, then quantize each share")
 
 
 # ---------------------------------------------------------------------------- norms, activations, a layer

@@ -10,7 +10,8 @@ forward() = embed -> run_layers -> head. The same code runs everywhere:
     pipeline        parallel.shard.layer_slice(model, stage, stages); stages call embed,
                     run_layers and head themselves (parallel/steps.py)
     int8            runners.quant (rotate_residual, calibrate, quantize_int8) on the plain weights
-    CPU float       block_weights(): oneDNN's blocked layout, after all of the above
+    CPU float       block_weights(): tritonlm's float32 panels (else oneDNN's blocked layout),
+                    after all of the above
 
 Per layer, attention writes the new keys/values into the pool in place and reads them
 through each row's slot table (layers.paged_attention; with tritonlm's C++ ops on,
@@ -48,12 +49,15 @@ from tritonlm.engine.runners.layers import (
     Layer,
     Linear,
     Norm,
+    PanelLinear,
     StepContext,
+    WeightOnlyInt8Linear,
     activation,
     apply_rope,
     blocked_rows,
     decode_attention,
     paged_attention,
+    panels_available,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -207,12 +211,25 @@ class Transformer:
         )
 
     # ---- weights ------------------------------------------------------------------------
-    def block_weights(self) -> bool:
-        """Every float projection and the LM head in oneDNN's blocked layout, in place
-        (BlockedLinear). Only on the CPU, for the dtypes oneDNN's linear takes, when torch
-        has oneDNN, and after any slicing, calibration or int8 quantization (they need the
-        plain weights); int8 projections stay as they are, and in an int8 model only those
-        quantize_int8 kept float are blocked. Returns whether it could run."""
+    def block_weights(self, layout: str = "auto") -> bool:
+        """Every float projection and the LM head in a layout for the CPU's kernels, in place:
+        float32 in tritonlm's output panels where its AVX-512 kernel is built (PanelLinear),
+        else oneDNN's blocked layout (BlockedLinear). Only on the CPU, for the dtypes those
+        take, and after any slicing, calibration or int8 quantization (they need the plain
+        weights); int8 projections stay as they are, and in an int8 model only those
+        quantize_int8 kept float are packed. layout: "auto", or "blocked" for oneDNN's even
+        where panels could run (tests compare the two). Returns whether it could run."""
+        if layout not in ("auto", "blocked"):
+            raise ValueError(f"layout: {layout!r}; use 'auto' or 'blocked'")
+        if layout == "auto" and self.device.type == "cpu" and self.dtype == torch.float32 and panels_available():
+            for layer in self.layers:
+                for name in PROJECTION_NAMES:
+                    proj = getattr(layer, name)
+                    if isinstance(proj, FloatLinear):
+                        setattr(layer, name, PanelLinear.from_float(proj))
+            if isinstance(self.lm_head, FloatLinear):  # a tied head: its own copy (the lookup keeps wte)
+                self.lm_head = PanelLinear.from_float(self.lm_head)
+            return True
         if not (self.device.type == "cpu" and self.dtype in BLOCKED_DTYPES and torch.backends.mkldnn.is_available()):
             return False
         if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -279,6 +296,8 @@ class Transformer:
         for p in self.projections():
             if isinstance(p, Int8Linear):
                 p.fused_op = self.paged_kernel
+            elif isinstance(p, WeightOnlyInt8Linear):
+                p.native = self.paged_kernel
         self.decoder_stack = build_decoder_stack(self) if self.paged_kernel else None
         return self.paged_kernel, why
 

@@ -21,7 +21,7 @@ from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.runners.base import check_pool, plan_step
 from tritonlm.engine.runners.model import Transformer
-from tritonlm.engine.runners.quant import calibrate, quantize_int8, rotate_residual
+from tritonlm.engine.runners.quant import calibrate, quantize_int8, quantize_weight_only, rotate_residual
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,11 @@ class TorchRunner:
         self, model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, int8: bool = False,
         attention: str = "auto", int8_keep_float: Callable[[str], bool] | None = None,
         cuda_graphs: str = "auto", max_batch: int = 256, max_context: int | None = None, compile_decode: bool = False,
+        int8_weight_only: bool = False,
     ):
         """int8: weights of every projection and the LM head in int8 (CPU, float32 compute);
         int8_keep_float(name) -> True leaves that projection float (quant.quantize_int8).
+        int8_weight_only: int8 weights with float32 activations instead (quant.quantize_weight_only).
         attention: "auto" / "paged" use the paged-attention kernel where it can run (see
         `self.attention` and `self.attention_why`; "paged" does not raise, the loader
         refuses it); "gather" never does.
@@ -45,6 +47,8 @@ class TorchRunner:
         compile_decode: those decode steps through torch.compile first."""
         if int8_keep_float is not None and not int8:
             raise ValueError("int8_keep_float: only with int8=True (it chooses what int8 leaves float)")
+        if int8 and int8_weight_only:
+            raise ValueError("int8 and int8_weight_only: one or the other (int8 x int8, or int8 weights only)")
         if attention not in ("auto", "paged", "gather"):
             raise ValueError(f"attention: {attention!r}; use 'auto', 'paged' or 'gather'")
         self.device = torch.device(device)
@@ -57,6 +61,8 @@ class TorchRunner:
             rotate_residual(self.transformer)  # Llama family: outliers spread before calibration sees them
             calibrate(self.transformer)
             quantize_int8(self.transformer, keep_float=int8_keep_float)
+        if int8_weight_only:
+            quantize_weight_only(self.transformer)
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
         from tritonlm.engine.runners.decode_graphs import CUDA_GRAPH_MODES
 
@@ -79,7 +85,7 @@ class TorchRunner:
     def from_pretrained(
         cls, hf_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
         int8: bool = False, attention: str = "auto", cuda_graphs: str = "auto", max_batch: int = 256,
-        max_context: int | None = None, compile_decode: bool = False, **kwargs
+        max_context: int | None = None, compile_decode: bool = False, int8_weight_only: bool = False, **kwargs
     ) -> "TorchRunner":
         from transformers import AutoModelForCausalLM
 
@@ -88,7 +94,8 @@ class TorchRunner:
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), **kwargs)
         model.eval()
         return cls(model, device=device, dtype=dtype, int8=int8, attention=attention, cuda_graphs=cuda_graphs,
-                   max_batch=max_batch, max_context=max_context, compile_decode=compile_decode)
+                   max_batch=max_batch, max_context=max_context, compile_decode=compile_decode,
+                   int8_weight_only=int8_weight_only)
 
     def allocate_kv(self, num_slots: int) -> KVPool:
         return KVPool.for_shape(self.spec, num_slots, self.device)

@@ -14,7 +14,7 @@ from tests.helpers.servers import add_generation_model
 from tests.helpers.models import Collector, drain, tiny, tiny_llama
 from tritonlm.engine.loader import build_engine
 from tritonlm.engine.parallel.shard import tensor_slice
-from tritonlm.engine.runners.layers import Int8Linear
+from tritonlm.engine.runners.layers import BlockedLinear, Int8Linear, PanelLinear
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.quant import rotate_residual
 from tritonlm.engine.runners.torch_runner import TorchRunner
@@ -114,15 +114,15 @@ def test_projections_kept_float_compute_what_they_did(arch):
     """quantize_int8(model, keep_float=...) (what perf/int8_sensitivity.py measures with): a
     projection left float computes the float model's function although SmoothQuant's
     factor was folded into what feeds it. Everything kept: float32's logits, with the
-    rotation and every fold applied, and the weights blocked for oneDNN. Only the LM head
-    and layer 0's down kept: those two float (blocked), the rest int8, and the layers still
+    rotation and every fold applied, and the weights packed for the CPU's kernels. Only the LM head
+    and layer 0's down kept: those two float (packed), the rest int8, and the layers still
     run as one C++ stack where it builds."""
     model, prompts = tiny_model(arch)
     rows = prompts[:3]
     fp32 = logits_of(TorchRunner(model), rows)
     every = TorchRunner(model, int8=True, int8_keep_float=lambda name: True)
     assert not every.transformer.weights_int8
-    assert all(p.blocked is not None for p in every.transformer.projections())
+    assert all(isinstance(p, (BlockedLinear, PanelLinear)) for p in every.transformer.projections())
     diff = (logits_of(every, rows) - fp32).abs().max().item()
     print(f"{arch}: all kept float, max |logit difference| {diff:.2e}")
     assert diff < 1e-4 * max(1.0, fp32.abs().max().item())
@@ -130,7 +130,7 @@ def test_projections_kept_float_compute_what_they_did(arch):
     mixed = TorchRunner(model, int8=True, int8_keep_float=kept.__contains__)
     names = mixed.transformer.projection_names()
     assert all((not isinstance(p, Int8Linear)) == (n in kept) for n, p in names.items()), "exactly the kept ones stay float"
-    assert all(names[n].blocked is not None for n in kept)
+    assert all(isinstance(names[n], (BlockedLinear, PanelLinear)) for n in kept)
     if mixed.attention == "paged":
         assert mixed.transformer.decoder_stack is not None
     int8 = logits_of(int8_runner(model), rows)
@@ -200,7 +200,7 @@ def test_int8_refuses_what_it_cannot_serve(tmp_path):
         EngineSettings.from_params({"dtype": "int8", "runtime": "onnx", "onnx_model": "1/hf/config.json"}, folder)
     with pytest.raises(SettingsError, match=r"^dtype: int8 needs runtime 'torch' without model parallelism"):
         EngineSettings.from_params({"dtype": "int8", "tensor_parallel_size": "2"}, folder)
-    with pytest.raises(SettingsError, match=r"^dtype: 'int4'; use one of float32, bfloat16, float16, int8, auto"):
+    with pytest.raises(SettingsError, match=r"^dtype: 'int4'; use one of float32, bfloat16, float16, int8, int8_weight_only, auto"):
         EngineSettings.from_params({"dtype": "int4"}, folder)
     with pytest.raises(ValueError, match="int8 weights need float32 compute on the CPU"):
         TorchRunner(tiny()[0], dtype=torch.bfloat16, int8=True)
