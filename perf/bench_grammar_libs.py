@@ -49,8 +49,9 @@ SCHEMAS = [
         "required": ["city", "temperature", "unit", "forecast"],
     },
 ]
-# a valid answer of SCHEMAS[2], long enough for the rows of the mask benchmark
-ANSWER = json.dumps({
+# a valid answer of SCHEMAS[2] (compact JSON, as tritonlm's guides take it), long enough for the
+# rows of the mask benchmark
+ANSWER = json.dumps(separators=(",", ":"), obj={
     "city": "Paris", "temperature": 21.5, "unit": "celsius",
     "forecast": [{"day": f"day {i}", "high": 20 + i, "low": 10 - i} for i in range(12)],
 })
@@ -90,7 +91,7 @@ class XGrammar:
         self.batch = xgr.BatchGrammarMatcher(max_threads=2)
 
     def matcher(self, schema: dict):
-        return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema)))
+        return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
 
     def bitmask(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab)
@@ -114,27 +115,29 @@ class LLGuidance:
     def __init__(self, tok, vocab: int):
         import llguidance
         import llguidance.hf
-        import llguidance.torch
 
-        self.ll, self.llt = llguidance, llguidance.torch
+        from tritonlm.engine import guided
+
+        self.ll, self.guided = llguidance, guided
         self.tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=vocab)
         self.vocab = vocab
         self.executor = llguidance.LLExecutor(num_threads=2)
 
     def matcher(self, schema: dict):
-        grammar = self.ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": True})
+        grammar = self.ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=self.guided.JSON_OPTIONS)
         m = self.ll.LLMatcher(self.tokenizer, grammar)
         assert not m.is_error(), m.get_error()
         return m
 
     def bitmask(self, rows: int) -> torch.Tensor:
-        return self.llt.allocate_token_bitmask(rows, self.vocab)
+        return self.guided.allocate_masks(rows, self.vocab)
 
     def fill(self, matchers, bitmask) -> None:
-        self.llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                              bitmask.shape[1] * 4, bitmask.shape[0])
 
     def fill_one(self, matcher, bitmask) -> None:
-        self.llt.fill_next_token_bitmask(matcher, bitmask, 0)
+        matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.shape[1] * 4)
 
     def accept(self, matcher, token: int) -> None:
         assert matcher.consume_token(token), matcher.get_error()

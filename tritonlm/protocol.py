@@ -19,6 +19,7 @@ from typing import Callable, Union
 import numpy as np
 
 from tritonlm.engine.request import MAX_TOP_LOG_PROBS, GenerationEvent, InvalidRequestError, SamplingParams
+from tritonlm.guide_fields import guide_from_fields, guide_from_trtllm
 
 Default = Union[bool, int, float, None]
 
@@ -96,11 +97,20 @@ INPUTS: tuple[Tensor, ...] = (
         "`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `repetition_penalty`, `frequency_penalty`, `presence_penalty`, "
         "`logit_bias` (token id -> bias in [-100, 100]), `stop`, `stop_token_ids`, `bad_words`, `ignore_eos`, "
         "`logprobs` (true or 0: the chosen token's; N up to 20: and the N most likely), `prompt_logprobs` (as the "
-        "`prompt_log_probs` input); `n`, `best_of` 1; other keys are refused by name"),
+        "`prompt_log_probs` input), `guided_decoding` (structured output, vLLM's names: one of `json` (a JSON Schema, "
+        "object or string), `json_object` true, `regex`, `grammar`, `choice` (a list of strings)); `n`, `best_of` 1; "
+        "other keys are refused by name"),
     _in("return_logprobs", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends it with every request): true asks for the chosen "
         "tokens' log-probabilities, as `return_log_probs`, and for them in the vLLM backend's form too (the `logprobs` "
         "output)", False),
+    # TensorRT-LLM backend's guided decoding inputs (its tensorrt_llm model's config.pbtxt)
+    _in("guided_decoding_guide_type", "BYTES",
+        "guided decoding (structured output), TensorRT-LLM backend's names: `json` (any JSON object or array), "
+        "`json_schema`, `regex`, `ebnf_grammar` (GBNF / EBNF, or Lark); the answer stays inside `guided_decoding_guide`"),
+    _in("guided_decoding_guide", "BYTES",
+        "the guide of `guided_decoding_guide_type`: a JSON Schema, a regular expression the whole answer matches, or a "
+        "grammar (none for `json`)"),
     _in("return_num_input_tokens", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends true): accepted; the final response carries `num_input_tokens` either way",
         False),
@@ -338,6 +348,7 @@ SAMPLING_KEYS: dict[str, tuple[str | None, str]] = {
     "ignore_eos": ("end_id", "bool"),  # true: end_id -1
     "logprobs": ("return_log_probs", "logprobs"),  # int (completions) or bool (chat)
     "prompt_logprobs": ("prompt_log_probs", "int"),
+    "guided_decoding": ("guided", "guide"),  # vLLM's StructuredOutputsParams fields
     "top_logprobs": (None, "no_alternatives"),
     "n": (None, "one"),
     "best_of": (None, "one"),
@@ -426,6 +437,8 @@ def parse_sampling_parameters(text: str, limits: RequestLimits) -> dict:
                 raise _sp_error(key, f"only 1 is supported (one sequence per request: send several requests), got {v}")
         elif kind == "bias":
             out[name] = _sp_bias(key, v)
+        elif kind == "guide":
+            out[name] = guide_from_fields(v, f"sampling_parameters.{key}")
         elif kind == "ids":
             if not isinstance(v, list) or len(v) > limits.max_words:
                 raise _sp_error(key, f"expected a list of at most {limits.max_words} token ids, got {json.dumps(v)[:40]}")
@@ -507,6 +520,10 @@ def parse_request(
         raise InvalidRequestError(rename_error(
             f"prompt_log_probs: must be in [0, {MAX_TOP_LOG_PROBS}] (alternatives per prompt token), got {prompt_log_probs}",
             renames))
+    guided = guide_from_trtllm(get("guided_decoding_guide_type"), get("guided_decoding_guide"))
+    if guided is not None and "guided" in overrides:
+        raise InvalidRequestError("guided_decoding_guide_type: sent with sampling_parameters.guided_decoding; send one guide")
+    guided = guided or overrides.get("guided")
     num_draft = get("num_draft_tokens")
     if num_draft is not None and num_draft < 0:
         raise InvalidRequestError(f"num_draft_tokens: must be >= 0 (0 turns speculation off), got {num_draft}")
@@ -528,6 +545,7 @@ def parse_request(
         return_log_probs=bool(get("return_log_probs") or _value(inputs, "return_logprobs") or get("top_log_probs")),
         top_log_probs=get("top_log_probs"),
         prompt_log_probs=prompt_log_probs,
+        guided=guided,
     )
     try:
         params.validate()

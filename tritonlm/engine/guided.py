@@ -170,18 +170,19 @@ class GuideState:
 
 
 def allocate_masks(rows: int, vocab_size: int) -> torch.Tensor:
-    """[rows, ceil(V / 32)] int32 bitmasks."""
-    import llguidance.torch
-
-    return llguidance.torch.allocate_token_bitmask(rows, vocab_size)
+    """[rows, ceil(V / 32)] int32 bitmasks, on the host (llguidance writes them there)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 def fill_masks(states: list[GuideState], masks: torch.Tensor, compiler: GuideCompiler) -> None:
     """masks[i] = the tokens allowed after states[i]'s consumed tokens, all rows at once on
-    llguidance's thread pool. The states must be synced first."""
-    import llguidance.torch
+    llguidance's thread pool (the GIL released). The states must be synced first.
 
-    llguidance.torch.fill_next_token_bitmask_par(compiler._executor, [(s.matcher, i) for i, s in enumerate(states)], masks)
+    llguidance's pointer API, not its llguidance.torch helpers: importing those compiles a
+    torch.compile kernel's dependencies (inductor), seconds at every model load."""
+    assert masks.dtype == torch.int32 and masks.is_contiguous() and masks.device.type == "cpu"
+    rows, words = masks.shape
+    compiler._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], masks.data_ptr(), words * 4, rows)
 
 
 def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

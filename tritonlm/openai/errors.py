@@ -19,6 +19,7 @@ _PARAMS = {
     "return_log_probs": "logprobs",
     "end_id": "ignore_eos",
     "min_length": "min_tokens",
+    "guided_decoding": "response_format",  # a guide the model could not compile for its tokenizer
 }
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 _REQUEST_ID = re.compile(r"^\[request id: [^\]]*\]\s*")
@@ -65,7 +66,7 @@ def from_triton(message: str, chat: bool = False) -> OpenAIError:
     if lower.startswith("internal error"):
         return OpenAIError(500, text, code="internal_error")
     m = re.match(r"(sampling_parameters\.)?([a-z_]+): ", text)
-    named = m is not None and (m.group(2) in SAMPLING_KEYS if m.group(1) else m.group(2) in KNOWN_INPUTS)
+    named = m is not None and (m.group(2) in SAMPLING_KEYS if m.group(1) else m.group(2) in (*KNOWN_INPUTS, "guided_decoding"))
     if named or lower.startswith(("unknown input", "request:", "sampling_parameters")):
         name = m.group(2) if named else None
         param = _PARAMS.get(name, name) if name else None

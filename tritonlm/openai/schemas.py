@@ -1,9 +1,10 @@
 """The OpenAI request bodies this server takes, and what each field becomes on the Triton side.
 
 Parsing is strict: an unknown field, a value of the wrong type or out of range, and a known
-field this server does not support (a response_format other than text, images, the deprecated
-functions) each get a 400 whose `param` and message name the field. Tools are checked in
-tritonlm/openai/tools.py.
+field this server does not support (images, the deprecated functions, a response_format type
+other than text, json_object and json_schema) each get a 400 whose `param` and message name the
+field. Tools are checked in tritonlm/openai/tools.py, guides (response_format, vLLM's
+structured_outputs) in tritonlm/openai/structured.py.
 `sampling()` turns a request into the `sampling_parameters` JSON of tritonlm's generation
 model (tritonlm/protocol.py, SAMPLING_KEYS).
 """
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tritonlm.openai.errors import OpenAIError, bad_field, unsupported
 from tritonlm.openai.tools import Function, check_tool_choice, check_tools
+from tritonlm.openai.structured import OLDER_FIELDS, guided_decoding
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # Triton requests one HTTP request may start (prompts x n)
@@ -50,6 +52,12 @@ class _Request(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     ignore_eos: bool | None = None
+    # structured output (structured.py): vLLM's object, and its older single fields
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted and ignored
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -67,6 +75,7 @@ class _Request(BaseModel):
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
+    _guided: dict | None = None  # sampling_parameters' guided_decoding, set by check_supported
 
     # --- checks beyond the types ----------------------------------------------------------
     def check_supported(self) -> None:
@@ -74,9 +83,8 @@ class _Request(BaseModel):
             if getattr(self, name) is not None:
                 hint = " (send tools and tool_choice)" if name in ("functions", "function_call") else ""
                 raise unsupported(name, f"is not supported by this server{hint}")
-        rf = self.response_format
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text" and len(rf) == 1):
-            raise unsupported("response_format", 'is not supported by this server: only {"type": "text"} (no JSON mode or schemas)')
+        self._guided = guided_decoding(self.response_format, self.structured_outputs,
+                                       {name: getattr(self, name) for name in OLDER_FIELDS})
         if self.modalities is not None and self.modalities != ["text"]:
             raise unsupported("modalities", 'only ["text"] is supported')
         if self.stream_options is not None and not self.stream:
@@ -126,6 +134,8 @@ class _Request(BaseModel):
             out["ignore_eos"] = True
         if self.wants_logprobs():
             out["logprobs"] = self.top_alternatives()  # the chosen token's, and this many most likely
+        if self._guided is not None:
+            out["guided_decoding"] = self._guided
         return out
 
 
