@@ -1,8 +1,9 @@
 """Precision settings side by side on SmolLM2-135M (real weights): speed and agreement.
 
 For each `dtype` (float32, bfloat16, int8, and what `auto` picks here) in one run, plus
-float32 with plain [in, out] weights (`x @ w`, the layout before the runner reordered them
-into oneDNN's blocked layout at load), and float32 / int8 with `attention_backend: gather`
+float32 with plain [in, out] weights (`x @ w`, the layout before the runner packs them at
+load), float32 in oneDNN's blocked layout (`-blocked`; the default where tritonlm's AVX-512
+kernel builds is its own 16-wide output panels, layers.PanelLinear), and float32 / int8 with `attention_backend: gather`
 (each row's K/V copied, then SDPA; the default reads them in place with the paged-attention
 kernel), and float32 / int8 with the layers run by the Python loop (`-loop`; the default
 runs a decode step's layers in one C++ call, the DecoderStack), to show what those changes buy:
@@ -51,7 +52,7 @@ def main() -> int:
     model, prompts, reference = smollm2_reference(args.prompts, args.tokens)
     auto = resolve_precision("auto", "cpu")
     print(f"dtype auto here: {auto.name} ({auto.reason})")
-    settings = [("float32", {}), ("float32-gather", {"attention": "gather"}), ("float32-plain", {}),
+    settings = [("float32", {}), ("float32-blocked", {}), ("float32-gather", {"attention": "gather"}), ("float32-plain", {}),
                 ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True}),
                 ("int8-gather", {"int8": True, "attention": "gather"}),
                 ("float32-loop", {}), ("int8-loop", {"int8": True})]
@@ -60,6 +61,10 @@ def main() -> int:
         runner = TorchRunner(model, **kwargs)
         if name == "float32-plain":
             runner.transformer = Transformer.from_hf(model)  # the same weights, [in, out], not blocked
+            runner.transformer.use_paged_kernel()
+        if name == "float32-blocked":
+            runner.transformer = Transformer.from_hf(model)  # oneDNN's blocked layout instead of the panels
+            runner.transformer.block_weights("blocked")
             runner.transformer.use_paged_kernel()
         if name.endswith("-loop"):
             runner.transformer.decoder_stack = None  # the layers through the Python loop, not the C++ stack

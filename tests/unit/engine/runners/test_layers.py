@@ -71,20 +71,27 @@ def test_blocked_row_buckets_are_few_cover_every_count_and_waste_little():
     assert all(p / m <= 1.25 for m, p in zip(range(65, 8193), padded[64:]))
 
 
+@pytest.mark.parametrize("layout", ["auto", "blocked"])
 @pytest.mark.parametrize("widths", [[1] * 9, [7, 3], [70, 5, 33]])
-def test_blocked_weights_give_the_plain_matmul_logits(widths):
-    """The default CPU float path (oneDNN-blocked weights, rows padded to a bucket) against
-    the same weights multiplied plainly, x @ w [in, out], for row counts inside and across
-    buckets; a blocked projection refuses to be sliced, naming why."""
+def test_packed_weights_give_the_plain_matmul_logits(widths, layout):
+    """The CPU float paths (tritonlm's panels where its AVX-512 kernel builds, the default;
+    oneDNN-blocked weights with rows padded to a bucket) against the same weights
+    multiplied plainly, x @ w [in, out], for row counts inside and across buckets; a packed
+    projection refuses to be sliced, naming why."""
     from tritonlm.engine.parallel.shard import tensor_slice
+    from tritonlm.engine.runners.layers import BlockedLinear, PanelLinear, panels_available
     from tritonlm.engine.runners.model import Transformer
 
     model = tiny_llama(tie_word_embeddings=False)
     runner = TorchRunner(model)
-    assert runner.transformer.layers[0].qkv.blocked is not None and runner.transformer.lm_head.blocked is not None
+    runner.transformer = Transformer.from_hf(model)
+    runner.transformer.block_weights(layout)
+    runner.transformer.use_paged_kernel()
+    kind = PanelLinear if layout == "auto" and panels_available() else BlockedLinear
+    assert isinstance(runner.transformer.layers[0].qkv, kind) and isinstance(runner.transformer.lm_head, kind)
     plain = TorchRunner(model)
-    plain.transformer = Transformer.from_hf(model)  # not blocked
-    plain.transformer.use_paged_kernel()  # the same C++ ops as the blocked runner: only the matmuls differ
+    plain.transformer = Transformer.from_hf(model)  # not packed
+    plain.transformer.use_paged_kernel()  # the same C++ ops as the packed runner: only the matmuls differ
     gen = torch.Generator().manual_seed(sum(widths))
     rows = [torch.randint(0, LLAMA_VOCAB, (w,), generator=gen).tolist() for w in widths]
     outs = []
@@ -97,5 +104,5 @@ def test_blocked_weights_give_the_plain_matmul_logits(widths):
                                               all_logits=True), cache.pool))
     for b, w in enumerate(widths):
         assert_close(outs[0][b, :w], outs[1][b, :w], atol=1e-5)
-    with pytest.raises(ValueError, match="blocked weights cannot be sliced"):
+    with pytest.raises(ValueError, match="weights cannot be sliced"):
         tensor_slice(runner.transformer, 0, 2)
