@@ -188,7 +188,7 @@ def test_api_key_is_asked_of_everything_but_health(triton_server, triton_repo):
 
 # ---- models ----------------------------------------------------------------------------------
 def test_models_lists_the_generation_models(client, frontend):
-    assert sorted(m.id for m in client.models.list()) == ["long", "tiny", "tiny_chat"]  # not echo
+    assert sorted(m.id for m in client.models.list()) == ["long", "tiny", "tiny_chat", "tiny_tools"]  # not echo
     assert client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("echo")
@@ -349,7 +349,8 @@ ERRORS = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "min_p": 1.5}, 400, "min_p", r"^min_p: "),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids", r"token ids must be >= 0"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 6}, 400, "logprobs", r"^logprobs: "),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs", r"with echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools", r"^tools: is a chat field"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of", r"only 1"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix", r"not supported"),
     ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]}, 400, "prompt", r"token-id prompts"),
@@ -363,12 +364,25 @@ ERRORS = [
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model", r"The model 'nope' does not exist"),
     ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "tools", r"^tools: "),
-    ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "response_format": {"type": "json_object"}},
-     400, "response_format", r"^response_format: "),
     ("/v1/chat/completions", {"model": "tiny_chat", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]}, 400, "messages[0].content[0]", r"images"),
-    ("/v1/chat/completions", {"model": "tiny_chat", "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
+    ("/v1/chat/completions", {"model": "tiny_chat", "messages": [{"role": "function", "content": "x", "name": "f"}]},
      400, "messages[0].role", r"not supported"),
+    ("/v1/chat/completions", {"model": "tiny_tools", "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]},
+     400, "tools[0].function.parameters", r"not a valid JSON Schema"),
+    ("/v1/chat/completions", {"model": "tiny_tools", "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+     "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice.function.name", r"'g' is not one of"),
+    ("/v1/chat/completions", {"model": "tiny_tools", "messages": USER, "tool_choice": "required"}, 400, "tool_choice",
+     r"needs tools"),
+    ("/v1/chat/completions", {"model": "tiny_tools", "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {}}}}], "tool_choice": "required",
+        "response_format": {"type": "json_object"}}, 400, "tool_choice", r"send it without response_format"),
+    ("/v1/chat/completions", {"model": "tiny_tools", "messages": USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400,
+     "messages[1].tool_calls[0].function.arguments", r"not valid JSON"),
+    ("/v1/chat/completions", {"model": "tiny_tools", "messages": USER, "functions": [{"name": "f"}]}, 400, "functions",
+     r"send tools"),
     ("/v1/chat/completions", {"model": "tiny_chat", "messages": []}, 400, "messages", r"^messages: "),
     ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "top_logprobs": 2}, 400, "top_logprobs", r"needs logprobs: true"),
     ("/v1/chat/completions", {"model": "tiny_chat", "messages": USER, "logprobs": True, "top_logprobs": 21}, 400,
@@ -595,7 +609,7 @@ def test_nvidia_frontend_tensors_are_served(triton_server):
 
 @pytest.mark.parametrize("sampling, pattern", [
     ({"lora_name": "adapter"}, r"sampling_parameters: unknown key\(s\) \['lora_name'\]"),
-    ({"guided_decoding": "{}", "max_tokens": 4}, r"unknown key\(s\) \['guided_decoding'\]"),
+    ({"guided_decoding": "{}", "max_tokens": 4}, r"sampling_parameters\.guided_decoding: expected an object"),
     ({"n": 2}, r"sampling_parameters\.n: only 1"),
     ({"presence_penalty": 2.5}, r"sampling_parameters\.presence_penalty: must be in \[-2, 2\]"),
     ({"logit_bias": [5, 1]}, r"sampling_parameters\.logit_bias: expected an object mapping token ids to biases"),

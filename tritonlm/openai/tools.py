@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tritonlm.engine.guided import check_guide
+from tritonlm.engine.request import GuidedDecoding, InvalidRequestError
 from tritonlm.openai.errors import bad_field
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -88,6 +90,10 @@ def check_tools(tools: Any) -> list[Function]:
             raise bad_field(f"{where}.function.parameters", f"not a valid JSON Schema: {e.message}") from None
         if parameters.get("type", "object") != "object":
             raise bad_field(f"{where}.function.parameters", f'the arguments must be an object ("type": "object"), got {parameters.get("type")!r}')
+        try:  # named and required calls are guided by it: the grammar library must take it too
+            check_guide(GuidedDecoding("json_schema", json.dumps(parameters)))
+        except InvalidRequestError as e:
+            raise bad_field(f"{where}.function.parameters", str(e).removeprefix("guided_decoding: ")) from None
         out.append(Function(name, description, parameters, tool))
     return out
 
