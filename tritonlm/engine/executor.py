@@ -219,7 +219,8 @@ class ModelExecutor:
         if alternatives:  # the most likely tokens and the chosen one's rank, for every row that asked
             try:
                 stacked = torch.stack([last(i) for _, i in alternatives])  # [n, V]
-                tops = top_log_probs(stacked, [out.seq.request.params.top_log_probs for out, _ in alternatives])
+                counts = [out.seq.request.params.top_log_probs for out, _ in alternatives]
+                tops = top_log_probs(stacked, counts) if any(counts) else [[] for _ in counts]
                 ranks = token_ranks(stacked, [out.tokens[0][0] for out, _ in alternatives])
                 for (out, _), top, rank in zip(alternatives, tops, ranks):
                     if out.seq.request.params.top_log_probs:
