@@ -86,3 +86,13 @@ def test_dispatcher_shows_each_batch_to_its_hook_before_delivery_and_a_failing_h
     finally:
         dispatcher.close()
     assert order == ["hook a", "sent a", "hook b", "sent b", "hook c", "sent c"]
+
+
+def test_coalesce_keeps_the_prompts_log_probabilities_and_every_tokens_rank():
+    a = seq(1)
+    first = GenerationEvent(1, text="a", token_ids=[1], log_probs=[-0.5], ranks=[2], prompt_log_probs=[None, -1.0],
+                            prompt_top_log_probs=[[], [(4, -1.0)]])
+    then = GenerationEvent(1, text="b", token_ids=[2], log_probs=[-0.7], ranks=[1], finished=True, finish_reason="stop")
+    (_, merged), = coalesce([[(a, first)], [(a, then)]])
+    assert merged.ranks == [2, 1] and merged.finished
+    assert merged.prompt_log_probs == [None, -1.0] and merged.prompt_top_log_probs == [[], [(4, -1.0)]]
