@@ -1,6 +1,6 @@
 """Precision settings side by side on SmolLM2-135M (real weights): speed and agreement.
 
-For each `dtype` (float32, bfloat16, int8, and what `auto` picks here) in one run, plus
+For each `dtype` (float32, bfloat16, int8, int8_weight_only, and what `auto` picks here) in one run, plus
 float32 with plain [in, out] weights (`x @ w`, the layout before the runner packs them at
 load), float32 in oneDNN's blocked layout (`-blocked`; the default where tritonlm's AVX-512
 kernel builds is its own 16-wide output panels, layers.PanelLinear), and float32 / int8 with `attention_backend: gather`
@@ -15,6 +15,7 @@ runs a decode step's layers in one C++ call, the DecoderStack), to show what tho
 
     .venv/bin/python perf/bench_precision.py                 # 32 prompts x 128 tokens
     .venv/bin/python perf/bench_precision.py --quick         # 8 x 32, batches 1 and 32
+    .venv/bin/python perf/bench_precision.py --rows float32,int8,int8_weight_only   # those rows only
 Prints the CPU it ran on; writes results/bench_precision/bench_precision.csv and .png.
 """
 
@@ -43,6 +44,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rows", default=None, help="comma-separated row names to run (default: all)")
     add_out_arg(ap, "bench_precision")
     args = ap.parse_args()
     if args.quick:
@@ -54,8 +56,15 @@ def main() -> int:
     print(f"dtype auto here: {auto.name} ({auto.reason})")
     settings = [("float32", {}), ("float32-blocked", {}), ("float32-gather", {"attention": "gather"}), ("float32-plain", {}),
                 ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True}),
-                ("int8-gather", {"int8": True, "attention": "gather"}),
+                ("int8-gather", {"int8": True, "attention": "gather"}), ("int8_weight_only", {"int8_weight_only": True}),
                 ("float32-loop", {}), ("int8-loop", {"int8": True})]
+    if args.rows:
+        wanted = args.rows.split(",")
+        unknown = set(wanted) - {name for name, _ in settings}
+        if unknown or "float32" not in wanted:
+            ap.error(f"--rows: {sorted(unknown) or 'float32 is needed'} (rows: {', '.join(n for n, _ in settings)}; "
+                     "float32 is the baseline)")
+        settings = [(name, kwargs) for name, kwargs in settings if name in wanted]
     rows = []
     for name, kwargs in settings:
         runner = TorchRunner(model, **kwargs)

@@ -261,27 +261,12 @@ class WeightOnlyInt8Linear(Linear):
     inputs of a channel (scale [out, G], each covering in / G inputs). Activations are never quantized,
     so the only error is the weights' rounding. With the C++ kernels (`native`) the weights
     are widened to float inside the matmul (kernels/weight_only_int8.cpp); without them, to
-    a float copy per call."""
+    a float copy per call. The rounding: runners/weight_only.py."""
 
     w: torch.Tensor  # [out, in] int8
     scale: torch.Tensor  # [out, G] float32
     b: torch.Tensor | None  # [out]
     native: bool = False  # through torch.ops.tritonlm.w8_linear
-
-    @staticmethod
-    def from_float(p: Linear, group: int | None = None) -> "WeightOnlyInt8Linear":
-        """p's weights rounded symmetrically to int8, scale = max |w| / 127 over each group of
-        `group` consecutive inputs of an output channel; per output channel when group is None
-        or does not divide the inputs into groups of a multiple of 16 (what the kernel takes)."""
-        p = p.plain()
-        w = p.w.float().t()  # [out, in]
-        out, width = w.shape
-        if group is None or width % group or group % 16:
-            group = width
-        grouped = w.reshape(out, width // group, group)  # [out, G, group]
-        scale = (grouped.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)  # [out, G, 1]
-        q = torch.round(grouped / scale).clamp_(-127, 127).to(torch.int8).reshape(out, width).contiguous()
-        return WeightOnlyInt8Linear(q, scale.squeeze(2).contiguous(), owned_copy(p.b))
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32
         per_input = self.scale.repeat_interleave(self.w.shape[1] // self.scale.shape[1], dim=1)  # [out, in]

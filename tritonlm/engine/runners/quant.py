@@ -1,5 +1,4 @@
-"""int8 weights for a Transformer: residual rotation, calibration, SmoothQuant, quantization;
-and weight-only int8 (quantize_weight_only: int8 weights, float activations).
+"""int8 weights for a Transformer: residual rotation, calibration, SmoothQuant, quantization.
 
 TorchRunner's int8 path, in this order, on the plain float32 weights (before blocking):
 
@@ -22,16 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from tritonlm.engine.runners.layers import (
-    PROJECTION_NAMES,
-    FloatLinear,
-    Int8Linear,
-    Linear,
-    Norm,
-    PinnedRows,
-    WeightOnlyInt8Linear,
-    owned_copy,
-)
+from tritonlm.engine.runners.layers import PROJECTION_NAMES, FloatLinear, Int8Linear, Linear, Norm, PinnedRows, owned_copy
 
 if TYPE_CHECKING:
     from tritonlm.engine.runners.model import Transformer
@@ -173,32 +163,6 @@ def quantize_int8(model: Transformer, alpha: float = 0.3, keep_float: Callable[[
     for p in model.projections():
         if isinstance(p, Int8Linear):
             p.pinned = pinned
-
-
-# inputs per int8 weight scale (WeightOnlyInt8Linear): one scale per output channel is too
-# coarse for greedy output to stay with float32's (docs/configuration.md, "Precision")
-WEIGHT_ONLY_GROUP = 64
-
-
-def quantize_weight_only(model: Transformer, head: bool = True, group: int | None = WEIGHT_ONLY_GROUP) -> None:
-    """Every projection of the layers (and the LM head when `head`) to int8 weights with
-    float32 activations (WeightOnlyInt8Linear, a scale per `group` inputs of each output
-    channel; None: per channel), in place; embeddings, norms, biases and the KV cache stay
-    float32.
-
-    No rotation, calibration or smoothing: those exist to make activations quantizable, and
-    here activations stay float. The LM head is the largest single weight of a small model
-    (SmolLM2-135M: a fifth of its bytes), read whole every decode step, so it is quantized
-    too unless `head` is False."""
-    if model.dtype != torch.float32 or model.device.type != "cpu":
-        raise ValueError(f"int8_weight_only needs float32 compute on the CPU, not {model.dtype} on {model.device}")
-    for layer in model.layers:
-        for name in PROJECTION_NAMES:
-            proj = getattr(layer, name)
-            if proj is not None:
-                setattr(layer, name, WeightOnlyInt8Linear.from_float(proj, group))
-    if head and model.lm_head is not None:
-        model.lm_head = WeightOnlyInt8Linear.from_float(model.lm_head, group)  # a tied head: its own int8 copy
 
 
 def rotate_residual(model: Transformer, seed: int = 0) -> bool:

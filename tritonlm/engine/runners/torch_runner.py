@@ -21,7 +21,8 @@ from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.runners.base import check_pool, plan_step
 from tritonlm.engine.runners.model import Transformer
-from tritonlm.engine.runners.quant import calibrate, quantize_int8, quantize_weight_only, rotate_residual
+from tritonlm.engine.runners.quant import calibrate, quantize_int8, rotate_residual
+from tritonlm.engine.runners.weight_only import calibration_ids, quantize_weight_only
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class TorchRunner:
     ):
         """int8: weights of every projection and the LM head in int8 (CPU, float32 compute);
         int8_keep_float(name) -> True leaves that projection float (quant.quantize_int8).
-        int8_weight_only: int8 weights with float32 activations instead (quant.quantize_weight_only).
+        int8_weight_only: int8 weights with float32 activations instead (runners.weight_only).
         attention: "auto" / "paged" use the paged-attention kernel where it can run (see
         `self.attention` and `self.attention_why`; "paged" does not raise, the loader
         refuses it); "gather" never does.
@@ -62,7 +63,7 @@ class TorchRunner:
             calibrate(self.transformer)
             quantize_int8(self.transformer, keep_float=int8_keep_float)
         if int8_weight_only:
-            quantize_weight_only(self.transformer)
+            quantize_weight_only(self.transformer, calibration_ids(model))
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
         from tritonlm.engine.runners.decode_graphs import CUDA_GRAPH_MODES
 

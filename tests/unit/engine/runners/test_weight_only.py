@@ -1,11 +1,13 @@
-"""`dtype: int8_weight_only` (runners.quant.quantize_weight_only, layers.WeightOnlyInt8Linear):
-int8 weights, float32 activations.
+"""`dtype: int8_weight_only` (runners/weight_only.py, layers.WeightOnlyInt8Linear): int8
+weights, float32 activations.
 
-Its model is exactly the float model with every projection's weights rounded to int8 per
-output channel, so transformers running on those rounded weights is an independent
-reference: greedy tokens (teacher-forced) must agree with it, up to float summation order.
-Against float32 transformers it is checked on the tiny seeded models here, on SmolLM2's
-real weights under the `slow` mark (32 prompts x 128 tokens, the int8 test's measure)."""
+With nearest-value rounding the model is exactly the float model with every projection's
+weights rounded to int8 per group of inputs, so transformers running on weights rounded
+the same way (here, independently) is a reference for the forward pass: greedy tokens
+(teacher-forced) must agree with it, up to float summation order. GPTQ's rounding (what the
+dtype serves) is checked by what it minimizes, the output error on its calibration inputs,
+and against float32 transformers: on the tiny seeded models here, on SmolLM2's real weights
+under the `slow` mark (32 prompts x 128 tokens, the int8 test's measure)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ import copy
 import pytest
 import torch
 
-from tests.helpers.models import Collector, drain, forward_rows, hf_greedy_ids, paged_cache, random_tokens, tiny, tiny_llama
+from tests.helpers.models import Collector, drain, forward_rows, paged_cache, random_tokens, tiny, tiny_llama
 from tests.helpers.servers import add_generation_model
 from tests.unit.engine.runners.test_quant import PROMPTS, logits_of, tiny_model
 from tritonlm.engine.loader import build_engine
 from tritonlm.engine.parallel.shard import tensor_slice
 from tritonlm.engine.runners.layers import WeightOnlyInt8Linear
-from tritonlm.engine.runners.quant import WEIGHT_ONLY_GROUP
+from tritonlm.engine.runners.model import Transformer
+from tritonlm.engine.runners.weight_only import GROUP, gptq_round, quantize_weight_only, rtn_round
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.perf.agreement import reference_continuations, teacher_forced_agreement
@@ -28,7 +31,7 @@ from tritonlm.perf.agreement import reference_continuations, teacher_forced_agre
 
 def rounded_weights(model):
     """A copy of an HF model whose every projection (nn.Linear, GPT-2's Conv1D [in, out]) and
-    LM head holds its weights rounded to int8, one scale per WEIGHT_ONLY_GROUP inputs of an
+    LM head holds its weights rounded to int8, one scale per GROUP inputs of an
     output channel (per channel where the inputs do not split so), back in float32: what
     int8_weight_only computes with, written independently of the engine. A tied head gets
     its own rounded copy; the embedding stays float, as in the engine."""
@@ -40,7 +43,7 @@ def rounded_weights(model):
         w = module.weight.detach().float()
         w = w.t() if conv1d else w  # [out, in]
         out, width = w.shape
-        group = WEIGHT_ONLY_GROUP if width % WEIGHT_ONLY_GROUP == 0 else width
+        group = GROUP if width % GROUP == 0 else width
         w = w.reshape(out, width // group, group)
         scale = (w.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)
         rounded = (torch.round(w / scale).clamp(-127, 127) * scale).reshape(out, width)
@@ -48,27 +51,63 @@ def rounded_weights(model):
     return model
 
 
+def nearest_rounding_runner(model) -> TorchRunner:
+    """A runner whose weights are int8 by nearest-value rounding (no calibration)."""
+    runner = TorchRunner(model)
+    t = Transformer.from_hf(model, "cpu", torch.float32)
+    quantize_weight_only(t, None)
+    t.block_weights()
+    if runner.attention == "paged":
+        t.use_paged_kernel()
+    runner.transformer = t
+    return runner
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_weight_only_greedy_equals_transformers_on_the_rounded_weights(arch):
     """Every projection and the LM head are int8 through the C++ kernel, the layers run as
-    one DecoderStack, and the greedy tokens after every reference prefix are transformers'
-    own on the same rounded weights (a wrong scale, layout or rounding would disagree on
-    most); against float32 transformers they agree about as often as int8 does on these
-    random weights (tiny models have small logit margins). The weights take fewer bytes."""
+    one DecoderStack, and with nearest-value rounding the greedy tokens after every
+    reference prefix are transformers' own on the same rounded weights (a wrong scale,
+    layout or rounding would disagree on most). The dtype as served (GPTQ) agrees with
+    float32 transformers about as often as int8 does on these random weights (tiny models
+    have small logit margins). The weights take fewer bytes."""
     model, prompts = tiny_model(arch)
-    prompts = prompts[:8]
-    runner = TorchRunner(model, int8_weight_only=True)
-    t = runner.transformer
+    prompts = prompts[:6]
+    nearest = nearest_rounding_runner(model)
+    t = nearest.transformer
     assert all(isinstance(p, WeightOnlyInt8Linear) and p.w.dtype == torch.int8 for p in t.projections())
-    if runner.attention == "paged":
+    if nearest.attention == "paged":
         assert all(p.native for p in t.projections()) and t.decoder_stack is not None
     assert t.weight_bytes() < TorchRunner(model).transformer.weight_bytes()
-    same = teacher_forced_agreement(runner, prompts, reference_continuations(rounded_weights(model), prompts, 32))
-    fp32 = teacher_forced_agreement(runner, prompts, reference_continuations(model, prompts, 32))
-    print(f"{arch}: int8_weight_only vs transformers on the rounded weights {same.fraction:.4f}, "
-          f"vs float32 {fp32.fraction:.4f} ({fp32.agreed}/{fp32.total})")
+    same = teacher_forced_agreement(nearest, prompts, reference_continuations(rounded_weights(model), prompts, 24))
+    served = TorchRunner(model, int8_weight_only=True)
+    assert all(isinstance(p, WeightOnlyInt8Linear) for p in served.transformer.projections())
+    fp32 = teacher_forced_agreement(served, prompts, reference_continuations(model, prompts, 24))
+    print(f"{arch}: nearest rounding vs transformers on the same rounded weights {same.fraction:.4f}; "
+          f"int8_weight_only (GPTQ) vs float32 {fp32.fraction:.4f} ({fp32.agreed}/{fp32.total})")
     assert same.fraction >= 0.99
     assert fp32.fraction >= (0.95 if arch == "gpt2" else 0.9)
+
+
+def test_gptq_rounding_lowers_the_output_error_on_its_calibration_inputs():
+    """gptq_round against rtn_round on a weight whose inputs are correlated (as activations
+    are): the same int8 format (a scale per group of 64 inputs, every value within
+    [-127, 127] x scale), a smaller error of x @ w^T on those inputs, a larger one on the
+    weights themselves (GPTQ trades weight error for output error)."""
+    g = torch.Generator().manual_seed(7)
+    out, width = 48, 128
+    w = torch.randn(out, width, generator=g)
+    mix = torch.randn(width, width, generator=g) / width ** 0.5
+    x = torch.randn(512, width, generator=g) @ (torch.eye(width) + 2 * mix)  # [N, in], correlated inputs
+    results = {}
+    for name, (q, scale) in {"rtn": rtn_round(w, 64), "gptq": gptq_round(w, x.t() @ x, 64)}.items():
+        assert q.dtype == torch.int8 and q.shape == (out, width) and scale.shape == (out, width // 64)
+        dq = q.float() * scale.repeat_interleave(64, dim=1)
+        results[name] = ((x @ (w - dq).t()).norm().item(), (w - dq).norm().item())
+    print(f"output error rtn {results['rtn'][0]:.4f}, gptq {results['gptq'][0]:.4f}; "
+          f"weight error rtn {results['rtn'][1]:.4f}, gptq {results['gptq'][1]:.4f}")
+    assert results["gptq"][0] < 0.8 * results["rtn"][0]
+    assert results["gptq"][1] > results["rtn"][1]
 
 
 def test_weight_only_decoder_stack_gives_the_python_loops_bits():
@@ -98,20 +137,23 @@ def test_weight_only_decoder_stack_gives_the_python_loops_bits():
 
 def test_weight_only_engine_generates_through_the_settings(tmp_path):
     """`dtype: int8_weight_only` in config.pbtxt: the engine loads int8 weights with float
-    activations and, batching 4 streams with its KV cache, generates transformers' own greedy
-    tokens on the rounded weights."""
+    activations and, batching 4 streams with its KV cache, generates exactly the greedy
+    tokens of the same weights recomputing each sequence alone, with no cache."""
     folder = add_generation_model(tmp_path, "tinyw8", dtype="int8_weight_only")
     engine = build_engine(EngineSettings.from_params(
         {"task": "generate", "max_context": "256", "dtype": "int8_weight_only"}, folder))
     assert all(isinstance(p, WeightOnlyInt8Linear) for p in engine.runner.transformer.projections())
     model, tok = tiny()
-    reference = rounded_weights(model)
     prompts = PROMPTS[24:28]
     col = Collector()
     rids = [col.request(engine, p, max_tokens=12, end_id=-1) for p in prompts]
     drain(engine)
+    alone = TorchRunner(model, int8_weight_only=True)  # the same seeded calibration: the same weights
     for p, rid in zip(prompts, rids):
-        assert col.ids(rid) == hf_greedy_ids(reference, tok(p).input_ids, 12), p
+        seq = tok(p).input_ids
+        for _ in range(12):
+            seq.append(int(logits_of(alone, [seq])[0, -1].argmax()))
+        assert col.ids(rid) == seq[-12:], p
     assert engine.cache.used_bytes == 0
 
 

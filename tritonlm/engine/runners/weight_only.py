@@ -1,0 +1,181 @@
+"""Weight-only int8 for a Transformer (`dtype: int8_weight_only`): int8 weights with a float32
+scale per group of inputs of each output channel, float32 activations.
+
+    calibration_ids(hf_model)  text the model samples itself (seeded), to calibrate on
+    quantize_weight_only(model, calibration_ids)
+        every projection (and the LM head) to WeightOnlyInt8Linear, in place, its weights
+        rounded by GPTQ (gptq_round) against the inputs it saw on calibration_ids; without
+        calibration_ids, each weight to its nearest int8 value
+
+Rounding each weight to its nearest value (RTN) leaves errors that add up along every dot
+product. GPTQ (Frantar et al., 2022) rounds the inputs of a projection one at a time and
+moves each rounding error onto the inputs not rounded yet, in proportion to how the
+calibration inputs correlate (H = sum of x x^T), so the output error on inputs like those
+is what it minimizes. The measured agreement of each choice: docs/configuration.md, "Precision".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tritonlm.engine.runners.layers import PROJECTION_NAMES, FloatLinear, Linear, WeightOnlyInt8Linear
+
+if TYPE_CHECKING:
+    from tritonlm.engine.runners.model import Transformer
+
+# inputs per scale: one scale per output channel is too coarse for greedy output to stay
+# with float32's; a multiple of 16 (the kernel's vector width)
+GROUP = 64
+GPTQ_BLOCK = 128  # inputs whose errors are carried inside one block before the rest is updated
+GPTQ_DAMP = 0.01  # H + damp * mean(diag H) * I: keeps the inverse stable for inputs that barely vary
+CALIBRATION_ROWS, CALIBRATION_TOKENS = 8, 128
+
+
+def calibration_ids(hf_model, rows: int = CALIBRATION_ROWS, tokens: int = CALIBRATION_TOKENS,
+                    seed: int = 0) -> list[list[int]]:
+    """`rows` sequences of `tokens` token ids that the model samples itself (temperature 1,
+    seeded, from its BOS token): inputs like the ones it will see, with no dataset to ship
+    or download. The global random state is left as it was."""
+    cfg = hf_model.config
+    tokens = min(tokens, getattr(cfg, "max_position_embeddings", None) or tokens)
+    start = cfg.bos_token_id if cfg.bos_token_id is not None else 0
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else start
+    with torch.random.fork_rng(), torch.inference_mode():
+        torch.manual_seed(seed)
+        out = hf_model.generate(torch.full((rows, 1), start, dtype=torch.long), do_sample=True, temperature=1.0,
+                                top_k=0, top_p=1.0, max_new_tokens=tokens - 1, min_new_tokens=tokens - 1,
+                                pad_token_id=pad, attention_mask=torch.ones(rows, 1, dtype=torch.long))
+    return out.tolist()
+
+
+@dataclass(eq=False)
+class InputCovariance(FloatLinear):
+    """A float projection that sums x x^T over the inputs it computes on (calibration)."""
+
+    xtx: torch.Tensor  # [in, in] float32
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.detach().reshape(-1, x.shape[-1]).float()  # [N, in]
+        self.xtx.addmm_(flat.t(), flat)
+        return super().apply(x, bias)
+
+
+def collect_covariances(model: Transformer, ids: list[list[int]]) -> dict[str, torch.Tensor]:
+    """One float pass over `ids` (rows of token ids), every projection's x x^T summed: {name: [in, in]}."""
+    from tritonlm.engine.batch import StepBatch
+    from tritonlm.engine.kv_cache import KVCacheManager
+    from tritonlm.engine.runners.base import plan_step
+
+    observed: dict[str, InputCovariance] = {}
+
+    def observe(name: str, p: Linear) -> InputCovariance:
+        p = p.plain()
+        observed[name] = InputCovariance(p.w, p.b, xtx=torch.zeros(p.w.shape[0], p.w.shape[0]))
+        return observed[name]
+
+    originals = {}
+    for i, layer in enumerate(model.layers):
+        for name in PROJECTION_NAMES:
+            if getattr(layer, name) is not None:
+                originals[(i, name)] = getattr(layer, name)
+                setattr(layer, name, observe(f"layers.{i}.{name}", getattr(layer, name)))
+    head = model.lm_head
+    if head is not None:
+        model.lm_head = observe("lm_head", head)
+    try:
+        spec = model.spec
+        longest = max(map(len, ids))
+        cache = KVCacheManager(spec, (len(ids) * (longest // 16 + 2) + 1) * 16 * spec.bytes_per_token, 16,
+                               allocate_kv=model.allocate_kv)
+        for b, row in enumerate(ids):
+            cache.allocate(b, len(row))
+        batch = StepBatch.build(ids, [0] * len(ids), [cache.slots(b, len(row)) for b, row in enumerate(ids)])
+        with torch.inference_mode():
+            model.forward(plan_step(batch, model.device, model.max_positions), batch.all_logits, cache.pool)
+    finally:
+        for (i, name), p in originals.items():
+            setattr(model.layers[i], name, p)
+        model.lm_head = head
+    return {name: obs.xtx for name, obs in observed.items()}
+
+
+def group_size(width: int) -> int:
+    """GROUP where it splits `width` inputs evenly, else the whole width (one scale per channel)."""
+    return GROUP if width % GROUP == 0 else width
+
+
+def rtn_round(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] float32 to the nearest int8 values: (q [out, in] int8, scale [out, in / group])."""
+    out, width = w.shape
+    grouped = w.reshape(out, width // group, group)
+    scale = (grouped.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)  # [out, G, 1]
+    q = torch.round(grouped / scale).clamp_(-127, 127).to(torch.int8).reshape(out, width)
+    return q.contiguous(), scale.squeeze(2).contiguous()
+
+
+def gptq_round(w: torch.Tensor, xtx: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] float32 rounded by GPTQ against H = xtx [in, in]: (q [out, in] int8,
+    scale [out, in / group]). A group's scale is taken from its weights as they stand when
+    its first input is reached (after the errors moved onto them), as RTN takes it."""
+    w = w.clone().float()
+    out, width = w.shape
+    h = xtx.clone().float()
+    dead = torch.diagonal(h) == 0  # inputs that were always 0: nothing to fit
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += GPTQ_DAMP * torch.diagonal(h).mean() * torch.eye(width)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)  # [in, in]
+    q = torch.zeros(out, width, dtype=torch.int8)
+    scales = torch.zeros(out, width // group)
+    scale = torch.ones(out)
+    for b0 in range(0, width, GPTQ_BLOCK):
+        b1 = min(b0 + GPTQ_BLOCK, width)
+        block = w[:, b0:b1].clone()  # [out, n]
+        errors = torch.zeros_like(block)
+        hb = hinv[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            col = b0 + i
+            if col % group == 0:  # the group's scale, from its weights as they stand now
+                ahead = torch.cat([block[:, i:], w[:, b1:]], dim=1)[:, :group]
+                scale = (ahead.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+                scales[:, col // group] = scale
+            x = block[:, i]
+            qi = torch.round(x / scale).clamp_(-127, 127)
+            q[:, col] = qi.to(torch.int8)
+            err = (x - qi * scale) / hb[i, i]
+            block[:, i:] -= err.unsqueeze(1) * hb[i, i:].unsqueeze(0)
+            errors[:, i] = err
+        w[:, b1:] -= errors @ hinv[b0:b1, b1:]
+    return q, scales
+
+
+def quantize_weight_only(model: Transformer, calibration_ids: list[list[int]] | None = None,
+                         head: bool = True) -> None:
+    """Every projection of the layers (and the LM head when `head`) to WeightOnlyInt8Linear, in
+    place: GPTQ against the inputs seen on calibration_ids, or nearest-value rounding without
+    them. Embeddings, norms, biases and the KV cache stay float32. A tied LM head becomes its
+    own int8 copy (the embedding lookup keeps the float table).
+
+    No rotation or smoothing: those exist to make activations quantizable, and here
+    activations stay float."""
+    if model.dtype != torch.float32 or model.device.type != "cpu":
+        raise ValueError(f"int8_weight_only needs float32 compute on the CPU, not {model.dtype} on {model.device}")
+    xtx = collect_covariances(model, calibration_ids) if calibration_ids else {}
+
+    def convert(name: str, p: Linear) -> WeightOnlyInt8Linear:
+        p = p.plain()
+        w = p.w.float().t()  # [out, in]
+        group = group_size(w.shape[1])
+        q, scale = gptq_round(w, xtx[name], group) if name in xtx else rtn_round(w, group)
+        bias = None if p.b is None else p.b.clone()
+        return WeightOnlyInt8Linear(q, scale, bias)
+
+    for i, layer in enumerate(model.layers):
+        for name in PROJECTION_NAMES:
+            if getattr(layer, name) is not None:
+                setattr(layer, name, convert(f"layers.{i}.{name}", getattr(layer, name)))
+    if head and model.lm_head is not None:
+        model.lm_head = convert("lm_head", model.lm_head)
