@@ -36,6 +36,9 @@
 namespace {
 
 constexpr int64_t kLanes = 16;  // output channels in a panel: one zmm of float32
+// how far ahead in its panel a tile asks for weights, in floats (64 k steps): with many rows
+// a tile computes long enough per load that the hardware prefetcher alone falls behind
+constexpr int64_t kPrefetchAhead = 1024;
 
 bool panel_supported() {
 #if defined(__AVX512F__)
@@ -57,7 +60,11 @@ inline void tile(const float* __restrict x, int64_t in, const float* __restrict 
   const int64_t stride = in * kLanes;
   for (int64_t k = 0; k < in; ++k) {
     __m512 wk[NP];
-    for (int j = 0; j < NP; ++j) wk[j] = _mm512_loadu_ps(w + j * stride + k * kLanes);
+    for (int j = 0; j < NP; ++j) {
+      const float* at = w + j * stride + k * kLanes;
+      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchAhead), _MM_HINT_T0);  // past the end: a no-op
+      wk[j] = _mm512_loadu_ps(at);
+    }
     for (int i = 0; i < MB; ++i) {
       const __m512 xb = _mm512_set1_ps(x[i * in + k]);
       for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(xb, wk[j], acc[i][j]);
