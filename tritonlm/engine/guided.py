@@ -47,7 +47,7 @@ def guide_grammar(guide: GuidedDecoding) -> str:
             schema = json.loads(spec)
         except ValueError as e:
             raise InvalidRequestError(f"guided_decoding: the json_schema is not valid JSON ({e})") from None
-        if not isinstance(schema, (dict, bool)):
+        if not isinstance(schema, dict):
             raise InvalidRequestError(f"guided_decoding: a json_schema must be a JSON object, got {type(schema).__name__}")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if kind == "regex":
@@ -76,7 +76,12 @@ def check_guide(guide: GuidedDecoding) -> None:
     import llguidance
 
     guide.validate()
-    error = llguidance.LLMatcher.validate_grammar(guide_grammar(guide))
+    try:
+        error = llguidance.LLMatcher.validate_grammar(guide_grammar(guide))
+    except InvalidRequestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the library's own errors for a malformed guide
+        error = str(e)
     if error:
         raise InvalidRequestError(f"guided_decoding: invalid {guide.kind}: {error.strip()}")
 
@@ -115,7 +120,12 @@ class GuideCompiler:
                 return template
         guide.validate()
         # built outside the lock: the constructor releases the GIL and can take a while
-        template = self._llguidance.LLMatcher(self.tokenizer, guide_grammar(guide), log_level=0)
+        try:
+            template = self._llguidance.LLMatcher(self.tokenizer, guide_grammar(guide), log_level=0)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the library's own errors for a malformed guide
+            raise InvalidRequestError(f"guided_decoding: invalid {guide.kind}: {e}") from None
         if template.is_error():
             raise InvalidRequestError(f"guided_decoding: invalid {guide.kind}: {template.get_error().strip()}")
         # the first mask builds the lexer's first states: later copies start from them
@@ -185,21 +195,22 @@ def fill_masks(states: list[GuideState], masks: torch.Tensor, compiler: GuideCom
     compiler._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], masks.data_ptr(), words * 4, rows)
 
 
-def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[ceil(V / 32)] int32 bitmask (bit i of word w: token 32 w + i) -> [V] bool."""
-    bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")  # [32 ceil(V / 32)]
-    return torch.from_numpy(bits[:vocab_size]).bool()
+def allowed_tokens(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, ceil(V / 32)] int32 bitmasks (bit i of word w: token 32 w + i) -> [n, V] bool."""
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=-1, bitorder="little")  # [n, 32 ceil(V / 32)]
+    return torch.from_numpy(bits[:, :vocab_size]).bool()
 
 
-def apply_mask(logits: torch.Tensor, mask: torch.Tensor, state: GuideState, end_ids: list[int]) -> None:
-    """logits [V] (float32, changed in place): tokens outside the guide set to -inf. The end
-    tokens (end_ids: the row's EOS and stop token ids) keep their logits only where the guide
-    is complete; llguidance's own EOS bit counts for nothing else."""
-    allowed = allowed_tokens(mask, logits.shape[-1])  # [V]
-    eos = state.compiler.eos_id
-    if eos is not None and 0 <= eos < len(allowed):
-        allowed[eos] = False
-    if end_ids:
-        # an end token the guide also takes as text still only ends the answer
-        allowed[torch.tensor(end_ids, dtype=torch.int64)] = state.can_end()
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor, states: list[GuideState], end_ids: list[list[int]]) -> None:
+    """logits [n, V] (float32, changed in place): row i's tokens outside its guide set to -inf.
+    Row i's end tokens (end_ids[i]: its EOS and stop token ids) keep their logits only where
+    its guide is complete; llguidance's own EOS bit counts for nothing else."""
+    allowed = allowed_tokens(masks, logits.shape[-1])  # [n, V]
+    for i, (state, ends) in enumerate(zip(states, end_ids)):
+        eos = state.compiler.eos_id
+        if eos is not None and 0 <= eos < allowed.shape[-1]:
+            allowed[i, eos] = False
+        if ends:
+            # an end token the guide also takes as text still only ends the answer
+            allowed[i, torch.tensor(ends, dtype=torch.int64)] = state.can_end()
     logits.masked_fill_(~allowed.to(logits.device, non_blocking=True), float("-inf"))

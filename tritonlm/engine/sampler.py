@@ -24,7 +24,7 @@ import torch
 
 from tritonlm.engine import draws
 from tritonlm.engine.draws import SAMPLE, inverse_cdf
-from tritonlm.engine.guided import GuideState, allocate_masks, apply_mask, fill_masks
+from tritonlm.engine.guided import GuideState, allocate_masks, apply_masks, fill_masks
 from tritonlm.engine.request import SamplingParams
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -102,7 +102,8 @@ def process_logits(logits: torch.Tensor, row: RowState, guide_mask: torch.Tensor
     # NaN (an overflow upstream) can never win; +inf would make every probability NaN
     out = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=FLOAT32_MAX)
     if row.guide is not None:
-        apply_mask(out, row.guide_mask() if guide_mask is None else guide_mask, row.guide, row.end_ids)
+        mask = row.guide_mask() if guide_mask is None else guide_mask  # [ceil(V / 32)]
+        apply_masks(out.unsqueeze(0), mask.unsqueeze(0), [row.guide], [row.end_ids])
     if p.repetition_penalty != 1.0 and row.token_ids:
         seen = to_device(sorted(set(row.token_ids)), torch.int64, device)
         vals = out[seen]
@@ -239,9 +240,9 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def owns_logits(row: RowState) -> bool:
-    """The row's logits change in a way of its own (guide, penalties, bias, bans):
-    process_logits runs on that row alone."""
-    return row.guide is not None or row.params.changes_logits or bool(banned_tokens(row))
+    """The row's logits change in a way of its own (penalties, bias, bans): process_logits
+    runs on that row alone. A guide alone does not: sample_rows masks such rows together."""
+    return row.params.changes_logits or bool(banned_tokens(row))
 
 
 def filters(params: SamplingParams) -> bool:
@@ -265,10 +266,17 @@ def sample_rows(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, f
     processed = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=FLOAT32_MAX)  # [n, V]
     own = [owns_logits(row) for row in rows]
     guided = [i for i, row in enumerate(rows) if row.guide is not None]
-    masks = dict(zip(guided, guide_masks([rows[i] for i in guided]))) if guided else {}  # i -> [ceil(V / 32)]
+    masks = guide_masks([rows[i] for i in guided]) if guided else None  # [g, ceil(V / 32)]
+    mask_of = {i: masks[j] for j, i in enumerate(guided)}  # row -> [ceil(V / 32)]
     for i, row in enumerate(rows):
         if own[i]:
-            processed[i] = process_logits(logits[i], row, masks.get(i))  # temperature included
+            processed[i] = process_logits(logits[i], row, mask_of.get(i))  # temperature included
+    masked = [j for j, i in enumerate(guided) if not own[i]]  # guided rows without logits of their own: masked together
+    if masked:
+        index = to_device([guided[j] for j in masked], torch.int64, device)
+        sub = processed.index_select(0, index)  # [m, V]
+        apply_masks(sub, masks[masked], [rows[guided[j]].guide for j in masked], [rows[guided[j]].end_ids for j in masked])
+        processed.index_copy_(0, index, sub)
 
     greedy = [row.params.greedy for row in rows]
     # temperature 1 where it is already applied (own rows) or means nothing (greedy)
