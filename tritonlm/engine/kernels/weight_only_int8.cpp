@@ -18,7 +18,8 @@
 // Rows (M = x's rows):
 //   M <= kDirectRows  each weight vector is loaded and widened in registers once per group of
 //                     rows (AVX-512: 16 lanes, 4 rows; AVX2: 8 lanes, 2 rows), 4 output
-//                     channels at a time, over torch's
+//                     channels at a time, every row against a tile of 32 channels before the
+//                     next (the weights are read from memory once), over torch's
 //                     thread team by blocks of output channels; each dot product is summed in
 //                     an order that depends on `in` only, so a row's bits do not depend on the
 //                     other rows of its batch
@@ -43,8 +44,9 @@
 
 namespace {
 
-constexpr int64_t kDirectRows = 32;       // above this, dequantize once and run a GEMM
+constexpr int64_t kDirectRows = 64;       // above this, dequantize once and run a GEMM
 constexpr int64_t kChannelBlock = 4;      // output channels per inner loop (shares each x load)
+constexpr int64_t kChannelTile = 32;      // channels whose weights stay in cache while every row passes
 constexpr int64_t kGrainWeights = 65536;  // int8 weights per task: below this, one thread
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
@@ -166,9 +168,12 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Args& a, int64_t m0, i
 }
 
 void rows_avx2(const Args& a, int64_t rows, int64_t n0, int64_t n1) {
-  int64_t m = 0;
-  for (; m + 2 <= rows; m += 2) block_avx2<2>(a, m, n0, n1);  // 16 ymm registers: 2 rows x 4 channels
-  if (m < rows) block_avx2<1>(a, m, n0, n1);
+  for (int64_t c0 = n0; c0 < n1; c0 += kChannelTile) {
+    const int64_t c1 = std::min(n1, c0 + kChannelTile);
+    int64_t m = 0;
+    for (; m + 2 <= rows; m += 2) block_avx2<2>(a, m, c0, c1);  // 16 ymm registers: 2 rows x 4 channels
+    if (m < rows) block_avx2<1>(a, m, c0, c1);
+  }
 }
 
 __attribute__((target("avx512f,avx512bw"))) inline __m512 widen16(const int8_t* p) {  // 16 int8 -> 16 float
@@ -209,13 +214,16 @@ __attribute__((target("avx512f,avx512bw"))) void block_avx512(const Args& a, int
 }
 
 void rows_avx512(const Args& a, int64_t rows, int64_t n0, int64_t n1) {
-  int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) block_avx512<4>(a, m, n0, n1);  // 32 zmm registers: 4 rows x 4 channels
-  if (m + 2 <= rows) {
-    block_avx512<2>(a, m, n0, n1);
-    m += 2;
+  for (int64_t c0 = n0; c0 < n1; c0 += kChannelTile) {
+    const int64_t c1 = std::min(n1, c0 + kChannelTile);
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) block_avx512<4>(a, m, c0, c1);  // 32 zmm registers: 4 rows x 4 channels
+    if (m + 2 <= rows) {
+      block_avx512<2>(a, m, c0, c1);
+      m += 2;
+    }
+    if (m < rows) block_avx512<1>(a, m, c0, c1);
   }
-  if (m < rows) block_avx512<1>(a, m, n0, n1);
 }
 
 // w [out, in] int8 * scale [out, groups] -> buf [out, in] float32, over torch's thread team

@@ -1,7 +1,7 @@
 """Weight-only int8 for a Transformer (`dtype: int8_weight_only`): int8 weights with a float32
 scale per group of inputs of each output channel, float32 activations.
 
-    calibration_ids(hf_model)  text the model samples itself (seeded), to calibrate on
+    calibration_ids(hf_model)  seeded random token ids to calibrate on
     quantize_weight_only(model, calibration_ids)
         every projection (and the LM head) to WeightOnlyInt8Linear, in place, its weights
         rounded by GPTQ (gptq_round) against the inputs it saw on calibration_ids; without
@@ -31,24 +31,19 @@ if TYPE_CHECKING:
 GROUP = 64
 GPTQ_BLOCK = 128  # inputs whose errors are carried inside one block before the rest is updated
 GPTQ_DAMP = 0.01  # H + damp * mean(diag H) * I: keeps the inverse stable for inputs that barely vary
-CALIBRATION_ROWS, CALIBRATION_TOKENS = 8, 128
+CALIBRATION_ROWS, CALIBRATION_TOKENS = 16, 128
 
 
 def calibration_ids(hf_model, rows: int = CALIBRATION_ROWS, tokens: int = CALIBRATION_TOKENS,
                     seed: int = 0) -> list[list[int]]:
-    """`rows` sequences of `tokens` token ids that the model samples itself (temperature 1,
-    seeded, from its BOS token): inputs like the ones it will see, with no dataset to ship
-    or download. The global random state is left as it was."""
+    """`rows` sequences of `tokens` seeded random token ids: one forward pass at load, no
+    dataset to ship or download. What GPTQ needs from them is how a projection's input
+    channels vary together, which the weights (norms, outlier channels) shape as much as
+    the text does."""
     cfg = hf_model.config
     tokens = min(tokens, getattr(cfg, "max_position_embeddings", None) or tokens)
-    start = cfg.bos_token_id if cfg.bos_token_id is not None else 0
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else start
-    with torch.random.fork_rng(), torch.inference_mode():
-        torch.manual_seed(seed)
-        out = hf_model.generate(torch.full((rows, 1), start, dtype=torch.long), do_sample=True, temperature=1.0,
-                                top_k=0, top_p=1.0, max_new_tokens=tokens - 1, min_new_tokens=tokens - 1,
-                                pad_token_id=pad, attention_mask=torch.ones(rows, 1, dtype=torch.long))
-    return out.tolist()
+    ids = torch.randint(0, cfg.vocab_size, (rows, tokens), generator=torch.Generator().manual_seed(seed))
+    return ids.tolist()
 
 
 @dataclass(eq=False)
