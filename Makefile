@@ -20,7 +20,7 @@ HOST := 127.0.0.1
 endif
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit bench doctor clean demo-scale bench-peer bench-engine
+.PHONY: setup serve test test-unit bench doctor clean demo-scale bench-peer bench-engine bench-guided
 
 setup: $(STAMP)
 
@@ -60,6 +60,11 @@ bench-peer: setup
 # BENCH_ENGINE_ARGS=--rows 1,256 for fewer row counts
 bench-engine: setup
 	$(VENV)/bin/python perf/bench_engine_overhead.py $(BENCH_ENGINE_ARGS)
+
+# guided decoding (a JSON schema) vs unconstrained, in-process engine (SmolLM2-135M), 1/8/32 streams;
+# BENCH_GUIDED_ARGS=--model tiny-gpt2 for the tiny model
+bench-guided: setup
+	$(VENV)/bin/python perf/bench_guided.py $(BENCH_GUIDED_ARGS)
 
 # two tritonlm serve replicas behind nginx, one restarted under load (deploy/README.md)
 demo-scale: setup

@@ -91,7 +91,7 @@ class XGrammar:
         self.batch = xgr.BatchGrammarMatcher(max_threads=2)
 
     def matcher(self, schema: dict):
-        return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+        return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":")))
 
     def bitmask(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab)
