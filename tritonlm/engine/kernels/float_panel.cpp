@@ -8,7 +8,7 @@
 //
 // Why a layout of our own: a decode step's projections are bound by streaming the weights
 // from memory, and at a handful of rows oneDNN's blocked kernel streams them well below
-// the memory's rate on the CPUs measured (docs/performance-notes.md, "Float panels"). A
+// the memory's rate on the CPUs measured (docs/performance-notes.md, "The decode step"). A
 // panel is one contiguous stream of in x 16 floats: one 64-byte load per k feeds 16 output
 // channels of every row in the tile, and the hardware prefetcher sees a plain sequence.
 //

@@ -209,6 +209,14 @@ def _runner_model(**kw) -> Callable[[torch.nn.Module], Transformer]:
     return lambda hf: TorchRunner(hf, **kw).transformer
 
 
+def _blocked(hf: torch.nn.Module) -> Transformer:
+    """oneDNN's blocked float32 layout where the panel kernel would be the default."""
+    t = Transformer.from_hf(hf)
+    t.block_weights("blocked")
+    t.use_paged_kernel()
+    return t
+
+
 def _plain(hf: torch.nn.Module) -> Transformer:
     return Transformer.from_hf(hf)  # plain [in, out] weights, torch ops only
 
@@ -227,8 +235,9 @@ def _ranks(hf: torch.nn.Module, mode: str) -> list[Transformer]:
 # loosely across hosts (test_golden_logits.py)
 VARIANTS: dict[str, Callable[[torch.nn.Module, list[StepBatch]], list[torch.Tensor]]] = {
     "float32_plain": lambda hf, b: run_whole(_plain(hf), b),
-    "float32_blocked_gather": lambda hf, b: run_whole(_runner_model(attention="gather")(hf), b),
-    "float32_kernels": lambda hf, b: run_whole(_runner_model()(hf), b),  # blocked, C++ ops, decoder stack
+    "float32_packed_gather": lambda hf, b: run_whole(_runner_model(attention="gather")(hf), b),
+    "float32_kernels": lambda hf, b: run_whole(_runner_model()(hf), b),  # panels (or blocked), C++ ops, decoder stack
+    "float32_blocked_kernels": lambda hf, b: run_whole(_blocked(hf), b),
     "int8_gather": lambda hf, b: run_whole(_runner_model(int8=True, attention="gather")(hf), b),
     "int8_kernels": lambda hf, b: run_whole(_runner_model(int8=True)(hf), b),
     "float32_tensor_slice2": lambda hf, b: run_ranks(_ranks(hf, "tensor"), b),

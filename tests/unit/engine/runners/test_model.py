@@ -1,8 +1,8 @@
 """The Transformer forward pass gives the recorded logits (data/golden_logits.npz).
 
-Every variant of make_golden_logits.VARIANTS (float32 plain, oneDNN-blocked with and
-without tritonlm's C++ ops, int8 with and without them, two tensor-parallel ranks, two
-pipeline stages), for tiny-gpt2 and a tiny grouped-query Llama, over a packed prefill,
+Every variant of make_golden_logits.VARIANTS (float32 plain, packed for the CPU with and
+without tritonlm's C++ ops, oneDNN-blocked, int8 with and without the C++ ops, two
+tensor-parallel ranks, two pipeline stages), for tiny-gpt2 and a tiny grouped-query Llama, over a packed prefill,
 two decode steps and a verify step. On a host whose HostFacts match the recording's (CPU
 features, torch version, thread count, kernels built) the logits must be the same bits:
 a refactoring may not change one. Elsewhere other kernels run, so they are compared
