@@ -62,12 +62,16 @@ def test_chat_parse_with_a_pydantic_model_and_json_object(client):
         choice = completion.choices[0]
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, Pet)  # the openai client parsed and validated it
-    # two choices, each with its own matcher
-    r = client.chat.completions.create(model="tiny_chat", messages=[{"role": "user", "content": "An object"}], n=2,
-                                       response_format={"type": "json_object"}, max_tokens=48, temperature=1.0, seed=9)
+    # two sampled choices, each with its own matcher; and json_object
+    r = client.chat.completions.parse(model="tiny_chat", messages=[{"role": "user", "content": "Two pets."}], n=2,
+                                      response_format=Pet, max_tokens=64, temperature=1.0, seed=9)
+    assert len(r.choices) == 2
     for choice in r.choices:
-        if choice.finish_reason == "stop":
-            assert isinstance(json.loads(choice.message.content), dict)
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Pet)
+    r = client.chat.completions.create(model="tiny_chat", messages=[{"role": "user", "content": "An object"}],
+                                       response_format={"type": "json_object"}, max_tokens=48, temperature=0)
+    if r.choices[0].finish_reason == "stop":  # unbounded: a random model may run to max_tokens
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_a_regex_and_a_choice_through_vllm_extra_fields_streamed_and_not(client):
