@@ -96,7 +96,13 @@ class Engine:
         guided request (reading the vocabulary takes a moment)."""
         with self._guides_lock:
             if self._guides is None:
-                self._guides = GuideCompiler(self.tokenizer, self.runner.spec.vocab_size)
+                try:
+                    self._guides = GuideCompiler(self.tokenizer, self.runner.spec.vocab_size)
+                except Exception as e:  # noqa: BLE001 - e.g. a tokenizer llguidance cannot read (not a fast one)
+                    log.exception("guided decoding is not available for this model's tokenizer")
+                    raise InvalidRequestError(
+                        f"guided_decoding: not available for this model: its tokenizer could not be read by the "
+                        f"grammar library ({type(e).__name__}: {e})") from None
             return self._guides
 
     @property
