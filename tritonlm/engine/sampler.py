@@ -271,12 +271,13 @@ def sample_rows(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, f
     for i, row in enumerate(rows):
         if own[i]:
             processed[i] = process_logits(logits[i], row, mask_of.get(i))  # temperature included
-    masked = [j for j, i in enumerate(guided) if not own[i]]  # guided rows without logits of their own: masked together
-    if masked:
-        index = to_device([guided[j] for j in masked], torch.int64, device)
-        sub = processed.index_select(0, index)  # [m, V]
-        apply_masks(sub, masks[masked], [rows[guided[j]].guide for j in masked], [rows[guided[j]].end_ids for j in masked])
-        processed.index_copy_(0, index, sub)
+    masked = [j for j, i in enumerate(guided) if not own[i]]  # guided rows without logits of their own
+    if len(masked) == n:  # every row guided (then guided is 0 .. n-1): one pass over the batch
+        apply_masks(processed, masks, [row.guide for row in rows], [row.end_ids for row in rows])
+    else:  # in place, row by row: a gather of the rows and a scatter back cost more than the masks
+        for j in masked:
+            row = rows[guided[j]]
+            apply_masks(processed[guided[j]:guided[j] + 1], masks[j:j + 1], [row.guide], [row.end_ids])
 
     greedy = [row.params.greedy for row in rows]
     # temperature 1 where it is already applied (own rows) or means nothing (greedy)

@@ -19,7 +19,7 @@ import torch
 from tests.helpers.models import Collector, drain, make_engine, make_prefix_caching_engine, make_speculative_engine, tiny
 from tritonlm.engine.guided import GuideCompiler, guide_grammar
 from tritonlm.engine.request import GuidedDecoding, InvalidRequestError, SamplingParams
-from tritonlm.engine.sampler import RowState, process_logits
+from tritonlm.engine.sampler import RowState, process_logits, sample_row, sample_rows
 
 ID_FLAG = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
            "required": ["id", "ok"], "additionalProperties": False}
@@ -206,3 +206,23 @@ def test_min_tokens_does_not_hold_back_the_end_of_a_finished_guide():
                                           dict(max_tokens=20, min_tokens=15))])
     _, text, reason = results[0]
     assert reason == "stop" and text in CHOICES
+
+
+def test_a_batch_mixing_guided_and_other_rows_decides_each_as_alone():
+    """sample_rows masks guided rows together or, with penalties of their own, one by one; a
+    row's token is the one sample_row gives it alone, and inside its guide."""
+    _, tok = tiny()
+    compiler = GuideCompiler(tok, len(tok))
+    prompt = tok("Pick one").input_ids
+    guide = GuidedDecoding("choice", json.dumps(CHOICES))
+    settings = [dict(guided=guide), dict(guided=guide, frequency_penalty=1.0, temperature=1.0, seed=3), dict(),
+                dict(guided=json_guide(ID_FLAG), temperature=0.7, seed=5)]
+    rows = [RowState.make(SamplingParams(max_tokens=8, **s), list(prompt), tok.eos_token_id,
+                          compiler.start(s["guided"]) if "guided" in s else None) for s in settings]
+    logits = torch.randn(len(rows), len(tok), generator=torch.Generator().manual_seed(0))  # [4, V]
+    batched = sample_rows(logits, rows)
+    for row, logit, (token, _) in zip(rows, logits, batched):
+        assert sample_row(logit, row)[0] == token
+        if row.guide is not None:
+            assert torch.isfinite(process_logits(logit, row)[token])  # allowed by the guide
+    assert any(c.startswith(tok.decode([batched[0][0]])) for c in CHOICES)  # the start of a choice
