@@ -30,6 +30,7 @@ import torch
 from tritonlm.engine.precision import resolve_precision
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.torch_runner import TorchRunner
+from tritonlm.engine.runners.weight_only import calibration_ids, quantize_weight_only
 from tritonlm.perf.agreement import smollm2_reference, teacher_forced_agreement
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, write_csv
@@ -57,6 +58,7 @@ def main() -> int:
     settings = [("float32", {}), ("float32-blocked", {}), ("float32-gather", {"attention": "gather"}), ("float32-plain", {}),
                 ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True}),
                 ("int8-gather", {"int8": True, "attention": "gather"}), ("int8_weight_only", {"int8_weight_only": True}),
+                ("int8_weight_only-gptq", {}),
                 ("float32-loop", {}), ("int8-loop", {"int8": True})]
     if args.rows:
         wanted = args.rows.split(",")
@@ -74,6 +76,11 @@ def main() -> int:
         if name == "float32-blocked":
             runner.transformer = Transformer.from_hf(model)  # oneDNN's blocked layout instead of the panels
             runner.transformer.block_weights("blocked")
+            runner.transformer.use_paged_kernel()
+        if name == "int8_weight_only-gptq":  # GPTQ's rounding, calibrated on seeded random tokens
+            runner.transformer = Transformer.from_hf(model)
+            quantize_weight_only(runner.transformer, calibration_ids(model))
+            runner.transformer.block_weights()
             runner.transformer.use_paged_kernel()
         if name.endswith("-loop"):
             runner.transformer.decoder_stack = None  # the layers through the Python loop, not the C++ stack

@@ -22,7 +22,7 @@ from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.runners.base import check_pool, plan_step
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.quant import calibrate, quantize_int8, rotate_residual
-from tritonlm.engine.runners.weight_only import calibration_ids, quantize_weight_only
+from tritonlm.engine.runners.weight_only import quantize_weight_only
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class TorchRunner:
             calibrate(self.transformer)
             quantize_int8(self.transformer, keep_float=int8_keep_float)
         if int8_weight_only:
-            quantize_weight_only(self.transformer, calibration_ids(model))
+            quantize_weight_only(self.transformer)  # nearest rounding: GPTQ's gain did not pay for its load time
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
         from tritonlm.engine.runners.decode_graphs import CUDA_GRAPH_MODES
 

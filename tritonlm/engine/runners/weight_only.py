@@ -2,16 +2,18 @@
 scale per group of inputs of each output channel, float32 activations.
 
     calibration_ids(hf_model)  seeded random token ids to calibrate on
-    quantize_weight_only(model, calibration_ids)
-        every projection (and the LM head) to WeightOnlyInt8Linear, in place, its weights
-        rounded by GPTQ (gptq_round) against the inputs it saw on calibration_ids; without
-        calibration_ids, each weight to its nearest int8 value
+    quantize_weight_only(model, calibration_ids=None)
+        every projection (and the LM head) to WeightOnlyInt8Linear, in place: each weight
+        to its nearest int8 value (what `dtype: int8_weight_only` serves), or, given
+        calibration_ids, rounded by GPTQ (gptq_round) against the inputs it saw on them
+        (perf/bench_precision.py's `int8_weight_only-gptq` row measures it)
 
 Rounding each weight to its nearest value (RTN) leaves errors that add up along every dot
 product. GPTQ (Frantar et al., 2022) rounds the inputs of a projection one at a time and
 moves each rounding error onto the inputs not rounded yet, in proportion to how the
 calibration inputs correlate (H = sum of x x^T), so the output error on inputs like those
-is what it minimizes. The measured agreement of each choice: docs/configuration.md, "Precision".
+is what it minimizes. On SmolLM2 it did not pay for itself as served: what each choice
+measured is in docs/configuration.md, "Precision".
 """
 
 from __future__ import annotations
