@@ -302,9 +302,9 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
        "torch runtime precision, resolved at load and logged. `bfloat16` / `float16`: compute and KV in half"
        " precision (half the KV bytes per token); `int8`: CPU only, weights int8 per output channel "
        "(SmoothQuant-smoothed), activations quantized per token, compute and KV float32; `int8_weight_only`:"
-       " CPU only, weights (LM head included) int8 per output channel, activations and KV float32, the "
-       "weights widened to float inside tritonlm's C++ kernel (closer to float32 than `int8`, about as fast "
-       "for one stream, slower for long prompts: [configuration.md](configuration.md#precision)); `auto`: bfloat16 "
+       " CPU only, weights (LM head included) int8 with a scale per 64 inputs, activations and KV float32, "
+       "the weights widened to float inside tritonlm's C++ kernel (closer to float32 than `int8`, prefill at "
+       "float32's speed: [configuration.md](configuration.md#precision)); `auto`: bfloat16 "
        "where the device multiplies it natively (a GPU of compute capability 8.0+, a CPU with AVX512-BF16 or"
        " AMX), else float32. Anything but float32 needs `runtime: torch` without model parallelism and may "
        "change greedy text at near ties"),
