@@ -107,8 +107,8 @@ def test_code_comments_carry_no_figures():
 
 
 def test_unit_tests_mirror_the_package():
-    """tests/unit/a/b/test_c.py tests tritonlm/a/b/c.py, or the package tritonlm/a/b/c/ (whose
-    __init__ may also be tested by tests/unit/a/b/c/test_c.py)."""
+    """tests/unit/a/b/test_c.py tests tritonlm/a/b/c.py, a native source tritonlm/a/b/c.cpp, or
+    the package tritonlm/a/b/c/ (whose __init__ may also be tested by tests/unit/a/b/c/test_c.py)."""
     unit = ROOT / "tests" / "unit"
     orphans = []
     for test in sorted(unit.rglob("test_*.py")):
@@ -117,7 +117,8 @@ def test_unit_tests_mirror_the_package():
             continue
         target = PACKAGE / rel.parent / rel.name.removeprefix("test_")
         own_package = rel.parent.name == target.with_suffix("").name and (PACKAGE / rel.parent).is_dir()
-        if not (target.is_file() or target.with_suffix("").is_dir() or own_package):
+        native = target.with_suffix(".cpp").is_file()
+        if not (target.is_file() or native or target.with_suffix("").is_dir() or own_package):
             orphans.append(str(test.relative_to(ROOT)))
     assert not orphans, f"unit test files named after no module of the package: {orphans}"
     for module in ("engine/detok.py", "engine/output.py", "engine/sequence.py", "engine/tokenizer.py",
