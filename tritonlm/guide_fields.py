@@ -22,15 +22,18 @@ def guide_from_fields(obj, where: str) -> GuidedDecoding:
     `where` and the field. The guide itself is checked when it is compiled."""
     if not isinstance(obj, dict):
         raise InvalidRequestError(f"{where}: expected an object such as {{\"regex\": \"[0-9]+\"}}, got {json.dumps(obj)[:40]}")
+    # vLLM's own state (`_backend`, `_backend_was_auto`: what asdict() of its dataclass holds) says
+    # nothing about the guide
+    obj = {k: v for k, v in obj.items() if not k.startswith("_")}
     unknown = sorted(k for k in obj if k not in GUIDE_FIELDS and k not in GUIDE_OPTIONS_REFUSED and k != "disable_any_whitespace")
     if unknown:
         raise InvalidRequestError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(GUIDE_FIELDS)}")
     for key in GUIDE_OPTIONS_REFUSED:
         if obj.get(key) not in (None, False):
             raise InvalidRequestError(f"{where}.{key}: not supported by this server")
-    if obj.get("disable_any_whitespace") is False:
-        raise InvalidRequestError(f"{where}.disable_any_whitespace: only true is supported (JSON answers are compact, "
-                                  "with no whitespace between tokens); leave it out")
+    if obj.get("disable_any_whitespace") not in (None, True, False):
+        raise InvalidRequestError(f"{where}.disable_any_whitespace: expected true or false, "
+                                  f"got {json.dumps(obj['disable_any_whitespace'])[:40]}")
     given = [k for k in GUIDE_FIELDS if obj.get(k) not in (None, False)]
     if len(given) != 1:
         raise InvalidRequestError(f"{where}: exactly one of {', '.join(GUIDE_FIELDS)} is needed, got "

@@ -98,7 +98,8 @@ INPUTS: tuple[Tensor, ...] = (
         "`logit_bias` (token id -> bias in [-100, 100]), `stop`, `stop_token_ids`, `bad_words`, `ignore_eos`, "
         "`logprobs` (true or 0: the chosen token's; N up to 20: and the N most likely), `prompt_logprobs` (as the "
         "`prompt_log_probs` input), `guided_decoding` (structured output, vLLM's names: one of `json` (a JSON Schema, "
-        "object or string), `json_object` true, `regex`, `grammar`, `choice` (a list of strings)); `n`, `best_of` 1; "
+        "object or string), `json_object` true, `regex`, `grammar`, `choice` (a list of strings); also as "
+        "`structured_outputs`, an object or its JSON text); `n`, `best_of` 1; "
         "other keys are refused by name"),
     _in("return_logprobs", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends it with every request): true asks for the chosen "
@@ -349,6 +350,9 @@ SAMPLING_KEYS: dict[str, tuple[str | None, str]] = {
     "logprobs": ("return_log_probs", "logprobs"),  # int (completions) or bool (chat)
     "prompt_logprobs": ("prompt_log_probs", "int"),
     "guided_decoding": ("guided", "guide"),  # vLLM's StructuredOutputsParams fields
+    # the same object under vLLM's current SamplingParams name; NVIDIA's OpenAI frontend sends
+    # it (as JSON text) for a named or required tool_choice
+    "structured_outputs": ("guided", "guide"),
     "top_logprobs": (None, "no_alternatives"),
     "n": (None, "one"),
     "best_of": (None, "one"),
@@ -438,6 +442,13 @@ def parse_sampling_parameters(text: str, limits: RequestLimits) -> dict:
         elif kind == "bias":
             out[name] = _sp_bias(key, v)
         elif kind == "guide":
+            if name in out:
+                raise _sp_error(key, "sent with another guide (guided_decoding / structured_outputs); send one")
+            if isinstance(v, str):  # NVIDIA's frontend sends json.dumps(asdict(StructuredOutputsParams(...)))
+                try:
+                    v = json.loads(v)
+                except ValueError:
+                    raise _sp_error(key, f"expected an object (or its JSON text), got {v[:40]!r}") from None
             out[name] = guide_from_fields(v, f"sampling_parameters.{key}")
         elif kind == "ids":
             if not isinstance(v, list) or len(v) > limits.max_words:

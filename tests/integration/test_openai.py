@@ -607,6 +607,26 @@ def test_nvidia_frontend_tensors_are_served(triton_server):
     assert "".join(pieces) == full[: full.index(stop)] and final["finish_reason"] == b"stop"
 
 
+def test_nvidia_frontends_named_tool_choice_is_guided(triton_server):
+    """NVIDIA's current frontend turns a named tool_choice into sampling_parameters'
+    `structured_outputs`: json.dumps(asdict(StructuredOutputsParams(json=<the tool's parameters
+    as JSON text>))), every field of vLLM's dataclass included (engine/utils/triton.py,
+    _create_vllm_generate_request and _get_guided_json_from_tool). The answer is the
+    arguments: it parses and validates against the parameters."""
+    import jsonschema
+
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "boolean"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    structured = {"json": json.dumps(params), "regex": None, "choice": None, "grammar": None, "json_object": None,
+                  "disable_fallback": False, "disable_any_whitespace": False, "disable_additional_properties": False,
+                  "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False}
+    sampling = {**NVIDIA_CHAT, "max_tokens": 40, "structured_outputs": json.dumps(structured)}
+    for stream in (False, True):
+        pieces, final = replay(triton_server, nvidia_inputs(chat_template_prompt(USER), sampling, stream, logprobs=False))
+        assert final["finish_reason"] == b"stop", pieces
+        jsonschema.validate(json.loads("".join(pieces)), params)
+
+
 @pytest.mark.parametrize("sampling, pattern", [
     ({"lora_name": "adapter"}, r"sampling_parameters: unknown key\(s\) \['lora_name'\]"),
     ({"guided_decoding": "{}", "max_tokens": 4}, r"sampling_parameters\.guided_decoding: expected an object"),

@@ -19,6 +19,12 @@ from tritonlm.guide_fields import ANY_JSON_SCHEMA, guide_from_fields, guide_from
     ({"grammar": 'root ::= "a"'}, GuidedDecoding("grammar", 'root ::= "a"')),
     ({"choice": ["só", "no"]}, GuidedDecoding("choice", json.dumps(["só", "no"], ensure_ascii=False))),
     ({"regex": "a", "json": None, "json_object": False}, GuidedDecoding("regex", "a")),  # unset fields as vLLM sends them
+    ({"json_object": True, "disable_any_whitespace": False}, GuidedDecoding("json_object")),  # vLLM's default
+    # asdict(StructuredOutputsParams(json=...)), as NVIDIA's OpenAI frontend sends it for a named tool_choice
+    ({"json": '{"type": "object"}', "regex": None, "choice": None, "grammar": None, "json_object": None,
+      "disable_fallback": False, "disable_any_whitespace": False, "disable_additional_properties": False,
+      "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False},
+     GuidedDecoding("json_schema", '{"type": "object"}')),
 ])
 def test_vllm_fields(obj, expected):
     assert guide_from_fields(obj, "sp.guided_decoding") == expected
@@ -29,7 +35,7 @@ def test_vllm_fields(obj, expected):
     ({}, r"got none"),
     ({"regx": "a"}, r"unknown key\(s\) \['regx'\]"),
     ({"regex": "a", "structural_tag": "{}"}, r"^sp.guided_decoding.structural_tag: not supported"),
-    ({"json_object": True, "disable_any_whitespace": False}, r"disable_any_whitespace: only true"),
+    ({"json_object": True, "disable_any_whitespace": "no"}, r"disable_any_whitespace: expected true or false"),
     ({"choice": []}, r"^sp.guided_decoding.choice: expected a non-empty list"),
     ({"regex": 3}, r"^sp.guided_decoding.regex: expected a non-empty string"),
     ("regex", r"^sp.guided_decoding: expected an object"),
