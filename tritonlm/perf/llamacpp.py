@@ -152,10 +152,11 @@ class ServerFailed(RuntimeError):
 class LlamaServer:
     """llama-server in its own process group; stop() ends the whole group."""
 
-    def __init__(self, gguf: Path, port: int, threads: int, log_path: Path):
+    def __init__(self, gguf: Path, port: int, threads: int, log_path: Path, slots: int = PEER_SLOTS,
+                 slot_context: int = SLOT_CONTEXT):
         self.port, self.log_path = port, log_path
         self.cmd = [str(llama_bin("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                    "--parallel", str(PEER_SLOTS), "-c", str(PEER_SLOTS * SLOT_CONTEXT), "-t", str(threads), "--no-webui"]
+                    "--parallel", str(slots), "-c", str(slots * slot_context), "-t", str(threads), "--no-webui"]
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> "LlamaServer":
