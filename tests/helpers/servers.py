@@ -96,6 +96,34 @@ def wait_for_requests(metrics_port: int, model: str, count: int, timeout_s: floa
     return wait_until(lambda: arrived() >= count, timeout_s)
 
 
+def stream_responses(grpc_url: str, model: str, inputs: list) -> list[dict]:
+    """Every response's outputs (name -> numpy array) of one request over a gRPC stream, up to
+    the final one; GenerateError with the server's message for a refused request."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from tritonlm.client.generate import GenerateError
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        out = []
+        while True:
+            result, error = q.get(timeout=HANG_GUARD_S)
+            if error is not None:
+                raise GenerateError(str(error))
+            out.append({o.name: result.as_numpy(o.name) for o in result.get_response().outputs})
+            final = result.get_response().parameters.get("triton_final_response")
+            if final and final.bool_param:
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
 class Output:
     """A process's text output, read on a thread as it comes: a test waits for a line in it
     (not for the first line: a library may print a warning before it) and shows all of it

@@ -23,7 +23,15 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.helpers.models import hf_greedy_text, reference_greedy, tiny
-from tests.helpers.servers import HANG_GUARD_S, Output, add_generation_model, add_long_llama, metric, wait_until
+from tests.helpers.servers import (
+    HANG_GUARD_S,
+    Output,
+    add_generation_model,
+    add_long_llama,
+    metric,
+    stream_responses,
+    wait_until,
+)
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.openai.server import EXIT_DEADLINE_S, OpenAIServer
 from tritonlm.paths import REPO_ROOT
@@ -814,26 +822,7 @@ def test_echo_logprobs_are_the_prompts_then_the_answers_and_equal_transformers(c
 
 def replay_responses(server, inputs, model="tiny") -> list[dict[str, np.ndarray]]:
     """Every response's outputs (name -> array) of one request over a gRPC stream."""
-    import queue
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    q: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        out = []
-        while True:
-            result, error = q.get(timeout=60)
-            if error is not None:
-                raise GenerateError(str(error))
-            names = [o.name for o in result.get_response().outputs]
-            out.append({n: result.as_numpy(n) for n in names})
-            final = result.get_response().parameters.get("triton_final_response")
-            if final and final.bool_param:
-                return out
-    finally:
-        client.stop_stream()
-        client.close()
+    return stream_responses(server.grpc_url, model, inputs)
 
 
 def frontend_completion_logprobs(responses: list[dict[str, np.ndarray]]) -> dict:

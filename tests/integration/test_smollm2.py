@@ -95,3 +95,74 @@ def test_onnx_int8_export_passes_its_check(tmp_path, smollm2):
     assert int8.fmt == "onnx-int8" and int8.top1_agreement >= 0.95
     fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert int8.size_bytes < 0.65 * fp32_bytes
+
+
+def _request(prompt: str, sampling: dict, **inputs) -> list:
+    """A non-streamed request's inputs: the prompt, sampling_parameters and other contract inputs."""
+    import json
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from tritonlm.protocol import INPUT
+
+    def t(name, value):
+        dtype = INPUT[name].dtype
+        arr = np.array([value.encode()], dtype=object) if dtype == "BYTES" else np.array([value], dtype=INPUT[name].numpy_type)
+        i = grpcclient.InferInput(name, list(arr.shape), dtype)
+        i.set_data_from_numpy(arr)
+        return i
+
+    return [t("text_input", prompt), t("sampling_parameters", json.dumps(sampling)), t("stream", False),
+            t("exclude_input_in_output", True), *(t(k, v) for k, v in inputs.items())]
+
+
+@torch.inference_mode()
+def test_guides_log_probs_and_penalties_hold_on_real_weights(triton_server, smollm2):
+    """Held out from the tiny models' tests: the request features of the OpenAI/vLLM
+    interface on SmolLM2's real weights, against transformers.
+    - a JSON-schema guide: the answer stops and validates;
+    - log-probabilities with the 3 most likely alternatives: transformers' log_softmax of the
+      same sequence within 1e-3, the same alternatives;
+    - frequency and presence penalties: greedy equals a reference loop over transformers'
+      logits with OpenAI's penalties applied."""
+    import jsonschema
+    import numpy as np
+
+    from tests.helpers.servers import stream_responses
+
+    model, tok = smollm2
+    chat = tok.apply_chat_template([{"role": "user", "content": "Name a European capital and say if it is large."}],
+                                   tokenize=False, add_generation_prompt=True)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}, "large": {"type": "boolean"}},
+              "required": ["city", "large"], "additionalProperties": False}
+    (final,) = stream_responses(triton_server.grpc_url, NAME, _request(
+        chat, {"max_tokens": 48, "temperature": 0, "guided_decoding": {"json": schema}}))
+    assert final["finish_reason"].reshape(-1)[0] == b"stop"
+    jsonschema.validate(__import__("json").loads(b"".join(final["text_output"].reshape(-1)).decode()), schema)
+
+    prompt = "The three primary colors are"
+    (final,) = stream_responses(triton_server.grpc_url, NAME, _request(
+        prompt, {"max_tokens": 8, "temperature": 0, "logprobs": 3}))
+    got_ids = tok(b"".join(final["text_output"].reshape(-1)).decode(), add_special_tokens=False).input_ids
+    prompt_ids = tok(prompt).input_ids
+    logits = model(torch.tensor([prompt_ids + got_ids])).logits[0, len(prompt_ids) - 1:-1].float()  # [T, V]
+    want = torch.log_softmax(logits, -1)
+    chosen = want[torch.arange(len(got_ids)), torch.tensor(got_ids)]
+    assert np.allclose(final["output_log_probs"].reshape(-1), chosen.numpy(), atol=1e-3)
+    top_ids = final["output_top_token_ids"].reshape(len(got_ids), 3)
+    assert (top_ids == torch.topk(want, 3).indices.numpy()).all()
+    assert np.allclose(final["output_top_log_probs"].reshape(len(got_ids), 3), torch.topk(want, 3).values.numpy(), atol=1e-3)
+
+    freq, pres, n = 0.8, 0.4, 12
+    ids = list(prompt_ids)
+    for _ in range(n):
+        row = model(torch.tensor([ids])).logits[0, -1].float()
+        answer = ids[len(prompt_ids):]
+        for token in set(answer):
+            row[token] -= freq * answer.count(token) + pres
+        ids.append(int(row.argmax()))
+    expected = tok.decode(ids[len(prompt_ids):], skip_special_tokens=True)
+    (final,) = stream_responses(triton_server.grpc_url, NAME, _request(
+        prompt, {"max_tokens": n, "temperature": 0, "frequency_penalty": freq, "presence_penalty": pres, "ignore_eos": True}))
+    assert b"".join(final["text_output"].reshape(-1)).decode() == expected
