@@ -569,27 +569,11 @@ def nvidia_inputs(prompt: str, sampling: dict, stream: bool, echo: bool = False,
 
 def replay(server, inputs, model="tiny"):
     """The responses of one request over a gRPC stream: (text pieces, final outputs) or the error."""
-    import queue
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    q: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        pieces = []
-        while True:
-            result, error = q.get(timeout=60)
-            if error is not None:
-                raise GenerateError(str(error))
-            text = result.as_numpy("text_output")
-            pieces.append(b"".join(text.reshape(-1)).decode() if text is not None else "")
-            final = result.get_response().parameters.get("triton_final_response")
-            if final and final.bool_param:
-                outs = {n: result.as_numpy(n) for n in ("finish_reason", "num_input_tokens", "num_output_tokens")}
-                return pieces, {n: v.reshape(-1)[0] for n, v in outs.items() if v is not None}
-    finally:
-        client.stop_stream()
-        client.close()
+    responses = stream_responses(server.grpc_url, model, inputs)
+    pieces = [b"".join(r["text_output"].reshape(-1)).decode() if r.get("text_output") is not None else ""
+              for r in responses]
+    names = ("finish_reason", "num_input_tokens", "num_output_tokens")
+    return pieces, {n: responses[-1][n].reshape(-1)[0] for n in names if responses[-1].get(n) is not None}
 
 
 def test_nvidia_frontend_tensors_are_served(triton_server):
@@ -637,7 +621,8 @@ def test_nvidia_frontends_named_tool_choice_is_guided(triton_server):
 
 @pytest.mark.parametrize("sampling, pattern", [
     ({"lora_name": "adapter"}, r"sampling_parameters: unknown key\(s\) \['lora_name'\]"),
-    ({"guided_decoding": "{}", "max_tokens": 4}, r"sampling_parameters\.guided_decoding: expected an object"),
+    ({"guided_decoding": "[0-9]+", "max_tokens": 4}, r"sampling_parameters\.guided_decoding: expected an object"),
+    ({"structured_outputs": "{}"}, r"sampling_parameters\.structured_outputs: exactly one of json, "),
     ({"n": 2}, r"sampling_parameters\.n: only 1"),
     ({"presence_penalty": 2.5}, r"sampling_parameters\.presence_penalty: must be in \[-2, 2\]"),
     ({"logit_bias": [5, 1]}, r"sampling_parameters\.logit_bias: expected an object mapping token ids to biases"),
