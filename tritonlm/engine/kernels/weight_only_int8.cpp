@@ -110,9 +110,11 @@ void rows_scalar(const Args& a, int64_t rows, int64_t n0, int64_t n1) {
       const float* sr = a.scale + n * a.groups;
       float lanes[8] = {};  // 8 partial sums: independent chains a compiler can also vectorize
       const int64_t body = a.in - a.in % 8;
-      for (int64_t i = 0; i < body; i += 8) {
-        const float gs = a.groups == 1 ? 1.f : sr[i / a.group];  // a group is a multiple of 8 wide
-        for (int k = 0; k < 8; ++k) lanes[k] += xr[i + k] * (static_cast<float>(wr[i + k]) * gs);
+      const int64_t span = a.groups == 1 ? std::max<int64_t>(body, 1) : a.group;  // a multiple of 16 when grouped
+      for (int64_t g0 = 0; g0 < body; g0 += span) {
+        const float gs = a.groups == 1 ? 1.f : sr[g0 / a.group];
+        for (int64_t i = g0; i < std::min(body, g0 + span); i += 8)
+          for (int k = 0; k < 8; ++k) lanes[k] += xr[i + k] * (static_cast<float>(wr[i + k]) * gs);
       }
       float s = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
       for (int64_t i = body; i < a.in; ++i) s += xr[i] * static_cast<float>(wr[i]);
@@ -148,13 +150,20 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Args& a, int64_t m0, i
       for (int64_t c = 0; c < kChannelBlock; ++c) acc[r][c] = _mm256_setzero_ps();
     const float* sc[kChannelBlock];
     for (int64_t c = 0; c < kChannelBlock; ++c) sc[c] = a.scale + (n + std::min(c, nb - 1)) * a.groups;
-    for (int64_t i = 0; i < body; i += 8) {
-      __m256 xv[R];
-      for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x[r] + i);
-      for (int64_t c = 0; c < kChannelBlock; ++c) {
-        __m256 wv = widen8(w[c] + i);
-        if (a.groups > 1) wv = _mm256_mul_ps(wv, _mm256_set1_ps(sc[c][i / a.group]));  // a group is a multiple of 16 wide
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wv, xv[r], acc[r][c]);
+    const bool grouped = a.groups > 1;
+    const int64_t span = grouped ? a.group : std::max<int64_t>(body, 1);  // a group is a multiple of 16 wide
+    for (int64_t g0 = 0; g0 < body; g0 += span) {
+      __m256 sv[kChannelBlock];  // the group's scale per channel, broadcast once per group
+      for (int64_t c = 0; c < kChannelBlock; ++c) sv[c] = _mm256_set1_ps(grouped ? sc[c][g0 / a.group] : 1.f);
+      const int64_t g1 = std::min(body, g0 + span);
+      for (int64_t i = g0; i < g1; i += 8) {
+        __m256 xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x[r] + i);
+        for (int64_t c = 0; c < kChannelBlock; ++c) {
+          __m256 wv = widen8(w[c] + i);
+          if (grouped) wv = _mm256_mul_ps(wv, sv[c]);
+          for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wv, xv[r], acc[r][c]);
+        }
       }
     }
     for (int64_t c = 0; c < nb; ++c) {
@@ -194,13 +203,20 @@ __attribute__((target("avx512f,avx512bw"))) void block_avx512(const Args& a, int
       for (int64_t c = 0; c < kChannelBlock; ++c) acc[r][c] = _mm512_setzero_ps();
     const float* sc[kChannelBlock];
     for (int64_t c = 0; c < kChannelBlock; ++c) sc[c] = a.scale + (n + std::min(c, nb - 1)) * a.groups;
-    for (int64_t i = 0; i < body; i += 16) {
-      __m512 xv[R];
-      for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x[r] + i);
-      for (int64_t c = 0; c < kChannelBlock; ++c) {
-        __m512 wv = widen16(w[c] + i);
-        if (a.groups > 1) wv = _mm512_mul_ps(wv, _mm512_set1_ps(sc[c][i / a.group]));  // a group is a multiple of 16 wide
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv, xv[r], acc[r][c]);
+    const bool grouped = a.groups > 1;
+    const int64_t span = grouped ? a.group : std::max<int64_t>(body, 1);  // a group is a multiple of 16 wide
+    for (int64_t g0 = 0; g0 < body; g0 += span) {
+      __m512 sv[kChannelBlock];  // the group's scale per channel, broadcast once per group
+      for (int64_t c = 0; c < kChannelBlock; ++c) sv[c] = _mm512_set1_ps(grouped ? sc[c][g0 / a.group] : 1.f);
+      const int64_t g1 = std::min(body, g0 + span);
+      for (int64_t i = g0; i < g1; i += 16) {
+        __m512 xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x[r] + i);
+        for (int64_t c = 0; c < kChannelBlock; ++c) {
+          __m512 wv = widen16(w[c] + i);
+          if (grouped) wv = _mm512_mul_ps(wv, sv[c]);
+          for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv, xv[r], acc[r][c]);
+        }
       }
     }
     for (int64_t c = 0; c < nb; ++c) {
