@@ -17,7 +17,8 @@
 //
 // Rows (M = x's rows):
 //   M <= kDirectRows  each weight vector is loaded and widened in registers once per group of
-//                     rows (AVX-512: 16 lanes, 4 rows; AVX2: 8 lanes, 2 rows), 4 output
+//                     rows (AVX-512: 16 lanes, 4 rows, 2 with group scales; AVX2: 8 lanes,
+//                     2 rows, 1 with group scales), a group's sum scaled once, 4 output
 //                     channels at a time, every row against a tile of 32 channels before the
 //                     next (the weights are read from memory once), over torch's
 //                     thread team by blocks of output channels; each dot product is summed in
@@ -150,19 +151,31 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Args& a, int64_t m0, i
       for (int64_t c = 0; c < kChannelBlock; ++c) acc[r][c] = _mm256_setzero_ps();
     const float* sc[kChannelBlock];
     for (int64_t c = 0; c < kChannelBlock; ++c) sc[c] = a.scale + (n + std::min(c, nb - 1)) * a.groups;
-    const bool grouped = a.groups > 1;
-    const int64_t span = grouped ? a.group : std::max<int64_t>(body, 1);  // a group is a multiple of 16 wide
-    for (int64_t g0 = 0; g0 < body; g0 += span) {
-      __m256 sv[kChannelBlock];  // the group's scale per channel, broadcast once per group
-      for (int64_t c = 0; c < kChannelBlock; ++c) sv[c] = _mm256_set1_ps(grouped ? sc[c][g0 / a.group] : 1.f);
-      const int64_t g1 = std::min(body, g0 + span);
-      for (int64_t i = g0; i < g1; i += 8) {
+    if (a.groups == 1) {  // one scale per channel: applied to the whole sum (finish)
+      for (int64_t i = 0; i < body; i += 8) {
         __m256 xv[R];
         for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x[r] + i);
         for (int64_t c = 0; c < kChannelBlock; ++c) {
-          __m256 wv = widen8(w[c] + i);
-          if (grouped) wv = _mm256_mul_ps(wv, sv[c]);
+          const __m256 wv = widen8(w[c] + i);
           for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(wv, xv[r], acc[r][c]);
+        }
+      }
+    } else {  // a group's sum, then times its scale: one multiply-add per group, not a multiply per vector
+      for (int64_t g0 = 0; g0 < body; g0 += a.group) {  // a group is a multiple of 16 wide
+        __m256 part[R][kChannelBlock];
+        for (int r = 0; r < R; ++r)
+          for (int64_t c = 0; c < kChannelBlock; ++c) part[r][c] = _mm256_setzero_ps();
+        for (int64_t i = g0; i < g0 + a.group; i += 8) {
+          __m256 xv[R];
+          for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x[r] + i);
+          for (int64_t c = 0; c < kChannelBlock; ++c) {
+            const __m256 wv = widen8(w[c] + i);
+            for (int r = 0; r < R; ++r) part[r][c] = _mm256_fmadd_ps(wv, xv[r], part[r][c]);
+          }
+        }
+        for (int64_t c = 0; c < kChannelBlock; ++c) {
+          const __m256 sv = _mm256_set1_ps(sc[c][g0 / a.group]);
+          for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(part[r][c], sv, acc[r][c]);
         }
       }
     }
@@ -180,8 +193,9 @@ void rows_avx2(const Args& a, int64_t rows, int64_t n0, int64_t n1) {
   for (int64_t c0 = n0; c0 < n1; c0 += kChannelTile) {
     const int64_t c1 = std::min(n1, c0 + kChannelTile);
     int64_t m = 0;
-    for (; m + 2 <= rows; m += 2) block_avx2<2>(a, m, c0, c1);  // 16 ymm registers: 2 rows x 4 channels
-    if (m < rows) block_avx2<1>(a, m, c0, c1);
+    if (a.groups == 1)  // 16 ymm registers: 2 rows x 4 channels (grouped: 1 row, with its group sums)
+      for (; m + 2 <= rows; m += 2) block_avx2<2>(a, m, c0, c1);
+    for (; m < rows; ++m) block_avx2<1>(a, m, c0, c1);
   }
 }
 
@@ -203,19 +217,31 @@ __attribute__((target("avx512f,avx512bw"))) void block_avx512(const Args& a, int
       for (int64_t c = 0; c < kChannelBlock; ++c) acc[r][c] = _mm512_setzero_ps();
     const float* sc[kChannelBlock];
     for (int64_t c = 0; c < kChannelBlock; ++c) sc[c] = a.scale + (n + std::min(c, nb - 1)) * a.groups;
-    const bool grouped = a.groups > 1;
-    const int64_t span = grouped ? a.group : std::max<int64_t>(body, 1);  // a group is a multiple of 16 wide
-    for (int64_t g0 = 0; g0 < body; g0 += span) {
-      __m512 sv[kChannelBlock];  // the group's scale per channel, broadcast once per group
-      for (int64_t c = 0; c < kChannelBlock; ++c) sv[c] = _mm512_set1_ps(grouped ? sc[c][g0 / a.group] : 1.f);
-      const int64_t g1 = std::min(body, g0 + span);
-      for (int64_t i = g0; i < g1; i += 16) {
+    if (a.groups == 1) {  // one scale per channel: applied to the whole sum (finish)
+      for (int64_t i = 0; i < body; i += 16) {
         __m512 xv[R];
         for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x[r] + i);
         for (int64_t c = 0; c < kChannelBlock; ++c) {
-          __m512 wv = widen16(w[c] + i);
-          if (grouped) wv = _mm512_mul_ps(wv, sv[c]);
+          const __m512 wv = widen16(w[c] + i);
           for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(wv, xv[r], acc[r][c]);
+        }
+      }
+    } else {  // a group's sum, then times its scale: one multiply-add per group, not a multiply per vector
+      for (int64_t g0 = 0; g0 < body; g0 += a.group) {  // a group is a multiple of 16 wide
+        __m512 part[R][kChannelBlock];
+        for (int r = 0; r < R; ++r)
+          for (int64_t c = 0; c < kChannelBlock; ++c) part[r][c] = _mm512_setzero_ps();
+        for (int64_t i = g0; i < g0 + a.group; i += 16) {
+          __m512 xv[R];
+          for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x[r] + i);
+          for (int64_t c = 0; c < kChannelBlock; ++c) {
+            const __m512 wv = widen16(w[c] + i);
+            for (int r = 0; r < R; ++r) part[r][c] = _mm512_fmadd_ps(wv, xv[r], part[r][c]);
+          }
+        }
+        for (int64_t c = 0; c < kChannelBlock; ++c) {
+          const __m512 sv = _mm512_set1_ps(sc[c][g0 / a.group]);
+          for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(part[r][c], sv, acc[r][c]);
         }
       }
     }
@@ -233,11 +259,9 @@ void rows_avx512(const Args& a, int64_t rows, int64_t n0, int64_t n1) {
   for (int64_t c0 = n0; c0 < n1; c0 += kChannelTile) {
     const int64_t c1 = std::min(n1, c0 + kChannelTile);
     int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) block_avx512<4>(a, m, c0, c1);  // 32 zmm registers: 4 rows x 4 channels
-    if (m + 2 <= rows) {
-      block_avx512<2>(a, m, c0, c1);
-      m += 2;
-    }
+    if (a.groups == 1)  // 32 zmm registers: 4 rows x 4 channels (grouped: 2 rows, with their group sums)
+      for (; m + 4 <= rows; m += 4) block_avx512<4>(a, m, c0, c1);
+    for (; m + 2 <= rows; m += 2) block_avx512<2>(a, m, c0, c1);
     if (m < rows) block_avx512<1>(a, m, c0, c1);
   }
 }
