@@ -144,9 +144,13 @@ def test_guides_log_probs_and_penalties_hold_on_real_weights(triton_server, smol
     prompt = "The three primary colors are"
     (final,) = stream_responses(triton_server.grpc_url, NAME, _request(
         prompt, {"max_tokens": 8, "temperature": 0, "logprobs": 3}))
-    got_ids = tok(b"".join(final["text_output"].reshape(-1)).decode(), add_special_tokens=False).input_ids
     prompt_ids = tok(prompt).input_ids
-    logits = model(torch.tensor([prompt_ids + got_ids])).logits[0, len(prompt_ids) - 1:-1].float()  # [T, V]
+    ids = list(prompt_ids)  # transformers' own greedy tokens: the sequence the log-probabilities are of
+    for _ in range(8):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    got_ids = ids[len(prompt_ids):]
+    assert b"".join(final["text_output"].reshape(-1)).decode() == tok.decode(got_ids, skip_special_tokens=True)
+    logits = model(torch.tensor([ids])).logits[0, len(prompt_ids) - 1:-1].float()  # [T, V]
     want = torch.log_softmax(logits, -1)
     chosen = want[torch.arange(len(got_ids)), torch.tensor(got_ids)]
     assert np.allclose(final["output_log_probs"].reshape(-1), chosen.numpy(), atol=1e-3)
