@@ -88,7 +88,9 @@ def test_streaming_pieces_concatenate_to_the_whole_text_with_multibyte_character
     prompt = PROMPTS[4]
     whole = gen(triton_server, prompt, max_tokens=48, stream=False)
     streamed = gen(triton_server, prompt, max_tokens=48, stream=True)
-    assert len(streamed.pieces) > 10
+    # more than one response; how many depends on whether the client kept up with the steps
+    # (responses that queue behind a send go out coalesced), so no count beyond that
+    assert len(streamed.pieces) > 1
     assert "".join(streamed.pieces) == whole.text == text_of(hf_greedy_text(prompt, 48))
     assert any(len(p.encode()) != len(p) for p in streamed.pieces)  # multi-byte characters did stream
 
