@@ -159,7 +159,7 @@ class BlockedLinear(Linear):
         return self.blocked, self.nbytes
 
 
-PANEL_LANES = 16  # output channels per panel (float_panel.cpp's kLanes)
+PANEL_LANES = 16  # output channels per panel (kLanes of float_panel.cpp and weight_only_int8.cpp)
 
 
 def panels_available() -> bool:
@@ -257,25 +257,41 @@ class Int8Linear(Linear):
 @dataclass(eq=False)
 class WeightOnlyInt8Linear(Linear):
     """int8 weights with float32 scales, float32 activations (`dtype: int8_weight_only`):
-    y = x @ (w * scale)^T + b, one scale per output channel or per group of consecutive
-    inputs of a channel (scale [out, G], each covering in / G inputs). Activations are never quantized,
-    so the only error is the weights' rounding. With the C++ kernels (`native`) the weights
-    are widened to float inside the matmul (kernels/weight_only_int8.cpp); without them, to
-    a float copy per call. The rounding: runners/weight_only.py."""
+    y = x @ (w * s)^T + b, one scale per group of consecutive inputs of each output channel
+    (G groups of in / G inputs; G = 1: per channel). Activations are never quantized, so the
+    only error is the weights' rounding. Stored in 16-wide output panels as PanelLinear's
+    float weights are: panel[p, k, j] = w[16 p + j, k] and scale[p, g, j] = s[16 p + j, g],
+    zero past `out`. With the C++ kernels (`native`) the weights are widened to float inside
+    the matmul (kernels/weight_only_int8.cpp); without them, to a float copy per call. The
+    rounding: runners/weight_only.py."""
 
-    w: torch.Tensor  # [out, in] int8
-    scale: torch.Tensor  # [out, G] float32
+    panel: torch.Tensor  # [P, in, 16] int8
+    scale: torch.Tensor  # [P, G, 16] float32
     b: torch.Tensor | None  # [out]
+    out: int
     native: bool = False  # through torch.ops.tritonlm.w8_linear
 
+    @staticmethod
+    def from_rows(q: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None) -> "WeightOnlyInt8Linear":
+        """q [out, in] int8 and scale [out, G] float32 into panels."""
+        out = q.shape[0]
+        pad = -(-out // PANEL_LANES) * PANEL_LANES - out
+        panel = F.pad(q, (0, 0, 0, pad)).view(-1, PANEL_LANES, q.shape[1]).transpose(1, 2).contiguous()
+        scale = F.pad(scale.float(), (0, 0, 0, pad)).view(-1, PANEL_LANES, scale.shape[1]).transpose(1, 2).contiguous()
+        return WeightOnlyInt8Linear(panel, scale, b, out)
+
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [out, in] int8, scale [out, G] float32): the weights as from_rows took them."""
+        q = self.panel.transpose(1, 2).reshape(-1, self.panel.shape[1])[: self.out]
+        return q, self.scale.transpose(1, 2).reshape(-1, self.scale.shape[1])[: self.out]
+
     def dequantized(self) -> torch.Tensor:  # [out, in] float32
-        per_input = self.scale.repeat_interleave(self.w.shape[1] // self.scale.shape[1], dim=1)  # [out, in]
-        return self.w.float() * per_input
+        q, scale = self.int8_rows()
+        return q.float() * scale.repeat_interleave(q.shape[1] // scale.shape[1], dim=1)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.native:
-            flat = x.reshape(-1, x.shape[-1]).contiguous()
-            return torch.ops.tritonlm.w8_linear(flat, self.w, self.scale, bias, "auto").view(*x.shape[:-1], -1)
+            return torch.ops.tritonlm.w8_linear(x, self.panel, self.scale, bias, self.out, "auto")
         return F.linear(x, self.dequantized(), bias)
 
     def plain(self) -> FloatLinear:

@@ -168,7 +168,7 @@ def quantize_weight_only(model: Transformer, calibration_ids: list[list[int]] | 
         group = group_size(w.shape[1])
         q, scale = gptq_round(w, xtx[name], group) if name in xtx else rtn_round(w, group)
         bias = None if p.b is None else p.b.clone()
-        return WeightOnlyInt8Linear(q, scale, bias)
+        return WeightOnlyInt8Linear.from_rows(q, scale, bias)
 
     for i, layer in enumerate(model.layers):
         for name in PROJECTION_NAMES:

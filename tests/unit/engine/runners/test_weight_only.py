@@ -61,7 +61,7 @@ def test_weight_only_greedy_equals_transformers_on_the_rounded_weights(arch):
     prompts = prompts[:6]
     runner = TorchRunner(model, int8_weight_only=True)
     t = runner.transformer
-    assert all(isinstance(p, WeightOnlyInt8Linear) and p.w.dtype == torch.int8 for p in t.projections())
+    assert all(isinstance(p, WeightOnlyInt8Linear) and p.panel.dtype == torch.int8 for p in t.projections())
     if runner.attention == "paged":
         assert all(p.native for p in t.projections()) and t.decoder_stack is not None
     assert t.weight_bytes() < TorchRunner(model).transformer.weight_bytes()
