@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from tritonlm.perf.machine import describe_cpu
+
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]},
     {
@@ -55,13 +57,6 @@ ANSWER = json.dumps(separators=(",", ":"), obj={
     "city": "Paris", "temperature": 21.5, "unit": "celsius",
     "forecast": [{"day": f"day {i}", "high": 20 + i, "low": 10 - i} for i in range(12)],
 })
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def tokenizers() -> list[tuple[str, object]]:
@@ -177,7 +172,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    print(f"CPU: {cpu_name()}; rows {args.rows}, {args.steps} steps")
+    print(f"CPU: {describe_cpu()}; rows {args.rows}, {args.steps} steps")
     print(f"{'tokenizer':<14} {'vocab':>6} {'library':<11} {'schema->1st mask ms':>20} {'mask step ms':>13} {'per row us':>11}")
     results = []
     for tname, tok in tokenizers():
@@ -199,7 +194,7 @@ def main() -> None:
         w = csv.writer(f)
         w.writerow(["cpu", "tokenizer", "vocab", "library", "compile_first_mask_ms", "mask_step_ms", "rows"])
         for r in results:
-            w.writerow([cpu_name(), *r[:3], f"{r[3]:.2f}", f"{r[4]:.3f}", args.rows])
+            w.writerow([describe_cpu(), *r[:3], f"{r[3]:.2f}", f"{r[4]:.3f}", args.rows])
     print(f"wrote {out}")
 
 
