@@ -154,6 +154,31 @@ def forward_rows(runner, mgr: KVCacheManager, rows: list[tuple[int, int, list[in
     return runner.forward(batch, pool=mgr.pool)
 
 
+def stack_and_loop_logits(runner, widths: list[int], first_past: int, blocks: int) -> list[list[torch.Tensor]]:
+    """[the Python loop's logits, the DecoderStack's]: each over the same three steps of rows
+    `widths` wide after seeded prefills (row i has first_past + 7 i tokens), every position's
+    logits of each step."""
+    tr = runner.transformer
+    stack = tr.decoder_stack
+    logits = []
+    try:
+        for use in (False, True):
+            tr.decoder_stack = stack if use else None
+            mgr = paged_cache(runner, blocks=blocks)
+            pasts = [first_past + 7 * i for i in range(len(widths))]
+            for sid, past in enumerate(pasts):
+                mgr.allocate(sid, past + 3 * widths[sid])
+                forward_rows(runner, mgr, [(sid, 0, random_tokens(past, seed=sid))])  # prefill (over 8 wide: the Python loop)
+            out = []
+            for t in range(3):
+                rows = [(sid, pasts[sid] + t * w, random_tokens(w, seed=100 * t + sid)) for sid, w in enumerate(widths)]
+                out.append(forward_rows(runner, mgr, rows, all_logits=True))
+            logits.append(out)
+    finally:
+        tr.decoder_stack = stack
+    return logits
+
+
 # ---------------------------------------------------------------------------- engines
 
 

@@ -58,6 +58,8 @@ constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in its panel that a til
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
+// the kernels are compiled for the CPU they run on (-march=native), so a path compiled in is
+// one this CPU runs
 bool compiled(Isa isa) {
   switch (isa) {
     case Isa::kAvx512:
@@ -77,8 +79,6 @@ bool compiled(Isa isa) {
   }
 }
 
-// the build is compiled for the CPU it runs on (-march=native), so a path compiled in is one
-// this CPU runs
 const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar"; }
 
 Isa pick_isa(std::string_view asked) {

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tritonlm.engine.runners.model import Transformer
 
 # inputs per scale: one scale per output channel is too coarse for greedy output to stay
-# with float32's; a multiple of 16 (the kernel's vector width)
+# with float32's
 GROUP = 64
 GPTQ_BLOCK = 128  # inputs whose errors are carried inside one block before the rest is updated
 GPTQ_DAMP = 0.01  # H + damp * mean(diag H) * I: keeps the inverse stable for inputs that barely vary

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.models import forward_rows, paged_cache, random_tokens, tiny_llama
+from tests.helpers.models import stack_and_loop_logits, tiny_llama
 from tritonlm.engine.runners import load_runner
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.models.builtin import build_tiny
@@ -22,22 +22,9 @@ def test_decoder_stack_gives_the_python_loops_bits(arch, int8, widths):
     LayerNorm, biases everywhere, gelu over fc, learned positions."""
     model = tiny_llama(attention_bias=True) if arch == "llama" else build_tiny("tiny-gpt2")[0]
     runner = TorchRunner(model, int8=int8)
-    tr = runner.transformer
-    stack = tr.decoder_stack
+    stack = runner.transformer.decoder_stack
     assert stack is not None and stack.num_layers() == 2
-    logits = []
-    for use in (False, True):
-        tr.decoder_stack = stack if use else None
-        mgr = paged_cache(runner, blocks=60)
-        pasts = [5 + 7 * i for i in range(len(widths))]
-        for sid, past in enumerate(pasts):
-            mgr.allocate(sid, past + 3 * widths[sid])
-            forward_rows(runner, mgr, [(sid, 0, random_tokens(past, seed=sid))])  # prefill (over 8 wide: the Python loop)
-        out = []
-        for t in range(3):
-            rows = [(sid, pasts[sid] + t * w, random_tokens(w, seed=100 * t + sid)) for sid, w in enumerate(widths)]
-            out.append(forward_rows(runner, mgr, rows, all_logits=True))
-        logits.append(out)
+    logits = stack_and_loop_logits(runner, widths, first_past=5, blocks=60)
     for a, b in zip(*logits):
         assert torch.equal(a, b), f"max abs diff {(a - b).abs().max().item():.3g}"
 

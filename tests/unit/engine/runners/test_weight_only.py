@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from tests.helpers.models import Collector, drain, forward_rows, hf_greedy_ids, paged_cache, random_tokens, tiny, tiny_llama
+from tests.helpers.models import Collector, drain, hf_greedy_ids, stack_and_loop_logits, tiny, tiny_llama
 from tests.helpers.servers import add_generation_model
 from tests.unit.engine.runners.test_quant import PROMPTS, logits_of, tiny_model
 from tritonlm.engine.loader import build_engine
@@ -99,22 +99,10 @@ def test_weight_only_decoder_stack_gives_the_python_loops_bits():
     ops: equal logits, bit for bit, over decode and mixed-width steps (a prefill over 8 wide
     runs the loop, whose widest projections take the widen-then-GEMM path)."""
     runner = TorchRunner(tiny_llama(attention_bias=True), int8_weight_only=True)
-    tr = runner.transformer
-    stack = tr.decoder_stack
     if runner.attention != "paged":
         pytest.skip(f"no C++ kernels here: {runner.attention_why}")
-    widths = [3, 1, 8, 1]
-    logits = []
-    for use in (False, True):
-        tr.decoder_stack = stack if use else None
-        mgr = paged_cache(runner, blocks=80)
-        pasts = [40 + 7 * i for i in range(len(widths))]
-        for sid, past in enumerate(pasts):
-            mgr.allocate(sid, past + 3 * widths[sid])
-            forward_rows(runner, mgr, [(sid, 0, random_tokens(past, seed=sid))])
-        logits.append([forward_rows(runner, mgr, [(sid, pasts[sid] + t * w, random_tokens(w, seed=100 * t + sid))
-                                                  for sid, w in enumerate(widths)], all_logits=True)
-                       for t in range(3)])
+    assert runner.transformer.decoder_stack is not None
+    logits = stack_and_loop_logits(runner, [3, 1, 8, 1], first_past=40, blocks=80)
     for a, b in zip(*logits):
         assert torch.equal(a, b), f"max abs diff {(a - b).abs().max().item():.3g}"
 
