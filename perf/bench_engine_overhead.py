@@ -98,9 +98,11 @@ def set_server_threads(threads: int | None) -> tuple[int, str]:
     return n, why
 
 
-def build_engine(model: Any, tok: Any, rows: int, reserve_tokens: int) -> Engine:
-    """An engine whose cache and scheduler let all `rows` requests run in one batch."""
+def build_engine(model: Any, tok: Any, rows: int, reserve_tokens: int, native_decode: bool = True) -> Engine:
+    """An engine whose cache and scheduler let all `rows` requests run in one batch;
+    native_decode False: decode steps take the Python path, not Transformer.decode_step."""
     runner = TorchRunner(model)
+    runner.lean_decode = native_decode
     blocks = rows * -(-reserve_tokens // BLOCK_SIZE) + 2  # + the scratch block, + one spare
     cache = KVCacheManager(runner.spec, blocks * BLOCK_SIZE * runner.spec.bytes_per_token, BLOCK_SIZE,
                            allocate_kv=runner.allocate_kv)
@@ -269,6 +271,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2, help="plain + split runs per row count")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: the server's default)")
     ap.add_argument("--no-stream", action="store_true", help="one final event per request instead of one per token")
+    ap.add_argument("--decode", choices=("native", "python"), default="native",
+                    help="decode steps in one C++ call (Transformer.decode_step), or the Python path around the stack")
     args = ap.parse_args()
     row_counts = [int(x) for x in args.rows.split(",") if x.strip()]
     stream = not args.no_stream
@@ -283,7 +287,7 @@ def main() -> int:
     attention = ""
     for rows in row_counts:
         tokens = args.tokens_one_row if rows == 1 else args.tokens
-        engine = build_engine(model, tok, rows, PROMPT_LEN + tokens)
+        engine = build_engine(model, tok, rows, PROMPT_LEN + tokens, native_decode=args.decode == "native")
         attention = engine.runner.attention
         run_round(engine, rows, tokens, stream, split=False)  # warm-up: allocator, kernels, caches
         for rep in range(1, args.repeat + 1):
@@ -296,7 +300,7 @@ def main() -> int:
               f"{min(r['us_per_step'] for r in got) / 1000:.3f} ms/step  {goal_note(rows, got)}", flush=True)
 
     print()
-    print(f"model: tiny-gpt2 (seeded), attention {attention}, prompt {PROMPT_LEN} tokens, greedy, end id never fires, "
+    print(f"model: tiny-gpt2 (seeded), attention {attention}, decode steps {args.decode}, prompt {PROMPT_LEN} tokens, greedy, end id never fires, "
           f"{'streaming (an event per token)' if stream else 'one final event per request'}")
     print()
     head = []
@@ -329,7 +333,8 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"host": cpu, "torch_threads": threads, "threads_why": why, "attention": attention, "stream": stream}
+    meta = {"host": cpu, "torch_threads": threads, "threads_why": why, "attention": attention, "stream": stream,
+            "decode": args.decode}
     write_csv(out / f"{NAME}.csv", [{"kind": "plain", **r, **meta} for r in plain] + [{"kind": "split", **r, **meta} for r in split])
     draw(out / f"{NAME}.png", split, f"engine overhead by phase, tiny-gpt2, {threads} threads\n{cpu[:70]}")
     print(f"\nwrote {out / (NAME + '.csv')} and {NAME}.png")

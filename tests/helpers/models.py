@@ -179,6 +179,52 @@ def stack_and_loop_logits(runner, widths: list[int], first_past: int, blocks: in
     return logits
 
 
+def block_table_rows(runner, mgr: KVCacheManager, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+    """forward_rows with the rows' block tables (the engine's batches), not a slot table."""
+    batch = StepBatch.from_block_table(
+        [new for _, _, new in rows], [past for _, past, _ in rows], mgr.device_table.gather([sid for sid, _, _ in rows]),
+        mgr.block_size,
+    )
+    return runner.forward(batch, pool=mgr.pool)
+
+
+def decode_step_and_python_logits(runner, pasts: list[int], steps: int, blocks: int) -> tuple[list[torch.Tensor], list[int]]:
+    """[the Python path's logits, Transformer.decode_step's] over the same decode steps after
+    seeded prefills of `pasts` tokens: the first step row 0 alone, then every row together
+    (rows of different lengths, crossing blocks); and how many decode steps each path sent
+    through Transformer.forward (the Python path's only)."""
+    tr = runner.transformer
+    logits, through_forward = [], []
+    for lean in (False, True):
+        runner.lean_decode = lean
+        calls = [0]
+        forward = tr.forward
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return forward(*args, **kwargs)
+
+        mgr = paged_cache(runner, blocks=blocks)
+        for sid, past in enumerate(pasts):
+            mgr.allocate(sid, past + steps)
+            block_table_rows(runner, mgr, [(sid, 0, random_tokens(past, seed=sid, vocab=runner.spec.vocab_size))])
+        tr.forward = counted
+        try:
+            cur, out = list(pasts), []
+            for t in range(steps):
+                ids = [0] if t == 0 else list(range(len(pasts)))
+                new = [random_tokens(1, seed=100 * t + sid, vocab=runner.spec.vocab_size) for sid in ids]
+                out.append(block_table_rows(runner, mgr, [(sid, cur[sid], toks) for sid, toks in zip(ids, new)]))
+                for sid in ids:
+                    cur[sid] += 1
+        finally:
+            del tr.forward
+            runner.lean_decode = True
+        logits.append(out)
+        through_forward.append(calls[0])
+    return logits, through_forward
+
+
 # ---------------------------------------------------------------------------- engines
 
 

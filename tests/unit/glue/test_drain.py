@@ -5,6 +5,7 @@ under load: tests/integration/test_drain.py."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -16,13 +17,35 @@ from tritonlm.glue.drain import DrainWatcher, read_deadline, write_deadline
 
 def test_engine_shutdown_at_the_deadline_ends_pending_requests_as_cancelled():
     """What the backend's drain watcher calls: every request still running or queued gets
-    one final event with finish_reason cancelled (no error); a second shutdown is a no-op."""
-    engine = make_engine(kv_sequences=1).start()  # room for one sequence: the second one waits
+    one final event with finish_reason cancelled (no error); a second shutdown is a no-op.
+    The engine's fifth forward pass waits at a gate until the shutdown has begun, so the
+    running request is mid-stream then however fast the host makes tokens."""
+    engine = make_engine(kv_sequences=1)  # room for one sequence: the second one waits
+    forward, passes = engine.runner.forward, [0]
+    at_gate, gate = threading.Event(), threading.Event()
+
+    def gated(batch, pool):
+        passes[0] += 1
+        if passes[0] == 5:  # the prefill and three decode steps are done
+            at_gate.set()
+            gate.wait(HANG_GUARD_S)
+        return forward(batch, pool)
+
+    engine.runner.forward = gated
+    engine.start()
     col = Collector()
     running = col.request(engine, "Once upon a time", max_tokens=200, min_tokens=200)
     waiting = col.request(engine, "Hello there", max_tokens=200, min_tokens=200)
-    assert wait_until(lambda: len(col.events[running]) >= 2, HANG_GUARD_S)  # it has streamed some text
-    engine.shutdown("the server is shutting down (drain deadline passed)", finish_reason="cancelled")
+    assert at_gate.wait(HANG_GUARD_S)
+    assert wait_until(lambda: len(col.ids(running)) >= 2, HANG_GUARD_S)  # it has streamed some text
+    stopping = threading.Thread(
+        target=engine.shutdown, args=("the server is shutting down (drain deadline passed)",),
+        kwargs={"finish_reason": "cancelled"})
+    stopping.start()
+    assert wait_until(lambda: engine._stop, HANG_GUARD_S)
+    gate.set()
+    stopping.join(HANG_GUARD_S)
+    assert not stopping.is_alive()
     engine.shutdown()  # finalize afterwards: nothing more is sent
     for rid in (running, waiting):
         finals = [e for e in col.events[rid] if e.finished]

@@ -22,8 +22,18 @@
 //                                                   rms: RMSNorm (biases None), else LayerNorm;
 //                                                   act: "silu_mul" (Llama: silu(gate) * up)
 //                                                   or "gelu_tanh" (GPT-2: gelu(fc(h)), tanh form)
+//     .set_ends(wte, wpe, ln_f, ln_f_b, eps, rms, inv_freq, rope_scaling)
+//                                                   the model's ends, for decode_step: the one
+//                                                   projection added after the last layer is the
+//                                                   LM head; wpe: GPT-2's positions, inv_freq:
+//                                                   RoPE's (each None where the model has none)
 //   torch.ops.tritonlm.decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table,
 //                                    positions, cos, sin, padded_rows) -> x after the layers
+//   torch.ops.tritonlm.decode_step(stack, input_ids, past_len, block_table, block_size,
+//                                  k_caches, v_caches, padded_rows) -> logits [B, V] float32
+//     a whole decode step (one new token per row) from the rows' block tables: the slots, the
+//     embedding, RoPE's cos/sin, the layers, the final norm and the LM head, the same ops as
+//     runners/base.py's plan_step and Transformer.forward run from Python, so the same bits
 //     x [B, T, C] float32; k/v_caches: one [S, Hkv, D] per layer; the rest as
 //     paged_attention_qkv's; padded_rows: the row bucket of float projections
 //     (runners/layers.py's blocked_rows(B * T)), ignored by int8 ones
@@ -32,11 +42,21 @@
 // (RMSNorm: add_rms_norm, one op; LayerNorm: aten's add and layer_norm); qkv = proj(h) + b;
 // attention; delta = proj(a) (+ b); (x, h) as before with the MLP's norm; m = silu_mul(
 // proj(h) + b) or gelu_tanh(proj(h) + b); delta = proj(m) (+ b); at the end x + delta.
+//
+// decode_step exists because at one row a small model's step is short enough for the Python
+// around the stack (a dozen index tensors, the embedding, RoPE, the head: each op a trip
+// through the interpreter and the dispatcher) to be a visible share of it.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/quantized/PackedParams.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/cos.h>
+#include <ATen/ops/sin.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
@@ -189,11 +209,23 @@ struct Layer {
   Projection qkv, o, mlp_in, down;  // mlp_in: gate_up or fc
 };
 
+// What decode_step runs around the layers (Transformer.embed and .head)
+struct Ends {
+  at::Tensor wte;                      // [V, C]
+  std::optional<at::Tensor> wpe;       // [P, C] GPT-2's learned positions; P is a hard limit
+  std::optional<at::Tensor> inv_freq;  // [D/2] RoPE's frequencies (Llama family)
+  double rope_scaling = 1.0;
+  Norm ln_f;
+  bool rms = false;
+  Projection head;                     // [C] -> [V]
+};
+
 struct DecoderStack : torch::CustomClassHolder {
   int64_t heads;
   std::vector<Layer> layers;
   PinnedRows pinned;
   std::vector<Projection> pending;  // the next layer's projections, in order qkv, o, gate_up, down
+  std::optional<Ends> ends;         // set_ends: decode_step can run
 
   explicit DecoderStack(int64_t heads) : heads(heads) {}
 
@@ -259,6 +291,26 @@ struct DecoderStack : torch::CustomClassHolder {
     pending.clear();
   }
 
+  void set_ends(at::Tensor wte, std::optional<at::Tensor> wpe, at::Tensor ln_f, std::optional<at::Tensor> ln_f_b,
+                double eps, bool rms, std::optional<at::Tensor> inv_freq, double rope_scaling) {
+    TORCH_CHECK(pending.size() == 1, "DecoderStack.set_ends: add the LM head (one projection) after the last layer ",
+                "first; ", pending.size(), " projections are pending");
+    TORCH_CHECK(!layers.empty(), "DecoderStack.set_ends: the stack holds no layer");
+    for (const at::Tensor* t : {&wte, &ln_f})
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                  "DecoderStack.set_ends: wte and ln_f must be float32 CPU tensors");
+    TORCH_CHECK(wte.dim() == 2 && ln_f.dim() == 1 && wte.size(1) == ln_f.size(0),
+                "DecoderStack.set_ends: wte must be [V, C] and ln_f [C]");
+    TORCH_CHECK(!rms || !ln_f_b.has_value(), "DecoderStack.set_ends: an RMSNorm has no bias");
+    TORCH_CHECK(!wpe.has_value() || (wpe->dim() == 2 && wpe->size(1) == wte.size(1)),
+                "DecoderStack.set_ends: wpe must be [P, C]");
+    ends = Ends{std::move(wte), std::move(wpe), std::move(inv_freq), rope_scaling,
+                Norm{std::move(ln_f), std::move(ln_f_b), eps}, rms, std::move(pending[0])};
+    pending.clear();
+  }
+
+  bool has_ends() const { return ends.has_value(); }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
  private:
@@ -313,6 +365,71 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
   return at::add(x, delta);
 }
 
+constexpr int64_t kScratchSlot = 0;  // kv_cache.py's SCRATCH_SLOT
+
+at::Tensor decode_step(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& input_ids,
+                       const at::Tensor& past_len, const at::Tensor& block_table, int64_t block_size,
+                       at::TensorList k_caches, at::TensorList v_caches, int64_t padded_rows) {
+  TORCH_CHECK(stack->ends.has_value(), "decode_step: the stack has no ends (DecoderStack.set_ends)");
+  const Ends& e = *stack->ends;
+  TORCH_CHECK_VALUE(input_ids.dim() == 2 && input_ids.size(1) == 1 && input_ids.scalar_type() == at::kLong,
+                    "decode_step: input_ids must be int64 [B, 1] (one new token per row), not ",
+                    input_ids.scalar_type(), " ", input_ids.sizes());
+  const int64_t B = input_ids.size(0);
+  TORCH_CHECK_VALUE(B > 0, "decode_step: the batch is empty");
+  TORCH_CHECK_VALUE(past_len.dim() == 1 && past_len.size(0) == B && past_len.scalar_type() == at::kLong,
+                    "decode_step: past_len must be int64 [", B, "], not ", past_len.sizes());
+  TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) == B && block_size > 0,
+                    "decode_step: block_table must be [", B, ", M] with block_size > 0");
+  const at::Tensor past = past_len.contiguous();
+  const int64_t* pl = past.data_ptr<int64_t>();
+  int64_t L = 0;  // keys of the longest row: its past and the new token
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(pl[b] >= 0, "decode_step: past_len must be >= 0, got ", pl[b], " in row ", b);
+    L = std::max(L, pl[b] + 1);
+  }
+  if (e.wpe.has_value())
+    TORCH_CHECK_VALUE(L <= e.wpe->size(0), "sequence length ", L, " exceeds the model's max_positions=",
+                      e.wpe->size(0));
+  const int64_t M = block_table.size(1);
+  TORCH_CHECK_VALUE(M * block_size >= L, "decode_step: block_table holds ", M, " blocks; ", L,
+                    " positions need more");
+  // plan_step's slot_table (slots of positions < past + 1, the scratch slot past them) and
+  // write_slots (the new token's slot), mapped row by row from the blocks
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const int64_t* blocks = table.data_ptr<int64_t>();
+  at::Tensor slot_table = at::empty({B, L}, past.options());
+  at::Tensor write_slots = at::empty({B, 1}, past.options());
+  int64_t* st = slot_table.data_ptr<int64_t>();
+  int64_t* ws = write_slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = pl[b] + 1;
+    int64_t* row = st + b * L;
+    for (int64_t p = 0; p < n; ++p) row[p] = blocks[b * M + p / block_size] * block_size + p % block_size;
+    std::fill(row + n, row + L, kScratchSlot);
+    ws[b] = row[n - 1];
+  }
+  const at::Tensor positions = past.view({B, 1});  // [B, 1]
+  // Transformer.embed
+  at::Tensor x = at::embedding(e.wte, input_ids);  // [B, 1, C]
+  if (e.wpe.has_value()) x = at::add(x, at::embedding(*e.wpe, positions));
+  // layers.rope_cos_sin
+  std::optional<at::Tensor> cos, sin;
+  if (e.inv_freq.has_value()) {
+    const at::Tensor freqs = at::mul(positions.unsqueeze(-1).to(at::kFloat), *e.inv_freq);  // [B, 1, D/2]
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);                                     // [B, 1, D]
+    cos = at::mul(at::cos(emb), e.rope_scaling).unsqueeze(2);                               // [B, 1, 1, D]
+    sin = at::mul(at::sin(emb), e.rope_scaling).unsqueeze(2);
+  }
+  x = decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table, positions, cos, sin, padded_rows);
+  // Transformer.head: the final norm and the LM head on each row's one position
+  const at::Tensor last = x.select(1, 0);  // [B, C]
+  const Ops& ops = Ops::get();
+  const at::Tensor h = e.rms ? ops.rms_norm.call(last.contiguous(), e.ln_f.w, e.ln_f.eps)
+                             : at::layer_norm(last, {last.size(-1)}, e.ln_f.w, e.ln_f.b, e.ln_f.eps);
+  return e.head(h, true, padded_rows, stack->pinned).to(at::kFloat);  // [B, V]
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
@@ -323,12 +440,17 @@ TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
       .def("add_w8", &DecoderStack::add_w8)
       .def("add_panel", &DecoderStack::add_panel)
       .def("add_layer", &DecoderStack::add_layer)
+      .def("set_ends", &DecoderStack::set_ends)
+      .def("has_ends", &DecoderStack::has_ends)
       .def("num_layers", &DecoderStack::num_layers);
   m.def("decoder_stack(__torch__.torch.classes.tritonlm.DecoderStack stack, Tensor x, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor write_slots, Tensor slot_table, Tensor positions, Tensor? cos, Tensor? sin, "
         "int padded_rows) -> Tensor");
+  m.def("decode_step(__torch__.torch.classes.tritonlm.DecoderStack stack, Tensor input_ids, Tensor past_len, "
+        "Tensor block_table, int block_size, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int padded_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tritonlm, CPU, m) {
   m.impl("decoder_stack", &decoder_stack);
+  m.impl("decode_step", &decode_step);
 }

@@ -3,6 +3,10 @@
     build_decoder_stack(model) -> torch.classes.tritonlm.DecoderStack | None
     torch.ops.tritonlm.decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table,
                                      positions, cos, sin, rows)   (Transformer.run_layers)
+    torch.ops.tritonlm.decode_step(stack, input_ids, past_len, block_table, block_size,
+                                   k_caches, v_caches, rows)     (Transformer.decode_step)
+        with the model's ends too (the embedding, the final norm, the LM head: a whole model
+        on one rank), a decode step from the rows' block tables to their logits in one call
 
 The stack runs the same ops as Transformer.run_layers' Python loop, in the same order,
 through torch's C++ dispatcher, so the logits are the same bits; what it saves is the
@@ -36,7 +40,9 @@ def build_decoder_stack(model: Transformer) -> object | None:
     takes Llama-family layers (RMSNorm, silu(gate) * up) and GPT-2's (LayerNorm, gelu tanh
     over fc) whose projections are all float32 in panels or oneDNN-blocked, int8 through the fused
     int8 op or weight-only int8 through w8_linear (the C++ kernels must be loaded:
-    Transformer.use_paged_kernel)."""
+    Transformer.use_paged_kernel). When the model also holds its float32 embedding and final
+    norm and an LM head of those kinds (a whole model, not a pipeline stage or a vocabulary
+    shard), the stack gets them too (stack.has_ends()): torch.ops.tritonlm.decode_step."""
     if not model.layers:
         return None
     rms = model.layers[0].ln_attn.rms
@@ -47,7 +53,7 @@ def build_decoder_stack(model: Transformer) -> object | None:
     else:
         return None
 
-    def runs_in_stack(p: Linear) -> bool:
+    def runs_in_stack(p: Linear | None) -> bool:
         return (isinstance(p, (BlockedLinear, PanelLinear)) or (isinstance(p, Int8Linear) and p.fused_op)
                 or (isinstance(p, WeightOnlyInt8Linear) and p.native))
 
@@ -61,16 +67,25 @@ def build_decoder_stack(model: Transformer) -> object | None:
         if any(t.dtype != torch.float32 for t in norms):
             return None
     stack = torch.classes.tritonlm.DecoderStack(model.heads)
+
+    def add(p: Linear) -> None:
+        if isinstance(p, BlockedLinear):
+            stack.add_float(p.blocked, p.b)
+        elif isinstance(p, PanelLinear):
+            stack.add_panel(p.panel, p.b, p.out)
+        elif isinstance(p, WeightOnlyInt8Linear):
+            stack.add_w8(p.panel, p.scale, p.b, p.out)
+        else:
+            stack.add_int8(p.packed, p.smooth, p.b, INT8_REDUCE_RANGE)
+
     for L in model.layers:
         for p in (L.qkv, L.o, L.gate_up if act == "silu_mul" else L.fc, L.down):
-            if isinstance(p, BlockedLinear):
-                stack.add_float(p.blocked, p.b)
-            elif isinstance(p, PanelLinear):
-                stack.add_panel(p.panel, p.b, p.out)
-            elif isinstance(p, WeightOnlyInt8Linear):
-                stack.add_w8(p.panel, p.scale, p.b, p.out)
-            else:
-                stack.add_int8(p.packed, p.smooth, p.b, INT8_REDUCE_RANGE)
+            add(p)
         a, m = L.ln_attn, L.ln_mlp
         stack.add_layer(a.w, a.b, a.eps, m.w, m.b, m.eps, rms, act, L.attn_scale)
+    if model.wte is not None and model.ln_f is not None and not model.vocab_parallel and runs_in_stack(model.lm_head):
+        if all(t is None or t.dtype == torch.float32 for t in (model.wte, model.wpe, model.ln_f.w, model.ln_f.b)):
+            add(model.lm_head)
+            f = model.ln_f
+            stack.set_ends(model.wte, model.wpe, f.w, f.b, f.eps, f.rms, model.inv_freq, model.rope_scaling)
     return stack

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.engine.parallel.comm import ONE_RANK, Comm, row_parallel
@@ -411,6 +412,21 @@ class Transformer:
             rows = torch.arange(plan.batch_size, device=x.device)
             x = x[rows, plan.num_new - 1]  # [B, C]: only the rows whose logits are wanted
         return self.lm_head(self.norm(self.ln_f, x)).float()
+
+    @property
+    def decode_step_ready(self) -> bool:
+        """The whole model is in the C++ decoder stack, ends included: decode_step can run."""
+        return self.decoder_stack is not None and bool(self.decoder_stack.has_ends())
+
+    @torch.inference_mode()
+    def decode_step(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
+        """forward() of a decode batch (one new token per row, its last logits; block tables
+        on the CPU) in one C++ call (kernels.decoder_stack): its index tensors, the embedding,
+        RoPE, the layers, the final norm and the LM head, the same ops as plan_step and
+        forward run, so the same logits, bit for bit. -> float32 [B, V]."""
+        return torch.ops.tritonlm.decode_step(
+            self.decoder_stack, batch.input_ids, batch.past_len, batch.block_table, batch.block_size, pool.k, pool.v,
+            blocked_rows(batch.input_ids.shape[0]))
 
     @torch.inference_mode()
     def forward(self, plan: ForwardBatch, all_logits: bool, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor | None:

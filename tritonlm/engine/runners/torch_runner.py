@@ -81,6 +81,9 @@ class TorchRunner:
         self.max_batch = max_batch
         self.max_context = max_context or self.max_positions or 4096
         self.decode_graphs = None  # runners.decode_graphs.DecodeGraphs, made by the first decode step
+        # decode steps from block tables in one C++ call where the whole model is in the
+        # decoder stack (Transformer.decode_step); False: the Python path (tests compare the two)
+        self.lean_decode = True
 
     @classmethod
     def from_pretrained(
@@ -108,6 +111,9 @@ class TorchRunner:
             if self.max_positions is not None and int((batch.past_len + batch.num_new).max()) > self.max_positions:
                 raise ValueError(f"sequence length exceeds the model's max_positions={self.max_positions}")
             return graphs.forward(batch)
+        if (self.lean_decode and batch.width == 1 and not batch.all_logits and batch.block_table is not None
+                and self.transformer.decode_step_ready):
+            return self.transformer.decode_step(batch, pool)
         plan = plan_step(batch, self.device, self.max_positions)
         return self.transformer.forward(plan, batch.all_logits, pool)
 

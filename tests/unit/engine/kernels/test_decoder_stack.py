@@ -1,12 +1,20 @@
 """tritonlm/engine/kernels/decoder_stack.py: the C++ DecoderStack (a decode step's layers in
-one call) against the Python loop of the same ops, where it is used, and its refusals."""
+one call) against the Python loop of the same ops, where it is used, and its refusals; and
+decode_step (a whole decode step in one call: Transformer.decode_step) against the Python
+path around the stack."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.helpers.models import stack_and_loop_logits, tiny_llama
+from tests.helpers.models import (
+    block_table_rows,
+    decode_step_and_python_logits,
+    paged_cache,
+    stack_and_loop_logits,
+    tiny_llama,
+)
 from tritonlm.engine.runners import load_runner
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.models.builtin import build_tiny
@@ -57,3 +65,67 @@ def test_decoder_stack_refuses_an_unfinished_layer_naming_it():
         torch.ops.tritonlm.decoder_stack(stack, x, [], [], torch.zeros(1, 1, dtype=torch.long),
                                          torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
                                          None, None, 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "int8_weight_only"])
+def test_decode_step_gives_the_python_paths_bits(arch, dtype):
+    """A decode step in one C++ call (the slots from the block tables, the embedding, RoPE or
+    learned positions, the layers, the final norm, the LM head) against plan_step and
+    Transformer.forward: equal logits, bit for bit, one row alone and three rows of different
+    lengths together, over steps that cross block boundaries."""
+    model = tiny_llama(attention_bias=True) if arch == "llama" else build_tiny("tiny-gpt2")[0]
+    runner = TorchRunner(model, int8=dtype == "int8", int8_weight_only=dtype == "int8_weight_only")
+    assert runner.transformer.decode_step_ready
+    (python, native), through_forward = decode_step_and_python_logits(runner, pasts=[5, 12, 3], steps=6, blocks=60)
+    assert through_forward == [6, 0]  # the native path never went through Transformer.forward
+    assert [tuple(t.shape) for t in native] == [(1, runner.spec.vocab_size)] + [(3, runner.spec.vocab_size)] * 5
+    for a, b in zip(python, native):
+        assert torch.equal(a, b), f"max abs diff {(a - b).abs().max().item():.3g}"
+
+
+def test_decode_step_only_for_a_whole_model_in_the_stack(hf_models):
+    """A model whose head the stack cannot run (a bfloat16 one: no stack at all) or a
+    pipeline stage without the embedding keeps the Python path."""
+    from tritonlm.engine.kernels.decoder_stack import build_decoder_stack
+
+    assert load_runner("torch", hf_models["llama"]).transformer.decode_step_ready
+    assert not load_runner("torch", hf_models["llama"], dtype=torch.bfloat16).transformer.decode_step_ready
+    stage = load_runner("torch", hf_models["llama"]).transformer
+    stage.wte = None  # as a later pipeline stage holds it
+    stage.decoder_stack = build_decoder_stack(stage)
+    assert stage.decoder_stack is not None and not stage.decode_step_ready
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["native", "python"])
+def test_decode_step_refuses_a_position_past_gpt2s_table_as_the_python_path_does(lean):
+    """GPT-2's learned positions are a hard limit: both paths refuse a step past it with the
+    same ValueError, and the pool is left as it was."""
+    runner = TorchRunner(build_tiny("tiny-gpt2")[0])
+    runner.lean_decode = lean
+    limit = runner.max_positions
+    mgr = paged_cache(runner, blocks=limit // 4 + 4)
+    mgr.allocate(0, limit + 1)
+    before = [k.clone() for k in mgr.pool.k]
+    with pytest.raises(ValueError, match=f"sequence length {limit + 1} exceeds the model's max_positions={limit}"):
+        block_table_rows(runner, mgr, [(0, limit, [5])])
+    assert all(torch.equal(a, b) for a, b in zip(before, mgr.pool.k))
+
+
+def test_decode_step_refuses_bad_batches_naming_the_input():
+    runner = TorchRunner(tiny_llama())
+    tr = runner.transformer
+    mgr = paged_cache(runner, blocks=8)
+    mgr.allocate(0, 8)
+    table = mgr.device_table.gather([0])  # [1, M]: 8 positions' blocks
+    step = torch.ops.tritonlm.decode_step
+    ids, past = torch.tensor([[5]]), torch.tensor([3])
+    with pytest.raises(ValueError, match=r"input_ids must be int64 \[B, 1\]"):
+        step(tr.decoder_stack, torch.tensor([[5, 6]]), past, table, 4, mgr.pool.k, mgr.pool.v, 1)
+    with pytest.raises(ValueError, match="past_len must be >= 0, got -1 in row 0"):
+        step(tr.decoder_stack, ids, torch.tensor([-1]), table, 4, mgr.pool.k, mgr.pool.v, 1)
+    with pytest.raises(ValueError, match=r"past_len must be int64 \[1\]"):
+        step(tr.decoder_stack, ids, torch.tensor([3, 4]), table, 4, mgr.pool.k, mgr.pool.v, 1)
+    past = table.shape[1] * 4  # one position past the table's blocks
+    with pytest.raises(ValueError, match=f"block_table holds {table.shape[1]} blocks; {past + 1} positions need more"):
+        step(tr.decoder_stack, ids, torch.tensor([past]), table, 4, mgr.pool.k, mgr.pool.v, 1)
