@@ -9,7 +9,7 @@
         a layer's element-wise steps fused (decode_ops.cpp)
     torch.ops.tritonlm.int8_linear(x, smooth, bias, packed, buf, reduce_range)
         an int8 projection, rows quantized alone, in one op (decode_ops.cpp)
-    torch.ops.tritonlm.w8_linear(x, panel, scale, bias, out, isa), .w8_isas()
+    torch.ops.tritonlm.w8_linear(x, panel, scale, offset, bias, out, isa), .w8_isas()
         a projection with int8 weights in 16-wide output panels and float32 activations
         (`dtype: int8_weight_only`), AVX-512 / AVX2 / scalar: the best this CPU's build has,
         or the one named (weight_only_int8.cpp)

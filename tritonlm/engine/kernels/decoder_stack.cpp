@@ -14,7 +14,7 @@
 //     .add_panel(panel, bias, out)                  one projection, float32 weights in 16-wide output
 //                                                   panels (float_panel.cpp's panel_linear)
 //     .add_int8(packed, smooth, bias, reduce_range) one projection, PyTorch's packed int8 weight
-//     .add_w8(panel, scale, bias, out)              one projection, int8 weights in 16-wide output panels
+//     .add_w8(panel, scale, offset, bias, out)      one projection, int8 weights in 16-wide output panels
 //                                                   with float activations (weight_only_int8.cpp's w8_linear)
 //     .add_layer(ln_attn, ln_attn_b, attn_eps, ln_mlp, ln_mlp_b, mlp_eps, rms, act, attn_scale)
 //                                                   closes a layer: the 4 projections added
@@ -95,7 +95,8 @@ struct Ops {
                                       std::optional<std::string_view>)>
       linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const std::optional<at::Tensor>&, int64_t, std::string_view)>
+                                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+                                      std::string_view)>
       w8_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
       panel_linear;
@@ -122,7 +123,8 @@ struct Ops {
                                 std::optional<std::string_view>)>(),
           d.findSchemaOrThrow("tritonlm::w8_linear", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const std::optional<at::Tensor>&, int64_t, std::string_view)>(),
+                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+                                std::string_view)>(),
           d.findSchemaOrThrow("tritonlm::panel_linear", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>(),
       };
@@ -160,6 +162,7 @@ struct Projection {
   int64_t out = 0;     // the panel's output channels (float or int8 panels)
   Packed packed;       // int8: PyTorch's packed per-channel weights; null for float
   at::Tensor w8, w8_scale;  // weight-only int8: [P, in, 16] int8 and [P, groups, 16] float32; undefined otherwise
+  std::optional<at::Tensor> w8_offset;  // weight-only int8's [P, groups, 16] float32 offsets, if any
   std::optional<at::Tensor> smooth, bias;
   bool reduce_range = false;
 
@@ -174,7 +177,7 @@ struct Projection {
     if (panel.defined()) {
       y = ops.panel_linear.call(flat, panel, b, out);
     } else if (w8.defined()) {
-      y = ops.w8_linear.call(flat, w8, w8_scale, b, out, "auto");
+      y = ops.w8_linear.call(flat, w8, w8_scale, w8_offset, b, out, "auto");
     } else if (packed) {
       y = ops.int8_linear.call(flat.contiguous(), smooth, b, packed, pinned.take(rows, in, flat.options()),
                                reduce_range);
@@ -259,7 +262,8 @@ struct DecoderStack : torch::CustomClassHolder {
     add(std::move(p));
   }
 
-  void add_w8(at::Tensor panel, at::Tensor scale, std::optional<at::Tensor> bias, int64_t out) {
+  void add_w8(at::Tensor panel, at::Tensor scale, std::optional<at::Tensor> offset, std::optional<at::Tensor> bias,
+              int64_t out) {
     TORCH_CHECK(panel.device().is_cpu() && panel.scalar_type() == at::kChar && panel.dim() == 3 &&
                     panel.size(2) == 16 && panel.is_contiguous(),
                 "DecoderStack.add_w8: panel must be a contiguous int8 CPU tensor [P, in, 16]");
@@ -269,6 +273,7 @@ struct DecoderStack : torch::CustomClassHolder {
     p.w8 = std::move(panel);
     p.out = out;
     p.w8_scale = std::move(scale);
+    p.w8_offset = std::move(offset);
     p.bias = std::move(bias);
     add(std::move(p));
   }

@@ -74,7 +74,7 @@ def build_decoder_stack(model: Transformer) -> object | None:
         elif isinstance(p, PanelLinear):
             stack.add_panel(p.panel, p.b, p.out)
         elif isinstance(p, WeightOnlyInt8Linear):
-            stack.add_w8(p.panel, p.scale, p.b, p.out)
+            stack.add_w8(p.panel, p.scale, p.offset, p.b, p.out)
         else:
             stack.add_int8(p.packed, p.smooth, p.b, INT8_REDUCE_RANGE)
 

@@ -1,11 +1,12 @@
 // Weight-only int8 projections (`dtype: int8_weight_only`): int8 weights in 16-wide output
-// panels with float32 scales (one per group of consecutive inputs of each output channel),
-// float32 activations.
+// panels with a float32 scale and, optionally, a float32 offset per group of consecutive
+// inputs of each output channel, float32 activations.
 //
-//   w8_linear(x [..., in] f32, panel [P, in, 16] int8, scale [P, G, 16] f32, bias [out] f32 or None,
-//             out, isa) -> y [..., out] f32, y = x @ (w * s)^T + bias, where panel[p, k, j] = w[16 p + j, k]
-//       and scale[p, g, j] = s[16 p + j, g], each scale covering in / G consecutive inputs (G = 1:
-//       one per output channel); zero beyond `out`
+//   w8_linear(x [..., in] f32, panel [P, in, 16] int8, scale [P, G, 16] f32, offset [P, G, 16] f32
+//             or None, bias [out] f32 or None, out, isa) -> y [..., out] f32,
+//       y = x @ (w * s + o)^T + bias, where panel[p, k, j] = w[16 p + j, k], scale[p, g, j] =
+//       s[16 p + j, g] and offset[p, g, j] = o[16 p + j, g] (None: 0), each covering in / G
+//       consecutive inputs (G = 1: one per output channel); zero beyond `out`
 //   w8_isas() -> the paths w8_linear can run here, best first ("avx512", "avx2", "scalar")
 //
 // isa: "auto" (the best this CPU has) or one of w8_isas(), so tests can run every path the
@@ -24,8 +25,9 @@
 // Rows (M = x's rows):
 //   M <= kDirectRows  tiles of a few rows x a few panels keep their sums in registers over
 //                     the whole k loop: per group, part = sum over its inputs of x[k] * w[k]
-//                     (fused multiply-adds in k order), then acc = part * s + acc, groups in
-//                     order, then + bias. Every tile shape sums in that order, so a row's bits
+//                     (fused multiply-adds in k order), then acc = part * s + acc and, with
+//                     offsets, acc = xsum * o + acc (xsum: the row's inputs of the group summed
+//                     in k order, once per call), groups in order, then + bias. Every tile shape sums in that order, so a row's bits
 //                     do not depend on the other rows of its batch. Threads: torch's team, by
 //                     groups of panels; each panel is read from memory once per call.
 //   M >  kDirectRows  (prefill chunks) compute-bound: the weight is widened once per call into
@@ -101,6 +103,8 @@ struct Args {
   const float* x;       // [rows, in]
   const int8_t* w;      // [P, in, 16]
   const float* scale;   // [P, G, 16]
+  const float* offset;  // [P, G, 16] or null
+  const float* xsum;    // [rows, G] each row's inputs summed per group (with offsets), else null
   const float* bias;    // [out] or null
   float* y;             // [rows, out]
   int64_t in, out, groups, group;  // group = in / groups inputs per scale
@@ -182,6 +186,13 @@ inline void tile(const Args& a, int64_t m0, int64_t p0) {
         const Reg s = V::load(sc + (j * a.groups + g) * kLanes, h);
         for (int i = 0; i < MB; ++i) acc[i][j][h] = V::fma(part[i][j][h], s, acc[i][j][h]);
       }
+    if (a.offset) {
+      for (int j = 0; j < NP; ++j)
+        for (int h = 0; h < W; ++h) {
+          const Reg o = V::load(a.offset + ((p0 + j) * a.groups + g) * kLanes, h);
+          for (int i = 0; i < MB; ++i) acc[i][j][h] = V::fma(V::set1(a.xsum[(m0 + i) * a.groups + g]), o, acc[i][j][h]);
+        }
+    }
   }
   for (int j = 0; j < NP; ++j) {
     const int64_t n = (p0 + j) * kLanes;
@@ -236,6 +247,10 @@ void panels_scalar(const Args& a, int64_t rows, int64_t p0, int64_t p1) {
         for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k)
           for (int64_t j = 0; j < kLanes; ++j) part[j] += x[k] * static_cast<float>(w[k * kLanes + j]);
         for (int64_t j = 0; j < kLanes; ++j) acc[j] += part[j] * sc[g * kLanes + j];
+        if (a.offset) {
+          const float* o = a.offset + (p * a.groups + g) * kLanes;
+          for (int64_t j = 0; j < kLanes; ++j) acc[j] += a.xsum[m * a.groups + g] * o[j];
+        }
       }
       const int64_t n = p * kLanes;
       for (int64_t j = 0; j < std::min(kLanes, a.out - n); ++j)
@@ -261,7 +276,7 @@ PanelKernel kernel_for(Isa isa) {
   }
 }
 
-// panel [P, in, 16] int8 * scale [P, G, 16] -> buf [in, out] float32 (x @ buf is the GEMM: each
+// panel [P, in, 16] int8 * scale [P, G, 16] (+ offset) -> buf [in, out] float32 (x @ buf is the GEMM: each
 // panel's k-th 16 bytes widen to 16 consecutive floats of buf's row k), over torch's thread team
 void dequantize(const Args& a, float* buf) {
   const int64_t P = (a.out + kLanes - 1) / kLanes;
@@ -270,10 +285,14 @@ void dequantize(const Args& a, float* buf) {
       float* row = buf + k * a.out;
       for (int64_t p = 0; p < P; ++p) {
         const int8_t* w = a.w + (p * a.in + k) * kLanes;
-        const float* s = a.scale + (p * a.groups + k / a.group) * kLanes;
+        const int64_t at = (p * a.groups + k / a.group) * kLanes;
+        const float* s = a.scale + at;
         const int64_t lanes = std::min(kLanes, a.out - p * kLanes);
         float* dst = row + p * kLanes;
-        if (lanes == kLanes) {
+        if (a.offset) {
+          const float* o = a.offset + at;
+          for (int64_t j = 0; j < lanes; ++j) dst[j] = static_cast<float>(w[j]) * s[j] + o[j];
+        } else if (lanes == kLanes) {
 #pragma omp simd
           for (int64_t j = 0; j < kLanes; ++j) dst[j] = static_cast<float>(w[j]) * s[j];
         } else {
@@ -285,7 +304,8 @@ void dequantize(const Args& a, float* buf) {
 }
 
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& bias, int64_t out, std::string_view isa_asked) {
+                     const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t out,
+                     std::string_view isa_asked) {
   const Isa isa = pick_isa(isa_asked);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1,
               "w8_linear: x must be a float32 CPU tensor [..., in]");
@@ -302,6 +322,14 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
   const int64_t groups = scale.size(1);
   TORCH_CHECK(groups > 0 && in % groups == 0, "w8_linear: scale has ", groups, " groups per output; the ", in,
               " inputs do not split into that many equal groups");
+  const float* op = nullptr;
+  if (offset.has_value()) {
+    TORCH_CHECK(offset->device().is_cpu() && offset->scalar_type() == at::kFloat && offset->is_contiguous() &&
+                    offset->sizes() == scale.sizes(),
+                "w8_linear: offset must be a contiguous float32 CPU tensor shaped as scale ", scale.sizes(), ", not ",
+                offset->scalar_type(), " ", offset->sizes());
+    op = offset->data_ptr<float>();
+  }
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
@@ -314,8 +342,8 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
   auto sizes = x.sizes().vec();
   sizes.back() = out;
   at::Tensor y = at::empty({rows, out}, x.options());
-  Args a{flat.data_ptr<float>(), panel.data_ptr<int8_t>(), scale.data_ptr<float>(), bp, y.data_ptr<float>(),
-         in, out, groups, in / groups};
+  Args a{flat.data_ptr<float>(), panel.data_ptr<int8_t>(), scale.data_ptr<float>(), op, nullptr, bp,
+         y.data_ptr<float>(), in, out, groups, in / groups};
   if (rows > kDirectRows) {
     // widened once per call; the buffer is kept (per thread) so a prefill does not map and
     // fault in fresh pages for every projection
@@ -324,6 +352,19 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     dequantize(a, buf.data_ptr<float>());
     const at::Tensor wf = buf.narrow(0, 0, in * out).view({in, out});
     return (bias ? at::addmm(*bias, flat, wf) : at::mm(flat, wf)).view(sizes);
+  }
+  at::Tensor xsum;
+  if (op) {  // sum_k x[k] * (w[k] * s + o) = s * sum_k x[k] w[k] + o * sum_k x[k], per group
+    xsum = at::empty({rows, groups}, x.options());
+    float* xs = xsum.data_ptr<float>();
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = a.x + m * in + g * a.group;
+        float t = 0.0f;
+        for (int64_t k = 0; k < a.group; ++k) t += xg[k];
+        xs[m * groups + g] = t;
+      }
+    a.xsum = xs;
   }
   const PanelKernel kernel = kernel_for(isa);
   const int64_t grain = std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(in * kLanes, 1));  // panels per task
@@ -341,7 +382,7 @@ std::vector<std::string> w8_isas() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
-  m.def("w8_linear(Tensor x, Tensor panel, Tensor scale, Tensor? bias, int out, str isa) -> Tensor");
+  m.def("w8_linear(Tensor x, Tensor panel, Tensor scale, Tensor? offset, Tensor? bias, int out, str isa) -> Tensor");
   m.def("w8_isas() -> str[]", &w8_isas);
 }
 

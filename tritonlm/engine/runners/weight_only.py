@@ -1,10 +1,11 @@
 """Weight-only int8 for a Transformer (`dtype: int8_weight_only`): int8 weights with a float32
-scale per group of inputs of each output channel, float32 activations.
+scale and offset per group of inputs of each output channel, float32 activations.
 
     calibration_ids(hf_model)  seeded random token ids to calibrate on
     quantize_weight_only(model, calibration_ids=None)
         every projection (and the LM head) to WeightOnlyInt8Linear, in place: each weight
-        to its nearest int8 value (what `dtype: int8_weight_only` serves), or, given
+        to the nearest of 256 levels spanning its group (rtn_round: what `dtype:
+        int8_weight_only` serves), or, given
         calibration_ids, rounded by GPTQ (gptq_round) against the inputs it saw on them
         (perf/bench_precision.py's `int8_weight_only-gptq` row measures it)
 
@@ -28,9 +29,10 @@ from tritonlm.engine.runners.layers import PROJECTION_NAMES, FloatLinear, Linear
 if TYPE_CHECKING:
     from tritonlm.engine.runners.model import Transformer
 
-# inputs per scale: one scale per output channel is too coarse for greedy output to stay
-# with float32's
-GROUP = 64
+# inputs per scale and offset: one per output channel is too coarse for greedy output to
+# stay with float32's; 32 is also the block of GGUF's 4- and 8-bit formats, so a file's
+# blocks map onto groups one to one (rtn_round)
+GROUP = 32
 GPTQ_BLOCK = 128  # inputs whose errors are carried inside one block before the rest is updated
 GPTQ_DAMP = 0.01  # H + damp * mean(diag H) * I: keeps the inverse stable for inputs that barely vary
 CALIBRATION_ROWS, CALIBRATION_TOKENS = 16, 128
@@ -104,19 +106,28 @@ def group_size(width: int) -> int:
     return GROUP if width % GROUP == 0 else width
 
 
-def rtn_round(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] float32 to the nearest int8 values: (q [out, in] int8, scale [out, in / group])."""
+def rtn_round(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] float32 to the nearest of 256 evenly spaced values spanning each group's
+    [min, max]: (q [out, in] int8, scale [out, in / group], offset [out, in / group]) with
+    w ~ q * scale + offset. Asymmetric: the grid covers the group's own range, where a
+    symmetric one spans [-max|w|, max|w|] and leaves part of it unused in a lopsided group;
+    and a group of weights that already sit on a coarser even grid (a GGUF file's Q4_0 or
+    Q4_1 block of 32, whose 16 levels are every 17th of these 256) is kept exactly."""
     out, width = w.shape
     grouped = w.reshape(out, width // group, group)
-    scale = (grouped.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)  # [out, G, 1]
-    q = torch.round(grouped / scale).clamp_(-127, 127).to(torch.int8).reshape(out, width)
-    return q.contiguous(), scale.squeeze(2).contiguous()
+    lo, hi = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)  # [out, G, 1]
+    scale = ((hi - lo) / 255.0).clamp(min=1e-12)
+    steps = torch.round((grouped - lo) / scale).clamp_(0, 255)  # [0, 255]: steps above the group's min
+    q = (steps - 128).to(torch.int8).reshape(out, width)  # int8 codes: the kernels widen signed bytes
+    offset = lo + 128 * scale  # q * scale + offset = lo + steps * scale
+    return q.contiguous(), scale.squeeze(2).contiguous(), offset.squeeze(2).contiguous()
 
 
-def gptq_round(w: torch.Tensor, xtx: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] float32 rounded by GPTQ against H = xtx [in, in]: (q [out, in] int8,
-    scale [out, in / group]). A group's scale is taken from its weights as they stand when
-    its first input is reached (after the errors moved onto them), as RTN takes it."""
+def gptq_round(w: torch.Tensor, xtx: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """w [out, in] float32 rounded by GPTQ against H = xtx [in, in] to symmetric codes:
+    (q [out, in] int8, scale [out, in / group], None: no offsets). A group's scale is taken
+    from its weights as they stand when its first input is reached (after the errors moved
+    onto them)."""
     w = w.clone().float()
     out, width = w.shape
     h = xtx.clone().float()
@@ -146,7 +157,7 @@ def gptq_round(w: torch.Tensor, xtx: torch.Tensor, group: int) -> tuple[torch.Te
             block[:, i:] -= err.unsqueeze(1) * hb[i, i:].unsqueeze(0)
             errors[:, i] = err
         w[:, b1:] -= errors @ hinv[b0:b1, b1:]
-    return q, scales
+    return q, scales, None
 
 
 def quantize_weight_only(model: Transformer, calibration_ids: list[list[int]] | None = None,
@@ -166,9 +177,9 @@ def quantize_weight_only(model: Transformer, calibration_ids: list[list[int]] | 
         p = p.plain()
         w = p.w.float().t()  # [out, in]
         group = group_size(w.shape[1])
-        q, scale = gptq_round(w, xtx[name], group) if name in xtx else rtn_round(w, group)
+        q, scale, offset = gptq_round(w, xtx[name], group) if name in xtx else rtn_round(w, group)
         bias = None if p.b is None else p.b.clone()
-        return WeightOnlyInt8Linear.from_rows(q, scale, bias)
+        return WeightOnlyInt8Linear.from_rows(q, scale, bias, offset)
 
     for i, layer in enumerate(model.layers):
         for name in PROJECTION_NAMES:

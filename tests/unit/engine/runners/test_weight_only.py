@@ -2,7 +2,7 @@
 weights, float32 activations.
 
 The served model is exactly the float model with every projection's weights rounded to
-int8 per group of inputs, so transformers running on weights rounded the same way (here,
+one of 256 levels spanning each group of inputs, so transformers running on weights rounded the same way (here,
 independently) is a reference for the forward pass: greedy tokens (teacher-forced) must
 agree with it, up to float summation order. Against float32 transformers it is checked on
 the tiny seeded models here, on SmolLM2's real weights under the `slow` mark (32 prompts x
@@ -30,10 +30,11 @@ from tritonlm.perf.agreement import reference_continuations, teacher_forced_agre
 
 def rounded_weights(model):
     """A copy of an HF model whose every projection (nn.Linear, GPT-2's Conv1D [in, out]) and
-    LM head holds its weights rounded to int8, one scale per GROUP inputs of an
-    output channel (per channel where the inputs do not split so), back in float32: what
-    int8_weight_only computes with, written independently of the engine. A tied head gets
-    its own rounded copy; the embedding stays float, as in the engine."""
+    LM head holds its weights rounded to the nearest of 256 even steps from the minimum to
+    the maximum of each GROUP inputs of an output channel (of the channel where the inputs
+    do not split so), back in float32: what int8_weight_only computes with, written
+    independently of the engine. A tied head gets its own rounded copy; the embedding stays
+    float, as in the engine."""
     model = copy.deepcopy(model)
     for module in list(model.modules()):
         conv1d = type(module).__name__ == "Conv1D"
@@ -44,8 +45,9 @@ def rounded_weights(model):
         out, width = w.shape
         group = GROUP if width % GROUP == 0 else width
         w = w.reshape(out, width // group, group)
-        scale = (w.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)
-        rounded = (torch.round(w / scale).clamp(-127, 127) * scale).reshape(out, width)
+        low = w.amin(dim=2, keepdim=True)
+        step = ((w.amax(dim=2, keepdim=True) - low) / 255.0).clamp(min=1e-12)
+        rounded = (low + torch.round((w - low) / step) * step).reshape(out, width)
         module.weight = torch.nn.Parameter(rounded.t().contiguous() if conv1d else rounded)
     return model
 
@@ -70,22 +72,25 @@ def test_weight_only_greedy_equals_transformers_on_the_rounded_weights(arch):
     print(f"{arch}: int8_weight_only vs transformers on the same rounded weights {same.fraction:.4f}, "
           f"vs float32 {fp32.fraction:.4f} ({fp32.agreed}/{fp32.total})")
     assert same.fraction >= 0.99
-    assert fp32.fraction >= (0.95 if arch == "gpt2" else 0.88)  # measured 0.965 and 0.910
+    assert fp32.fraction >= (0.96 if arch == "gpt2" else 0.95)  # measured 0.986 and 0.979
 
 
 def test_gptq_rounding_lowers_the_output_error_on_its_calibration_inputs():
-    """gptq_round against rtn_round on a weight whose inputs are correlated (as activations
-    are): the same int8 format (a scale per group of 64 inputs, every value within
-    [-127, 127] x scale), a smaller error of x @ w^T on those inputs, a larger one on the
-    weights themselves (GPTQ trades weight error for output error)."""
+    """gptq_round against nearest rounding to the same symmetric grid (a scale per group of
+    64 inputs, every value within [-127, 127] x scale) on a weight whose inputs are
+    correlated (as activations are): a smaller error of x @ w^T on those inputs, a larger
+    one on the weights themselves (GPTQ trades weight error for output error)."""
     g = torch.Generator().manual_seed(7)
     out, width = 48, 128
     w = torch.randn(out, width, generator=g)
     mix = torch.randn(width, width, generator=g) / width ** 0.5
     x = torch.randn(512, width, generator=g) @ (torch.eye(width) + 2 * mix)  # [N, in], correlated inputs
     results = {}
-    for name, (q, scale) in {"rtn": rtn_round(w, 64), "gptq": gptq_round(w, x.t() @ x, 64)}.items():
+    scale = (w.reshape(out, -1, 64).abs().amax(dim=2) / 127.0).clamp(min=1e-12)  # [out, G]
+    nearest = (torch.round(w / scale.repeat_interleave(64, dim=1)).clamp(-127, 127).to(torch.int8), scale, None)
+    for name, (q, scale, offset) in {"rtn": nearest, "gptq": gptq_round(w, x.t() @ x, 64)}.items():
         assert q.dtype == torch.int8 and q.shape == (out, width) and scale.shape == (out, width // 64)
+        assert offset is None  # symmetric codes
         dq = q.float() * scale.repeat_interleave(64, dim=1)
         results[name] = ((x @ (w - dq).t()).norm().item(), (w - dq).norm().item())
     print(f"output error rtn {results['rtn'][0]:.4f}, gptq {results['gptq'][0]:.4f}; "
@@ -164,12 +169,11 @@ def test_weight_only_without_the_kernels_computes_the_same_function():
 
 @pytest.mark.slow
 def test_smollm2_weight_only_greedy_agreement_with_float32():
-    """SmolLM2's real weights, 32 prompts x 128 tokens, teacher-forced against float32
-    transformers (prompts the weight-only scheme was not tuned on). Issue 37 asks >= 0.99,
-    which this does not reach: 0.981 measured (nearest rounding, a scale per 64 inputs;
-    per output channel 0.975, GPTQ on random tokens 0.983; bfloat16 itself 0.977-0.981).
-    Asserts what it delivers, with room for another CPU's summation order, and that it
-    beats int8's 0.959 on the same check."""
+    """SmolLM2's packaged weights, 32 prompts x 128 tokens, teacher-forced against float32
+    transformers (prompts the weight-only scheme was not tuned on): issue 37 asks >= 0.99.
+    The package's projections come from a Q4_1 GGUF file, whose blocks of 32 rtn_round
+    keeps exactly (docs/configuration.md, "Precision"), so what is left is the rounding of
+    the LM head (the tied embedding, stored finer in the file)."""
     from tritonlm.models.loading import load_model
 
     model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
@@ -178,4 +182,30 @@ def test_smollm2_weight_only_greedy_agreement_with_float32():
     got = teacher_forced_agreement(TorchRunner(model, int8_weight_only=True), prompts, reference)
     print(f"SmolLM2-135M int8_weight_only: {got.agreed}/{got.total} = {got.fraction:.4f} of 32 x 128 greedy tokens agree")
     assert got.total == 32 * 128
-    assert got.fraction >= 0.975
+    assert got.fraction >= 0.99
+
+
+@pytest.mark.parametrize("levels, signed", [(16, False), (16, True), (256, False)], ids=["q4_1", "q4_0", "8-bit"])
+def test_rtn_round_keeps_weights_already_on_an_even_grid_exactly(levels, signed):
+    """Weights that a GGUF file stored as 4-bit blocks of 32 (Q4_1: min + k d, k < 16; Q4_0:
+    (k - 8) d) or on any 256-step grid of their group's range come back from rtn_round to
+    float rounding, where a symmetric grid over [-max|w|, max|w|] rounds them; random
+    weights come back within half a step of their group."""
+    g = torch.Generator().manual_seed(levels)
+    out, width = 24, 4 * GROUP
+    d = torch.rand(out, width // GROUP, 1, generator=g) * 0.01 + 1e-3
+    k = torch.randint(0, levels, (out, width // GROUP, GROUP), generator=g).float()
+    k[..., 0], k[..., 1] = 0, levels - 1  # every block spans its whole grid, as a file's does
+    low = -8 * d if signed else torch.randn(out, width // GROUP, 1, generator=g) * 0.02
+    w = (low + k * d).reshape(out, width)
+    q, scale, offset = rtn_round(w, GROUP)
+    assert q.dtype == torch.int8 and scale.shape == offset.shape == (out, width // GROUP)
+    back = WeightOnlyInt8Linear.from_rows(q, scale, None, offset).dequantized()
+    assert (back - w).abs().max().item() <= 1e-6 * w.abs().max().item()
+    symmetric = (w.reshape(out, -1, GROUP).abs().amax(dim=2, keepdim=True) / 127).repeat_interleave(GROUP, dim=2)
+    sym_back = (torch.round(w / symmetric.reshape(out, width)).clamp(-127, 127) * symmetric.reshape(out, width))
+    assert (sym_back - w).abs().max().item() > 100 * (back - w).abs().max().item()
+    noise = torch.randn(out, width, generator=g)
+    q, scale, offset = rtn_round(noise, GROUP)
+    err = WeightOnlyInt8Linear.from_rows(q, scale, None, offset).dequantized() - noise
+    assert (err.abs() <= scale.repeat_interleave(GROUP, dim=1) * 0.5 + 1e-6).all()
