@@ -4,8 +4,8 @@ scale and offset per group of inputs of each output channel, float32 activations
     calibration_ids(hf_model)  seeded random token ids to calibrate on
     quantize_weight_only(model, calibration_ids=None)
         every projection (and the LM head) to WeightOnlyInt8Linear, in place: each weight
-        to the nearest of 256 levels spanning its group (rtn_round: what `dtype:
-        int8_weight_only` serves), or, given
+        to the nearest level of the better of two grids for its group (rtn_round: what
+        `dtype: int8_weight_only` serves), or, given
         calibration_ids, rounded by GPTQ (gptq_round) against the inputs it saw on them
         (perf/bench_precision.py's `int8_weight_only-gptq` row measures it)
 
@@ -107,19 +107,32 @@ def group_size(width: int) -> int:
 
 
 def rtn_round(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] float32 to the nearest of 256 evenly spaced values spanning each group's
-    [min, max]: (q [out, in] int8, scale [out, in / group], offset [out, in / group]) with
-    w ~ q * scale + offset. Asymmetric: the grid covers the group's own range, where a
-    symmetric one spans [-max|w|, max|w|] and leaves part of it unused in a lopsided group;
-    and a group of weights that already sit on a coarser even grid (a GGUF file's Q4_0 or
-    Q4_1 block of 32, whose 16 levels are every 17th of these 256) is kept exactly."""
+    """w [out, in] float32 to int8 codes per group of inputs: (q [out, in] int8, scale
+    [out, in / group], offset [out, in / group]) with w ~ q * scale + offset. Each group takes
+    the nearer of two grids, by its squared error:
+        asymmetric  256 even steps from the group's minimum to its maximum (q in [-128, 127])
+        symmetric   255 even steps over [-max|w|, max|w|], offset 0 (q in [-127, 127])
+    The asymmetric grid spends no levels outside the group's range, so most groups take it.
+    Weights that already sit on one of these grids come back exactly, which is what a
+    model loaded from a GGUF file holds: a Q8_0 block of 32 (d q, |q| <= 127, d = max|w| /
+    127) is the symmetric grid, and a Q4_1 or Q4_0 block's 16 levels (min + k d, (k - 8) d)
+    are every 17th of the asymmetric one."""
     out, width = w.shape
-    grouped = w.reshape(out, width // group, group)
+    grouped = w.reshape(out, width // group, group)  # [out, G, group]
     lo, hi = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)  # [out, G, 1]
-    scale = ((hi - lo) / 255.0).clamp(min=1e-12)
-    steps = torch.round((grouped - lo) / scale).clamp_(0, 255)  # [0, 255]: steps above the group's min
-    q = (steps - 128).to(torch.int8).reshape(out, width)  # int8 codes: the kernels widen signed bytes
-    offset = lo + 128 * scale  # q * scale + offset = lo + steps * scale
+    a_scale = ((hi - lo) / 255.0).clamp(min=1e-12)
+    a_q = torch.round((grouped - lo) / a_scale).clamp_(0, 255) - 128  # the kernels widen signed bytes
+    a_offset = lo + 128 * a_scale  # q * scale + offset = lo + (q + 128) * scale
+    s_scale = (grouped.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)
+    s_q = torch.round(grouped / s_scale).clamp_(-127, 127)
+
+    def error(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | float) -> torch.Tensor:  # [out, G, 1]
+        return ((q * scale + offset) - grouped).square().sum(dim=2, keepdim=True)  # as the kernels widen them
+
+    symmetric = error(s_q, s_scale, 0.0) <= error(a_q, a_scale, a_offset)  # [out, G, 1]
+    q = torch.where(symmetric, s_q, a_q).to(torch.int8).reshape(out, width)
+    scale = torch.where(symmetric, s_scale, a_scale)
+    offset = torch.where(symmetric, torch.zeros_like(a_offset), a_offset)
     return q.contiguous(), scale.squeeze(2).contiguous(), offset.squeeze(2).contiguous()
 
 

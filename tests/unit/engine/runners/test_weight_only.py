@@ -2,7 +2,7 @@
 weights, float32 activations.
 
 The served model is exactly the float model with every projection's weights rounded to
-one of 256 levels spanning each group of inputs, so transformers running on weights rounded the same way (here,
+the nearest level of a grid per group of inputs, so transformers running on weights rounded the same way (here,
 independently) is a reference for the forward pass: greedy tokens (teacher-forced) must
 agree with it, up to float summation order. Against float32 transformers it is checked on
 the tiny seeded models here, on SmolLM2's real weights under the `slow` mark (32 prompts x
@@ -30,11 +30,11 @@ from tritonlm.perf.agreement import reference_continuations, teacher_forced_agre
 
 def rounded_weights(model):
     """A copy of an HF model whose every projection (nn.Linear, GPT-2's Conv1D [in, out]) and
-    LM head holds its weights rounded to the nearest of 256 even steps from the minimum to
-    the maximum of each GROUP inputs of an output channel (of the channel where the inputs
-    do not split so), back in float32: what int8_weight_only computes with, written
-    independently of the engine. A tied head gets its own rounded copy; the embedding stays
-    float, as in the engine."""
+    LM head holds its weights rounded per GROUP inputs of an output channel (the channel's
+    inputs where they do not split so) to the nearer, by squared error, of 256 even steps
+    from the group's minimum to its maximum and 255 over [-max|w|, max|w|], back in float32:
+    what int8_weight_only computes with, written independently of the engine. A tied head
+    gets its own rounded copy; the embedding stays float, as in the engine."""
     model = copy.deepcopy(model)
     for module in list(model.modules()):
         conv1d = type(module).__name__ == "Conv1D"
@@ -47,7 +47,11 @@ def rounded_weights(model):
         w = w.reshape(out, width // group, group)
         low = w.amin(dim=2, keepdim=True)
         step = ((w.amax(dim=2, keepdim=True) - low) / 255.0).clamp(min=1e-12)
-        rounded = (low + torch.round((w - low) / step) * step).reshape(out, width)
+        shifted = low + torch.round((w - low) / step).clamp(0, 255) * step
+        half = (w.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)
+        centred = torch.round(w / half).clamp(-127, 127) * half
+        nearer = ((centred - w).square().sum(2, keepdim=True) <= (shifted - w).square().sum(2, keepdim=True))
+        rounded = torch.where(nearer, centred, shifted).reshape(out, width)
         module.weight = torch.nn.Parameter(rounded.t().contiguous() if conv1d else rounded)
     return model
 
@@ -72,7 +76,7 @@ def test_weight_only_greedy_equals_transformers_on_the_rounded_weights(arch):
     print(f"{arch}: int8_weight_only vs transformers on the same rounded weights {same.fraction:.4f}, "
           f"vs float32 {fp32.fraction:.4f} ({fp32.agreed}/{fp32.total})")
     assert same.fraction >= 0.99
-    assert fp32.fraction >= (0.96 if arch == "gpt2" else 0.95)  # measured 0.986 and 0.979
+    assert fp32.fraction >= (0.96 if arch == "gpt2" else 0.93)  # measured 0.993 and 0.958
 
 
 def test_gptq_rounding_lowers_the_output_error_on_its_calibration_inputs():
@@ -171,9 +175,9 @@ def test_weight_only_without_the_kernels_computes_the_same_function():
 def test_smollm2_weight_only_greedy_agreement_with_float32():
     """SmolLM2's packaged weights, 32 prompts x 128 tokens, teacher-forced against float32
     transformers (prompts the weight-only scheme was not tuned on): issue 37 asks >= 0.99.
-    The package's projections come from a Q4_1 GGUF file, whose blocks of 32 rtn_round
-    keeps exactly (docs/configuration.md, "Precision"), so what is left is the rounding of
-    the LM head (the tied embedding, stored finer in the file)."""
+    The package is a GGUF file whose projections are Q4_1 blocks of 32 and whose LM head
+    (the tied embedding) is Q8_0: rtn_round keeps both exactly (docs/configuration.md,
+    "Precision"), so what is left is float summation order."""
     from tritonlm.models.loading import load_model
 
     model, tok, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
@@ -185,27 +189,31 @@ def test_smollm2_weight_only_greedy_agreement_with_float32():
     assert got.fraction >= 0.99
 
 
-@pytest.mark.parametrize("levels, signed", [(16, False), (16, True), (256, False)], ids=["q4_1", "q4_0", "8-bit"])
-def test_rtn_round_keeps_weights_already_on_an_even_grid_exactly(levels, signed):
-    """Weights that a GGUF file stored as 4-bit blocks of 32 (Q4_1: min + k d, k < 16; Q4_0:
-    (k - 8) d) or on any 256-step grid of their group's range come back from rtn_round to
-    float rounding, where a symmetric grid over [-max|w|, max|w|] rounds them; random
-    weights come back within half a step of their group."""
-    g = torch.Generator().manual_seed(levels)
+@pytest.mark.parametrize("grid", ["q4_1", "q4_0", "q8_0", "256-steps"])
+def test_rtn_round_keeps_weights_already_on_its_grids_exactly(grid):
+    """Weights that a GGUF file stored in blocks of 32 (Q4_1: min + k d, k < 16; Q4_0:
+    (k - 8) d; Q8_0: d k, |k| <= 127, d = max|w| / 127) or on 256 even steps of their
+    group's range come back from rtn_round to float rounding; random weights come back
+    within half a step of the grid their group took."""
+    g = torch.Generator().manual_seed(len(grid))
     out, width = 24, 4 * GROUP
     d = torch.rand(out, width // GROUP, 1, generator=g) * 0.01 + 1e-3
+    levels = {"q4_1": 16, "q4_0": 16, "q8_0": 255, "256-steps": 256}[grid]
     k = torch.randint(0, levels, (out, width // GROUP, GROUP), generator=g).float()
     k[..., 0], k[..., 1] = 0, levels - 1  # every block spans its whole grid, as a file's does
-    low = -8 * d if signed else torch.randn(out, width // GROUP, 1, generator=g) * 0.02
-    w = (low + k * d).reshape(out, width)
+    if grid == "q4_0":
+        w = (k - 8) * d
+    elif grid == "q8_0":
+        w = (k - 127) * d.half().float()  # a file's scale is float16
+    else:
+        w = torch.randn(out, width // GROUP, 1, generator=g) * 0.02 + k * d
+    w = w.reshape(out, width)
     q, scale, offset = rtn_round(w, GROUP)
     assert q.dtype == torch.int8 and scale.shape == offset.shape == (out, width // GROUP)
     back = WeightOnlyInt8Linear.from_rows(q, scale, None, offset).dequantized()
     assert (back - w).abs().max().item() <= 1e-6 * w.abs().max().item()
-    symmetric = (w.reshape(out, -1, GROUP).abs().amax(dim=2, keepdim=True) / 127).repeat_interleave(GROUP, dim=2)
-    sym_back = (torch.round(w / symmetric.reshape(out, width)).clamp(-127, 127) * symmetric.reshape(out, width))
-    assert (sym_back - w).abs().max().item() > 100 * (back - w).abs().max().item()
     noise = torch.randn(out, width, generator=g)
     q, scale, offset = rtn_round(noise, GROUP)
     err = WeightOnlyInt8Linear.from_rows(q, scale, None, offset).dequantized() - noise
     assert (err.abs() <= scale.repeat_interleave(GROUP, dim=1) * 0.5 + 1e-6).all()
+    assert (offset != 0).float().mean() > 0.5  # on random weights most groups take the asymmetric grid
