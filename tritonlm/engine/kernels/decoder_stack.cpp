@@ -15,7 +15,8 @@
 //                                                   panels (float_panel.cpp's panel_linear)
 //     .add_int8(packed, smooth, bias, reduce_range) one projection, PyTorch's packed int8 weight
 //     .add_w8(panel, scale, offset, bias, out)      one projection, int8 weights in 16-wide output panels
-//                                                   with float activations (weight_only_int8.cpp's w8_linear)
+//                                                   (uint8 codes, float16 scales and offsets) with float
+//                                                   activations (weight_only_int8.cpp's w8_linear)
 //     .add_layer(ln_attn, ln_attn_b, attn_eps, ln_mlp, ln_mlp_b, mlp_eps, rms, act, attn_scale)
 //                                                   closes a layer: the 4 projections added
 //                                                   before it are its qkv, o, gate_up (fc), down;
@@ -94,9 +95,8 @@ struct Ops {
                                       std::string_view, c10::List<std::optional<at::Scalar>>,
                                       std::optional<std::string_view>)>
       linear;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
-                                      std::string_view)>
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&, int64_t, std::string_view)>
       w8_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
       panel_linear;
@@ -122,9 +122,8 @@ struct Ops {
                                 std::string_view, c10::List<std::optional<at::Scalar>>,
                                 std::optional<std::string_view>)>(),
           d.findSchemaOrThrow("tritonlm::w8_linear", "")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
-                                std::string_view)>(),
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const std::optional<at::Tensor>&, int64_t, std::string_view)>(),
           d.findSchemaOrThrow("tritonlm::panel_linear", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>(),
       };
@@ -161,8 +160,8 @@ struct Projection {
   at::Tensor panel;    // float: [P, in, 16] output panels (float_panel.cpp); undefined otherwise
   int64_t out = 0;     // the panel's output channels (float or int8 panels)
   Packed packed;       // int8: PyTorch's packed per-channel weights; null for float
-  at::Tensor w8, w8_scale;  // weight-only int8: [P, in, 16] int8 and [P, groups, 16] float32; undefined otherwise
-  std::optional<at::Tensor> w8_offset;  // weight-only int8's [P, groups, 16] float32 offsets, if any
+  // weight-only int8: codes [P, in, 16] uint8, scales and offsets [P, groups, 16] float16; undefined otherwise
+  at::Tensor w8, w8_scale, w8_offset;
   std::optional<at::Tensor> smooth, bias;
   bool reduce_range = false;
 
@@ -262,13 +261,13 @@ struct DecoderStack : torch::CustomClassHolder {
     add(std::move(p));
   }
 
-  void add_w8(at::Tensor panel, at::Tensor scale, std::optional<at::Tensor> offset, std::optional<at::Tensor> bias,
-              int64_t out) {
-    TORCH_CHECK(panel.device().is_cpu() && panel.scalar_type() == at::kChar && panel.dim() == 3 &&
+  void add_w8(at::Tensor panel, at::Tensor scale, at::Tensor offset, std::optional<at::Tensor> bias, int64_t out) {
+    TORCH_CHECK(panel.device().is_cpu() && panel.scalar_type() == at::kByte && panel.dim() == 3 &&
                     panel.size(2) == 16 && panel.is_contiguous(),
-                "DecoderStack.add_w8: panel must be a contiguous int8 CPU tensor [P, in, 16]");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 3 && scale.size(0) == panel.size(0),
-                "DecoderStack.add_w8: scale must be float32 [", panel.size(0), ", groups, 16]");
+                "DecoderStack.add_w8: panel must be a contiguous uint8 CPU tensor [P, in, 16]");
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(0) == panel.size(0) &&
+                    offset.sizes() == scale.sizes() && offset.scalar_type() == at::kHalf,
+                "DecoderStack.add_w8: scale and offset must be float16 [", panel.size(0), ", groups, 16]");
     Projection p;
     p.w8 = std::move(panel);
     p.out = out;

@@ -1,12 +1,14 @@
-// Weight-only int8 projections (`dtype: int8_weight_only`): int8 weights in 16-wide output
-// panels with a float32 scale and, optionally, a float32 offset per group of consecutive
-// inputs of each output channel, float32 activations.
+// Weight-only int8 projections (`dtype: int8_weight_only`): 8-bit codes in 16-wide output
+// panels with a float16 scale and offset per group of consecutive inputs of each output
+// channel, float32 activations.
 //
-//   w8_linear(x [..., in] f32, panel [P, in, 16] int8, scale [P, G, 16] f32, offset [P, G, 16] f32
-//             or None, bias [out] f32 or None, out, isa) -> y [..., out] f32,
-//       y = x @ (w * s + o)^T + bias, where panel[p, k, j] = w[16 p + j, k], scale[p, g, j] =
-//       s[16 p + j, g] and offset[p, g, j] = o[16 p + j, g] (None: 0), each covering in / G
-//       consecutive inputs (G = 1: one per output channel); zero beyond `out`
+//   w8_linear(x [..., in] f32, panel [P, in, 16] uint8, scale [P, G, 16] f16, offset [P, G, 16] f16,
+//             bias [out] f32 or None, out, isa) -> y [..., out] f32,
+//       y = x @ (q * s + o)^T + bias, where panel[p, k, j] = q[16 p + j, k], scale[p, g, j] =
+//       s[16 p + j, g] and offset[p, g, j] = o[16 p + j, g], each covering in / G consecutive
+//       inputs (G = 1: one per output channel); zero beyond `out`. Codes are unsigned, so one
+//       format holds both grids runners/weight_only.py rounds to (a symmetric group has
+//       o = -128 s); float16 keeps the scales and offsets of a GGUF file's blocks exact.
 //   w8_isas() -> the paths w8_linear can run here, best first ("avx512", "avx2", "scalar")
 //
 // isa: "auto" (the best this CPU has) or one of w8_isas(), so tests can run every path the
@@ -24,10 +26,10 @@
 //
 // Rows (M = x's rows):
 //   M <= kDirectRows  tiles of a few rows x a few panels keep their sums in registers over
-//                     the whole k loop: per group, part = sum over its inputs of x[k] * w[k]
-//                     (fused multiply-adds in k order), then acc = part * s + acc and, with
-//                     offsets, acc = xsum * o + acc (xsum: the row's inputs of the group summed
-//                     in k order, once per call), groups in order, then + bias. Every tile shape sums in that order, so a row's bits
+//                     the whole k loop: per group, part = sum over its inputs of x[k] * q[k]
+//                     (fused multiply-adds in k order), then acc = part * s + acc and
+//                     acc = xsum * o + acc (xsum: the row's inputs of the group summed in k
+//                     order, once per call), groups in order, then + bias. Every tile shape sums in that order, so a row's bits
 //                     do not depend on the other rows of its batch. Threads: torch's team, by
 //                     groups of panels; each panel is read from memory once per call.
 //   M >  kDirectRows  (prefill chunks) compute-bound: the weight is widened once per call into
@@ -35,6 +37,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
@@ -71,7 +74,7 @@ bool compiled(Isa isa) {
       return false;
 #endif
     case Isa::kAvx2:
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
       return true;
 #else
       return false;
@@ -100,11 +103,11 @@ Isa pick_isa(std::string_view asked) {
 }
 
 struct Args {
-  const float* x;       // [rows, in]
-  const int8_t* w;      // [P, in, 16]
-  const float* scale;   // [P, G, 16]
-  const float* offset;  // [P, G, 16] or null
-  const float* xsum;    // [rows, G] each row's inputs summed per group (with offsets), else null
+  const float* x;         // [rows, in]
+  const uint8_t* w;       // [P, in, 16]
+  const at::Half* scale;  // [P, G, 16]
+  const at::Half* offset; // [P, G, 16]
+  const float* xsum;      // [rows, G] each row's inputs summed per group
   const float* bias;    // [out] or null
   float* y;             // [rows, out]
   int64_t in, out, groups, group;  // group = in / groups inputs per scale
@@ -117,10 +120,12 @@ struct Avx512 {
   static constexpr int kVecs = 1;
   static Reg zero() { return _mm512_setzero_ps(); }
   static Reg set1(float v) { return _mm512_set1_ps(v); }
-  static Reg widen(const int8_t* p, int) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  static Reg widen(const uint8_t* p, int) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static Reg load(const float* p, int) { return _mm512_loadu_ps(p); }
+  static Reg load_half(const at::Half* p, int) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static void store_panel(float* y, const Reg* acc, const float* bias, int64_t left) {  // y, bias at the panel's first lane
     const __mmask16 mask = left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
@@ -130,16 +135,18 @@ struct Avx512 {
 };
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct Avx2 {
   using Reg = __m256;
   static constexpr int kVecs = 2;
   static Reg zero() { return _mm256_setzero_ps(); }
   static Reg set1(float v) { return _mm256_set1_ps(v); }
-  static Reg widen(const int8_t* p, int h) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h))));
+  static Reg widen(const uint8_t* p, int h) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h))));
   }
-  static Reg load(const float* p, int h) { return _mm256_loadu_ps(p + 8 * h); }
+  static Reg load_half(const at::Half* p, int h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h)));
+  }
   static Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static void store_panel(float* y, const Reg* acc, const float* bias, int64_t left) {
     alignas(32) float lanes[kLanes];
@@ -161,8 +168,9 @@ inline void tile(const Args& a, int64_t m0, int64_t p0) {
       for (int h = 0; h < W; ++h) acc[i][j][h] = V::zero();
   const int64_t in = a.in, stride = in * kLanes;
   const float* x = a.x + m0 * in;
-  const int8_t* w = a.w + p0 * stride;
-  const float* sc = a.scale + p0 * a.groups * kLanes;
+  const uint8_t* w = a.w + p0 * stride;
+  const at::Half* sc = a.scale + p0 * a.groups * kLanes;
+  const at::Half* off = a.offset + p0 * a.groups * kLanes;
   for (int64_t g = 0; g < a.groups; ++g) {
     Reg part[MB][NP][W];
     for (int i = 0; i < MB; ++i)
@@ -171,9 +179,9 @@ inline void tile(const Args& a, int64_t m0, int64_t p0) {
     for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) {
       Reg wk[NP][W];
       for (int j = 0; j < NP; ++j) {
-        const int8_t* at = w + j * stride + k * kLanes;
-        __builtin_prefetch(at + kPrefetchAhead, 0, 3);  // past the end: a no-op
-        for (int h = 0; h < W; ++h) wk[j][h] = V::widen(at, h);
+        const uint8_t* codes = w + j * stride + k * kLanes;
+        __builtin_prefetch(codes + kPrefetchAhead, 0, 3);  // past the end: a no-op
+        for (int h = 0; h < W; ++h) wk[j][h] = V::widen(codes, h);
       }
       for (int i = 0; i < MB; ++i) {
         const Reg xb = V::set1(x[i * in + k]);
@@ -183,16 +191,13 @@ inline void tile(const Args& a, int64_t m0, int64_t p0) {
     }
     for (int j = 0; j < NP; ++j)
       for (int h = 0; h < W; ++h) {
-        const Reg s = V::load(sc + (j * a.groups + g) * kLanes, h);
-        for (int i = 0; i < MB; ++i) acc[i][j][h] = V::fma(part[i][j][h], s, acc[i][j][h]);
-      }
-    if (a.offset) {
-      for (int j = 0; j < NP; ++j)
-        for (int h = 0; h < W; ++h) {
-          const Reg o = V::load(a.offset + ((p0 + j) * a.groups + g) * kLanes, h);
-          for (int i = 0; i < MB; ++i) acc[i][j][h] = V::fma(V::set1(a.xsum[(m0 + i) * a.groups + g]), o, acc[i][j][h]);
+        const Reg s = V::load_half(sc + (j * a.groups + g) * kLanes, h);
+        const Reg o = V::load_half(off + (j * a.groups + g) * kLanes, h);
+        for (int i = 0; i < MB; ++i) {
+          acc[i][j][h] = V::fma(part[i][j][h], s, acc[i][j][h]);
+          acc[i][j][h] = V::fma(V::set1(a.xsum[(m0 + i) * a.groups + g]), o, acc[i][j][h]);
         }
-    }
+      }
   }
   for (int j = 0; j < NP; ++j) {
     const int64_t n = (p0 + j) * kLanes;
@@ -237,8 +242,9 @@ void panels(const Args& a, int64_t rows, int64_t p0, int64_t p1) {
 // The portable path: the same sums, the same order per output, in plain C++.
 void panels_scalar(const Args& a, int64_t rows, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* w = a.w + p * a.in * kLanes;
-    const float* sc = a.scale + p * a.groups * kLanes;
+    const uint8_t* w = a.w + p * a.in * kLanes;
+    const at::Half* sc = a.scale + p * a.groups * kLanes;
+    const at::Half* off = a.offset + p * a.groups * kLanes;
     for (int64_t m = 0; m < rows; ++m) {
       const float* x = a.x + m * a.in;
       float acc[kLanes] = {};
@@ -246,10 +252,9 @@ void panels_scalar(const Args& a, int64_t rows, int64_t p0, int64_t p1) {
         float part[kLanes] = {};
         for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k)
           for (int64_t j = 0; j < kLanes; ++j) part[j] += x[k] * static_cast<float>(w[k * kLanes + j]);
-        for (int64_t j = 0; j < kLanes; ++j) acc[j] += part[j] * sc[g * kLanes + j];
-        if (a.offset) {
-          const float* o = a.offset + (p * a.groups + g) * kLanes;
-          for (int64_t j = 0; j < kLanes; ++j) acc[j] += a.xsum[m * a.groups + g] * o[j];
+        for (int64_t j = 0; j < kLanes; ++j) {
+          acc[j] += part[j] * static_cast<float>(sc[g * kLanes + j]);
+          acc[j] += a.xsum[m * a.groups + g] * static_cast<float>(off[g * kLanes + j]);
         }
       }
       const int64_t n = p * kLanes;
@@ -267,7 +272,7 @@ PanelKernel kernel_for(Isa isa) {
     case Isa::kAvx512:  // 32 zmm: 2 rows x 4 panels x (sum + group sum), or 6 rows x 2 panels
       return panels<Avx512, 4, 2, 6>;
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     case Isa::kAvx2:  // 16 ymm, two per panel: 1 row x 2 panels, or 2 rows x 1 panel
       return panels<Avx2, 2, 1, 2>;
 #endif
@@ -276,7 +281,7 @@ PanelKernel kernel_for(Isa isa) {
   }
 }
 
-// panel [P, in, 16] int8 * scale [P, G, 16] (+ offset) -> buf [in, out] float32 (x @ buf is the GEMM: each
+// panel [P, in, 16] uint8 * scale [P, G, 16] + offset -> buf [in, out] float32 (x @ buf is the GEMM: each
 // panel's k-th 16 bytes widen to 16 consecutive floats of buf's row k), over torch's thread team
 void dequantize(const Args& a, float* buf) {
   const int64_t P = (a.out + kLanes - 1) / kLanes;
@@ -284,52 +289,43 @@ void dequantize(const Args& a, float* buf) {
     for (int64_t k = lo; k < hi; ++k) {
       float* row = buf + k * a.out;
       for (int64_t p = 0; p < P; ++p) {
-        const int8_t* w = a.w + (p * a.in + k) * kLanes;
-        const int64_t at = (p * a.groups + k / a.group) * kLanes;
-        const float* s = a.scale + at;
+        const uint8_t* w = a.w + (p * a.in + k) * kLanes;
+        const int64_t group_at = (p * a.groups + k / a.group) * kLanes;
+        const at::Half* s = a.scale + group_at;
+        const at::Half* o = a.offset + group_at;
         const int64_t lanes = std::min(kLanes, a.out - p * kLanes);
         float* dst = row + p * kLanes;
-        if (a.offset) {
-          const float* o = a.offset + at;
-          for (int64_t j = 0; j < lanes; ++j) dst[j] = static_cast<float>(w[j]) * s[j] + o[j];
-        } else if (lanes == kLanes) {
-#pragma omp simd
-          for (int64_t j = 0; j < kLanes; ++j) dst[j] = static_cast<float>(w[j]) * s[j];
-        } else {
-          for (int64_t j = 0; j < lanes; ++j) dst[j] = static_cast<float>(w[j]) * s[j];
-        }
+        for (int64_t j = 0; j < lanes; ++j)
+          dst[j] = static_cast<float>(w[j]) * static_cast<float>(s[j]) + static_cast<float>(o[j]);
       }
     }
   });
 }
 
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t out,
+                     const at::Tensor& offset, const std::optional<at::Tensor>& bias, int64_t out,
                      std::string_view isa_asked) {
   const Isa isa = pick_isa(isa_asked);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1,
               "w8_linear: x must be a float32 CPU tensor [..., in]");
-  TORCH_CHECK(panel.device().is_cpu() && panel.scalar_type() == at::kChar && panel.is_contiguous() &&
+  TORCH_CHECK(panel.device().is_cpu() && panel.scalar_type() == at::kByte && panel.is_contiguous() &&
                   panel.dim() == 3 && panel.size(2) == kLanes,
-              "w8_linear: panel must be a contiguous int8 CPU tensor [P, in, 16], not ", panel.scalar_type(), " ",
+              "w8_linear: panel must be a contiguous uint8 CPU tensor [P, in, 16], not ", panel.scalar_type(), " ",
               panel.sizes());
   const int64_t P = panel.size(0), in = panel.size(1);
   TORCH_CHECK(x.size(-1) == in, "w8_linear: x's rows have ", x.size(-1), " values; the panel takes ", in);
   TORCH_CHECK(out > (P - 1) * kLanes && out <= P * kLanes, "w8_linear: ", P, " panels cannot hold out=", out);
-  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kHalf && scale.is_contiguous() &&
                   scale.dim() == 3 && scale.size(0) == P && scale.size(2) == kLanes,
-              "w8_linear: scale must be a contiguous float32 CPU tensor [", P, ", groups, 16], not ", scale.sizes());
+              "w8_linear: scale must be a contiguous float16 CPU tensor [", P, ", groups, 16], not ",
+              scale.scalar_type(), " ", scale.sizes());
   const int64_t groups = scale.size(1);
   TORCH_CHECK(groups > 0 && in % groups == 0, "w8_linear: scale has ", groups, " groups per output; the ", in,
               " inputs do not split into that many equal groups");
-  const float* op = nullptr;
-  if (offset.has_value()) {
-    TORCH_CHECK(offset->device().is_cpu() && offset->scalar_type() == at::kFloat && offset->is_contiguous() &&
-                    offset->sizes() == scale.sizes(),
-                "w8_linear: offset must be a contiguous float32 CPU tensor shaped as scale ", scale.sizes(), ", not ",
-                offset->scalar_type(), " ", offset->sizes());
-    op = offset->data_ptr<float>();
-  }
+  TORCH_CHECK(offset.device().is_cpu() && offset.scalar_type() == at::kHalf && offset.is_contiguous() &&
+                  offset.sizes() == scale.sizes(),
+              "w8_linear: offset must be a contiguous float16 CPU tensor shaped as scale ", scale.sizes(), ", not ",
+              offset.scalar_type(), " ", offset.sizes());
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
@@ -342,8 +338,8 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
   auto sizes = x.sizes().vec();
   sizes.back() = out;
   at::Tensor y = at::empty({rows, out}, x.options());
-  Args a{flat.data_ptr<float>(), panel.data_ptr<int8_t>(), scale.data_ptr<float>(), op, nullptr, bp,
-         y.data_ptr<float>(), in, out, groups, in / groups};
+  Args a{flat.data_ptr<float>(), panel.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
+         offset.data_ptr<at::Half>(), nullptr, bp, y.data_ptr<float>(), in, out, groups, in / groups};
   if (rows > kDirectRows) {
     // widened once per call; the buffer is kept (per thread) so a prefill does not map and
     // fault in fresh pages for every projection
@@ -353,19 +349,17 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     const at::Tensor wf = buf.narrow(0, 0, in * out).view({in, out});
     return (bias ? at::addmm(*bias, flat, wf) : at::mm(flat, wf)).view(sizes);
   }
-  at::Tensor xsum;
-  if (op) {  // sum_k x[k] * (w[k] * s + o) = s * sum_k x[k] w[k] + o * sum_k x[k], per group
-    xsum = at::empty({rows, groups}, x.options());
-    float* xs = xsum.data_ptr<float>();
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* xg = a.x + m * in + g * a.group;
-        float t = 0.0f;
-        for (int64_t k = 0; k < a.group; ++k) t += xg[k];
-        xs[m * groups + g] = t;
-      }
-    a.xsum = xs;
-  }
+  // sum_k x[k] * (q[k] * s + o) = s * sum_k x[k] q[k] + o * sum_k x[k], per group
+  at::Tensor xsum = at::empty({rows, groups}, x.options());
+  float* xs = xsum.data_ptr<float>();
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = a.x + m * in + g * a.group;
+      float t = 0.0f;
+      for (int64_t k = 0; k < a.group; ++k) t += xg[k];
+      xs[m * groups + g] = t;
+    }
+  a.xsum = xs;
   const PanelKernel kernel = kernel_for(isa);
   const int64_t grain = std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(in * kLanes, 1));  // panels per task
   at::parallel_for(0, P, grain, [&](int64_t lo, int64_t hi) { kernel(a, rows, lo, hi); });
@@ -382,7 +376,7 @@ std::vector<std::string> w8_isas() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
-  m.def("w8_linear(Tensor x, Tensor panel, Tensor scale, Tensor? offset, Tensor? bias, int out, str isa) -> Tensor");
+  m.def("w8_linear(Tensor x, Tensor panel, Tensor scale, Tensor offset, Tensor? bias, int out, str isa) -> Tensor");
   m.def("w8_isas() -> str[]", &w8_isas);
 }
 

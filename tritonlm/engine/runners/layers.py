@@ -256,51 +256,47 @@ class Int8Linear(Linear):
 
 @dataclass(eq=False)
 class WeightOnlyInt8Linear(Linear):
-    """int8 weights with float32 scales and offsets, float32 activations (`dtype:
-    int8_weight_only`): y = x @ (w * s + o)^T + b, one scale s and one offset o per group of
-    consecutive inputs of each output channel (G groups of in / G inputs; G = 1: per
-    channel; no offsets: o = 0, symmetric codes). Activations are never quantized, so the
-    only error is the weights' rounding. Stored in 16-wide output panels as PanelLinear's
-    float weights are: panel[p, k, j] = w[16 p + j, k], scale[p, g, j] = s[16 p + j, g] and
-    offset likewise, zero past `out`. With the C++ kernels (`native`) the weights are widened
-    to float inside the matmul (kernels/weight_only_int8.cpp); without them, to a float copy
-    per call. The rounding: runners/weight_only.py."""
+    """8-bit weight codes with float16 scales and offsets, float32 activations (`dtype:
+    int8_weight_only`): y = x @ (q * s + o)^T + b, q in [0, 255], one scale s and one offset o
+    per group of consecutive inputs of each output channel (G groups of in / G inputs; G = 1:
+    per channel). Activations are never quantized, so the only error is the weights'
+    rounding (runners/weight_only.py). Stored in 16-wide output panels as PanelLinear's float
+    weights are: panel[p, k, j] = q[16 p + j, k], scale[p, g, j] = s[16 p + j, g] and offset
+    likewise, zero past `out`. With the C++ kernels (`native`) the codes are widened to float
+    inside the matmul (kernels/weight_only_int8.cpp); without them, to a float copy per call."""
 
-    panel: torch.Tensor  # [P, in, 16] int8
-    scale: torch.Tensor  # [P, G, 16] float32
+    panel: torch.Tensor  # [P, in, 16] uint8
+    scale: torch.Tensor  # [P, G, 16] float16
+    offset: torch.Tensor  # [P, G, 16] float16
     b: torch.Tensor | None  # [out]
     out: int
-    offset: torch.Tensor | None = None  # [P, G, 16] float32; None: symmetric codes
     native: bool = False  # through torch.ops.tritonlm.w8_linear
 
     @staticmethod
-    def _to_panels(rows: torch.Tensor, pad: int) -> torch.Tensor:  # [out, n] -> [P, n, 16]
-        return F.pad(rows, (0, 0, 0, pad)).view(-1, PANEL_LANES, rows.shape[1]).transpose(1, 2).contiguous()
-
-    @staticmethod
-    def from_rows(q: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None,
-                  offset: torch.Tensor | None = None) -> "WeightOnlyInt8Linear":
-        """q [out, in] int8, scale [out, G] float32 and offset [out, G] float32 (or None) into panels."""
+    def from_rows(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                  b: torch.Tensor | None) -> "WeightOnlyInt8Linear":
+        """q [out, in] uint8, scale and offset [out, G] (stored as float16) into panels."""
         out = q.shape[0]
         pad = -(-out // PANEL_LANES) * PANEL_LANES - out
-        to_panels = WeightOnlyInt8Linear._to_panels
-        return WeightOnlyInt8Linear(to_panels(q, pad), to_panels(scale.float(), pad), b, out,
-                                    None if offset is None else to_panels(offset.float(), pad))
 
-    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q [out, in] int8, scale [out, G] float32, offset [out, G] float32 or None): the
-        weights as from_rows took them."""
+        def to_panels(rows: torch.Tensor) -> torch.Tensor:  # [out, n] -> [P, n, 16]
+            return F.pad(rows, (0, 0, 0, pad)).view(-1, PANEL_LANES, rows.shape[1]).transpose(1, 2).contiguous()
+
+        return WeightOnlyInt8Linear(to_panels(q), to_panels(scale.half()), to_panels(offset.half()), b, out)
+
+    def code_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [out, in] uint8, scale [out, G] float16, offset [out, G] float16): the weights as
+        from_rows took them."""
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t.transpose(1, 2).reshape(-1, t.shape[1])[: self.out]
 
-        return rows(self.panel), rows(self.scale), None if self.offset is None else rows(self.offset)
+        return rows(self.panel), rows(self.scale), rows(self.offset)
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32
-        q, scale, offset = self.int8_rows()
+        q, scale, offset = self.code_rows()
         group = q.shape[1] // scale.shape[1]
-        w = q.float() * scale.repeat_interleave(group, dim=1)
-        return w if offset is None else w + offset.repeat_interleave(group, dim=1)
+        return q.float() * scale.float().repeat_interleave(group, dim=1) + offset.float().repeat_interleave(group, dim=1)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.native:

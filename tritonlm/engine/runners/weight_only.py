@@ -1,10 +1,10 @@
-"""Weight-only int8 for a Transformer (`dtype: int8_weight_only`): int8 weights with a float32
-scale and offset per group of inputs of each output channel, float32 activations.
+"""Weight-only int8 for a Transformer (`dtype: int8_weight_only`): 8-bit weight codes with a
+float16 scale and offset per group of inputs of each output channel, float32 activations.
 
     calibration_ids(hf_model)  seeded random token ids to calibrate on
     quantize_weight_only(model, calibration_ids=None)
         every projection (and the LM head) to WeightOnlyInt8Linear, in place: each weight
-        to the nearest level of the better of two grids for its group (rtn_round: what
+        to the nearest level of the best of three grids for its group (rtn_round: what
         `dtype: int8_weight_only` serves), or, given
         calibration_ids, rounded by GPTQ (gptq_round) against the inputs it saw on them
         (perf/bench_precision.py's `int8_weight_only-gptq` row measures it)
@@ -106,41 +106,63 @@ def group_size(width: int) -> int:
     return GROUP if width % GROUP == 0 else width
 
 
+# A float16 scale below its smallest value would be 0 (a group of equal weights)
+MIN_SCALE = 2.0 ** -24
+
+
+def _round_on(grouped: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, high: int):
+    """grouped [out, G, n] to codes of the grid offset + q * scale, q in [0, high], with the
+    float16 scale and offset [out, G, 1] as stored: (q, squared error per group [out, G, 1])."""
+    s, o = scale.float(), offset.float()
+    q = torch.round((grouped - o) / s).clamp_(0, high)
+    return q, ((q * s + o) - grouped).square().sum(dim=2, keepdim=True)
+
+
 def rtn_round(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] float32 to int8 codes per group of inputs: (q [out, in] int8, scale
-    [out, in / group], offset [out, in / group]) with w ~ q * scale + offset. Each group takes
-    the nearer of two grids, by its squared error:
-        asymmetric  256 even steps from the group's minimum to its maximum (q in [-128, 127])
-        symmetric   255 even steps over [-max|w|, max|w|], offset 0 (q in [-127, 127])
-    The asymmetric grid spends no levels outside the group's range, so most groups take it.
-    Weights that already sit on one of these grids come back exactly, which is what a
-    model loaded from a GGUF file holds: a Q8_0 block of 32 (d q, |q| <= 127, d = max|w| /
-    127) is the symmetric grid, and a Q4_1 or Q4_0 block's 16 levels (min + k d, (k - 8) d)
-    are every 17th of the asymmetric one."""
+    """w [out, in] float32 to 8-bit codes per group of inputs: (q [out, in] uint8, scale
+    [out, in / group] float16, offset [out, in / group] float16), w ~ q * scale + offset. Each
+    group takes the nearest, by squared error, of three grids:
+        256 steps  from the group's minimum to its maximum (the finest over its range)
+        240 steps  the same range: every 16th level is a GGUF Q4_1 or Q4_0 block's (min + k d,
+                   (k - 8) d, k < 16) with both of the file's float16 values kept exactly
+        symmetric  255 steps over [-max|w|, max|w|] (offset -128 scale): a Q8_0 block's
+                   (d k, |k| <= 127) exactly
+    Most groups of float weights take the first; a model loaded from a GGUF file's 4- or
+    8-bit blocks of 32 comes back exactly."""
     out, width = w.shape
-    grouped = w.reshape(out, width // group, group)  # [out, G, group]
+    grouped = w.reshape(out, width // group, group)  # [out, G, n]
     lo, hi = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)  # [out, G, 1]
-    a_scale = ((hi - lo) / 255.0).clamp(min=1e-12)
-    a_q = torch.round((grouped - lo) / a_scale).clamp_(0, 255) - 128  # the kernels widen signed bytes
-    a_offset = lo + 128 * a_scale  # q * scale + offset = lo + (q + 128) * scale
-    s_scale = (grouped.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)
-    s_q = torch.round(grouped / s_scale).clamp_(-127, 127)
+    low = lo.half()
+    half_range = (grouped.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=MIN_SCALE).half()
+    grids = [
+        (((hi - lo) / 255.0).clamp(min=MIN_SCALE).half(), low, 255),
+        (((hi - lo) / 240.0).clamp(min=MIN_SCALE).half(), low, 255),
+        (half_range, -128 * half_range, 255),
+    ]
+    rounded = [(_round_on(grouped, s, o, high), s, o) for s, o, high in grids]
+    errors = torch.stack([err for (_, err), _, _ in rounded])  # [3, out, G, 1]
+    best = errors.argmin(dim=0)  # the first of equal errors
+    q = torch.zeros_like(grouped)
+    scale, offset = torch.zeros_like(low), torch.zeros_like(low)
+    for i, ((codes, _), s, o) in enumerate(rounded):
+        take = best == i
+        q = torch.where(take, codes, q)
+        scale, offset = torch.where(take, s, scale), torch.where(take, o, offset)
+    return q.to(torch.uint8).reshape(out, width).contiguous(), scale.squeeze(2).contiguous(), offset.squeeze(2).contiguous()
 
-    def error(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | float) -> torch.Tensor:  # [out, G, 1]
-        return ((q * scale + offset) - grouped).square().sum(dim=2, keepdim=True)  # as the kernels widen them
 
-    symmetric = error(s_q, s_scale, 0.0) <= error(a_q, a_scale, a_offset)  # [out, G, 1]
-    q = torch.where(symmetric, s_q, a_q).to(torch.int8).reshape(out, width)
-    scale = torch.where(symmetric, s_scale, a_scale)
-    offset = torch.where(symmetric, torch.zeros_like(a_offset), a_offset)
-    return q.contiguous(), scale.squeeze(2).contiguous(), offset.squeeze(2).contiguous()
+def symmetric_codes(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes q [out, in] in [-127, 127] with scale [out, G] -> the stored form
+    (q + 128 as uint8, scale and offset -128 scale in float16)."""
+    scale = scale.clamp(min=MIN_SCALE).half()
+    return (q.to(torch.int16) + 128).to(torch.uint8), scale, -128 * scale
 
 
-def gptq_round(w: torch.Tensor, xtx: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+def gptq_round(w: torch.Tensor, xtx: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] float32 rounded by GPTQ against H = xtx [in, in] to symmetric codes:
-    (q [out, in] int8, scale [out, in / group], None: no offsets). A group's scale is taken
-    from its weights as they stand when its first input is reached (after the errors moved
-    onto them)."""
+    (q [out, in] int8, scale [out, in / group]; stored through symmetric_codes). A group's
+    scale is taken from its weights as they stand when its first input is reached (after the
+    errors moved onto them)."""
     w = w.clone().float()
     out, width = w.shape
     h = xtx.clone().float()
@@ -170,7 +192,7 @@ def gptq_round(w: torch.Tensor, xtx: torch.Tensor, group: int) -> tuple[torch.Te
             block[:, i:] -= err.unsqueeze(1) * hb[i, i:].unsqueeze(0)
             errors[:, i] = err
         w[:, b1:] -= errors @ hinv[b0:b1, b1:]
-    return q, scales, None
+    return q, scales
 
 
 def quantize_weight_only(model: Transformer, calibration_ids: list[list[int]] | None = None,
@@ -190,9 +212,9 @@ def quantize_weight_only(model: Transformer, calibration_ids: list[list[int]] | 
         p = p.plain()
         w = p.w.float().t()  # [out, in]
         group = group_size(w.shape[1])
-        q, scale, offset = gptq_round(w, xtx[name], group) if name in xtx else rtn_round(w, group)
+        q, scale, offset = symmetric_codes(*gptq_round(w, xtx[name], group)) if name in xtx else rtn_round(w, group)
         bias = None if p.b is None else p.b.clone()
-        return WeightOnlyInt8Linear.from_rows(q, scale, bias, offset)
+        return WeightOnlyInt8Linear.from_rows(q, scale, offset, bias)
 
     for i, layer in enumerate(model.layers):
         for name in PROJECTION_NAMES:

@@ -31,10 +31,11 @@ from tritonlm.perf.agreement import reference_continuations, teacher_forced_agre
 def rounded_weights(model):
     """A copy of an HF model whose every projection (nn.Linear, GPT-2's Conv1D [in, out]) and
     LM head holds its weights rounded per GROUP inputs of an output channel (the channel's
-    inputs where they do not split so) to the nearer, by squared error, of 256 even steps
-    from the group's minimum to its maximum and 255 over [-max|w|, max|w|], back in float32:
-    what int8_weight_only computes with, written independently of the engine. A tied head
-    gets its own rounded copy; the embedding stays float, as in the engine."""
+    inputs where they do not split so) to the nearest level, with the grid's float16 step
+    and start, of the best by squared error of: 256 or 241 even levels from the group's
+    minimum to its maximum, 255 over [-max|w|, max|w|]; back in float32: what
+    int8_weight_only computes with, written independently of the engine. A tied head gets
+    its own rounded copy; the embedding stays float, as in the engine."""
     model = copy.deepcopy(model)
     for module in list(model.modules()):
         conv1d = type(module).__name__ == "Conv1D"
@@ -45,13 +46,17 @@ def rounded_weights(model):
         out, width = w.shape
         group = GROUP if width % GROUP == 0 else width
         w = w.reshape(out, width // group, group)
-        low = w.amin(dim=2, keepdim=True)
-        step = ((w.amax(dim=2, keepdim=True) - low) / 255.0).clamp(min=1e-12)
-        shifted = low + torch.round((w - low) / step).clamp(0, 255) * step
-        half = (w.abs().amax(dim=2, keepdim=True) / 127.0).clamp(min=1e-12)
-        centred = torch.round(w / half).clamp(-127, 127) * half
-        nearer = ((centred - w).square().sum(2, keepdim=True) <= (shifted - w).square().sum(2, keepdim=True))
-        rounded = torch.where(nearer, centred, shifted).reshape(out, width)
+        low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
+        half = (w.abs().amax(dim=2, keepdim=True) / 127).clamp(min=2.0 ** -24).half().float()
+        best, best_err = None, None
+        for start, step in ((low.half().float(), ((high - low) / 255).clamp(min=2.0 ** -24).half().float()),
+                            (low.half().float(), ((high - low) / 240).clamp(min=2.0 ** -24).half().float()),
+                            (-128 * half, half)):
+            levels = start + torch.round((w - start) / step).clamp(0, 255) * step
+            err = (levels - w).square().sum(2, keepdim=True)
+            best = levels if best is None else torch.where(err < best_err, levels, best)
+            best_err = err if best_err is None else torch.minimum(err, best_err)
+        rounded = best.reshape(out, width)
         module.weight = torch.nn.Parameter(rounded.t().contiguous() if conv1d else rounded)
     return model
 
@@ -67,7 +72,7 @@ def test_weight_only_greedy_equals_transformers_on_the_rounded_weights(arch):
     prompts = prompts[:6]
     runner = TorchRunner(model, int8_weight_only=True)
     t = runner.transformer
-    assert all(isinstance(p, WeightOnlyInt8Linear) and p.panel.dtype == torch.int8 for p in t.projections())
+    assert all(isinstance(p, WeightOnlyInt8Linear) and p.panel.dtype == torch.uint8 for p in t.projections())
     if runner.attention == "paged":
         assert all(p.native for p in t.projections()) and t.decoder_stack is not None
     assert t.weight_bytes() < TorchRunner(model).transformer.weight_bytes()
@@ -76,7 +81,7 @@ def test_weight_only_greedy_equals_transformers_on_the_rounded_weights(arch):
     print(f"{arch}: int8_weight_only vs transformers on the same rounded weights {same.fraction:.4f}, "
           f"vs float32 {fp32.fraction:.4f} ({fp32.agreed}/{fp32.total})")
     assert same.fraction >= 0.99
-    assert fp32.fraction >= (0.96 if arch == "gpt2" else 0.93)  # measured 0.993 and 0.958
+    assert fp32.fraction >= (0.96 if arch == "gpt2" else 0.92)  # measured 0.993 and 0.944
 
 
 def test_gptq_rounding_lowers_the_output_error_on_its_calibration_inputs():
@@ -91,10 +96,10 @@ def test_gptq_rounding_lowers_the_output_error_on_its_calibration_inputs():
     x = torch.randn(512, width, generator=g) @ (torch.eye(width) + 2 * mix)  # [N, in], correlated inputs
     results = {}
     scale = (w.reshape(out, -1, 64).abs().amax(dim=2) / 127.0).clamp(min=1e-12)  # [out, G]
-    nearest = (torch.round(w / scale.repeat_interleave(64, dim=1)).clamp(-127, 127).to(torch.int8), scale, None)
-    for name, (q, scale, offset) in {"rtn": nearest, "gptq": gptq_round(w, x.t() @ x, 64)}.items():
+    nearest = (torch.round(w / scale.repeat_interleave(64, dim=1)).clamp(-127, 127).to(torch.int8), scale)
+    for name, (q, scale) in {"rtn": nearest, "gptq": gptq_round(w, x.t() @ x, 64)}.items():
         assert q.dtype == torch.int8 and q.shape == (out, width) and scale.shape == (out, width // 64)
-        assert offset is None  # symmetric codes
+        assert q.abs().max() <= 127  # symmetric codes
         dq = q.float() * scale.repeat_interleave(64, dim=1)
         results[name] = ((x @ (w - dq).t()).norm().item(), (w - dq).norm().item())
     print(f"output error rtn {results['rtn'][0]:.4f}, gptq {results['gptq'][0]:.4f}; "
@@ -191,29 +196,32 @@ def test_smollm2_weight_only_greedy_agreement_with_float32():
 
 @pytest.mark.parametrize("grid", ["q4_1", "q4_0", "q8_0", "256-steps"])
 def test_rtn_round_keeps_weights_already_on_its_grids_exactly(grid):
-    """Weights that a GGUF file stored in blocks of 32 (Q4_1: min + k d, k < 16; Q4_0:
-    (k - 8) d; Q8_0: d k, |k| <= 127, d = max|w| / 127) or on 256 even steps of their
-    group's range come back from rtn_round to float rounding; random weights come back
-    within half a step of the grid their group took."""
+    """Weights that a GGUF file stored in blocks of 32 with float16 d and min (Q4_1: min + k d,
+    k < 16; Q4_0: (k - 8) d; Q8_0: d k, |k| <= 127, d = max|w| / 127) or on 256 even steps of
+    their group's range come back from rtn_round exactly; random weights come back within
+    half a step of the grid their group took (and the float16 start's rounding)."""
     g = torch.Generator().manual_seed(len(grid))
     out, width = 24, 4 * GROUP
-    d = torch.rand(out, width // GROUP, 1, generator=g) * 0.01 + 1e-3
+    d = (torch.rand(out, width // GROUP, 1, generator=g) * 0.01 + 1e-3).half().float()
     levels = {"q4_1": 16, "q4_0": 16, "q8_0": 255, "256-steps": 256}[grid]
     k = torch.randint(0, levels, (out, width // GROUP, GROUP), generator=g).float()
     k[..., 0], k[..., 1] = 0, levels - 1  # every block spans its whole grid, as a file's does
     if grid == "q4_0":
         w = (k - 8) * d
     elif grid == "q8_0":
-        w = (k - 127) * d.half().float()  # a file's scale is float16
+        w = (k - 127) * d
     else:
-        w = torch.randn(out, width // GROUP, 1, generator=g) * 0.02 + k * d
+        w = (torch.randn(out, width // GROUP, 1, generator=g) * 0.02).half().float() + k * d
     w = w.reshape(out, width)
     q, scale, offset = rtn_round(w, GROUP)
-    assert q.dtype == torch.int8 and scale.shape == offset.shape == (out, width // GROUP)
-    back = WeightOnlyInt8Linear.from_rows(q, scale, None, offset).dequantized()
-    assert (back - w).abs().max().item() <= 1e-6 * w.abs().max().item()
+    assert q.dtype == torch.uint8 and scale.dtype == offset.dtype == torch.float16
+    assert scale.shape == offset.shape == (out, width // GROUP)
+    back = WeightOnlyInt8Linear.from_rows(q, scale, offset, None).dequantized()
+    assert torch.equal(back, w)
     noise = torch.randn(out, width, generator=g)
     q, scale, offset = rtn_round(noise, GROUP)
-    err = WeightOnlyInt8Linear.from_rows(q, scale, None, offset).dequantized() - noise
-    assert (err.abs() <= scale.repeat_interleave(GROUP, dim=1) * 0.5 + 1e-6).all()
-    assert (offset != 0).float().mean() > 0.5  # on random weights most groups take the asymmetric grid
+    err = WeightOnlyInt8Linear.from_rows(q, scale, offset, None).dequantized() - noise
+    step = scale.float().repeat_interleave(GROUP, dim=1)
+    start = offset.float().abs().repeat_interleave(GROUP, dim=1)
+    assert (err.abs() <= step * 0.5 + start * 2.0 ** -11 + 1e-6).all()
+    assert (offset.float() != -128 * scale.float()).float().mean() > 0.5  # most groups took a min-to-max grid
