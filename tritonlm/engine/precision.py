@@ -5,7 +5,7 @@
                                    quantized linear: fbgemm, VNNI where the CPU has it);
                                    activations quantized per call; compute and KV float32.
                                    CPU only.
-    int8_weight_only               weights int8 per output channel, activations float32:
+    int8_weight_only               8-bit weights per group of 32 inputs, activations float32:
                                    the weights are widened to float inside tritonlm's own
                                    matmul kernel (kernels/weight_only_int8.cpp). Closer to
                                    float32's output than int8; CPU only.

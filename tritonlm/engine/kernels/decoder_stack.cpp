@@ -44,6 +44,9 @@
 // attention; delta = proj(a) (+ b); (x, h) as before with the MLP's norm; m = silu_mul(
 // proj(h) + b) or gelu_tanh(proj(h) + b); delta = proj(m) (+ b); at the end x + delta.
 //
+// A stack is one model's, run by one caller at a time (the engine thread): its pinned int8
+// row buffers are shared by every call.
+//
 // decode_step exists because at one row a small model's step is short enough for the Python
 // around the stack (a dozen index tensors, the embedding, RoPE, the head: each op a trip
 // through the interpreter and the dispatcher) to be a visible share of it.

@@ -123,12 +123,14 @@ def rtn_round(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, 
     [out, in / group] float16, offset [out, in / group] float16), w ~ q * scale + offset. Each
     group takes the nearest, by squared error, of three grids:
         256 steps  from the group's minimum to its maximum (the finest over its range)
-        240 steps  the same range: every 16th level is a GGUF Q4_1 or Q4_0 block's (min + k d,
-                   (k - 8) d, k < 16) with both of the file's float16 values kept exactly
-        symmetric  255 steps over [-max|w|, max|w|] (offset -128 scale): a Q8_0 block's
+        240 steps  the same range: every 16th level is a GGUF Q4_1 block's (min + k d, k < 16)
+                   with both of the file's float16 values kept exactly
+        symmetric  steps of max|w| / 127 around 0 (offset -128 scale): a Q8_0 block's
                    (d k, |k| <= 127) exactly
-    Most groups of float weights take the first; a model loaded from a GGUF file's 4- or
-    8-bit blocks of 32 comes back exactly."""
+    Most groups of float weights take the first. A model loaded from a GGUF file's Q4_1 or
+    Q8_0 blocks of 32 comes back exactly (Q4_1 while d >= 2^-10, where d / 16 is a normal
+    float16; a Q4_0 block only where it spans all 16 levels, which llama.cpp's rounding does
+    not ensure)."""
     out, width = w.shape
     grouped = w.reshape(out, width // group, group)  # [out, G, n]
     lo, hi = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)  # [out, G, 1]
@@ -183,7 +185,8 @@ def gptq_round(w: torch.Tensor, xtx: torch.Tensor, group: int) -> tuple[torch.Te
             col = b0 + i
             if col % group == 0:  # the group's scale, from its weights as they stand now
                 ahead = torch.cat([block[:, i:], w[:, b1:]], dim=1)[:, :group]
-                scale = (ahead.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+                # as stored (float16), so the errors carried onward are the stored weights'
+                scale = (ahead.abs().amax(dim=1) / 127.0).clamp(min=MIN_SCALE).half().float()
                 scales[:, col // group] = scale
             x = block[:, i]
             qi = torch.round(x / scale).clamp_(-127, 127)
@@ -211,8 +214,13 @@ def quantize_weight_only(model: Transformer, calibration_ids: list[list[int]] | 
     def convert(name: str, p: Linear) -> WeightOnlyInt8Linear:
         p = p.plain()
         w = p.w.float().t()  # [out, in]
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError(f"int8_weight_only: {name} holds weights that are not finite (NaN or inf)")
         group = group_size(w.shape[1])
         q, scale, offset = symmetric_codes(*gptq_round(w, xtx[name], group)) if name in xtx else rtn_round(w, group)
+        if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(offset).all())):
+            raise ValueError(f"int8_weight_only: {name} holds weights beyond float16's range (|w| > 65504), which "
+                             "its scales and offsets cannot express; serve it as float32")
         bias = None if p.b is None else p.b.clone()
         return WeightOnlyInt8Linear.from_rows(q, scale, offset, bias)
 

@@ -102,6 +102,7 @@ def test_decode_step_refuses_a_position_past_gpt2s_table_as_the_python_path_does
     """GPT-2's learned positions are a hard limit: both paths refuse a step past it with the
     same ValueError, and the pool is left as it was."""
     runner = TorchRunner(build_tiny("tiny-gpt2")[0])
+    assert runner.transformer.decode_step_ready
     runner.lean_decode = lean
     limit = runner.max_positions
     mgr = paged_cache(runner, blocks=limit // 4 + 4)

@@ -194,19 +194,20 @@ def test_smollm2_weight_only_greedy_agreement_with_float32():
     assert got.fraction >= 0.99
 
 
-@pytest.mark.parametrize("grid", ["q4_1", "q4_0", "q8_0", "256-steps"])
+@pytest.mark.parametrize("grid", ["q4_1", "q4_0-full", "q8_0", "256-steps"])
 def test_rtn_round_keeps_weights_already_on_its_grids_exactly(grid):
     """Weights that a GGUF file stored in blocks of 32 with float16 d and min (Q4_1: min + k d,
-    k < 16; Q4_0: (k - 8) d; Q8_0: d k, |k| <= 127, d = max|w| / 127) or on 256 even steps of
-    their group's range come back from rtn_round exactly; random weights come back within
-    half a step of the grid their group took (and the float16 start's rounding)."""
+    k < 16, d >= 2^-10; Q8_0: d k, |k| <= 127, d = max|w| / 127; a Q4_0 block, (k - 8) d, that
+    spans all 16 levels) or on 256 even steps of their group's range come back from rtn_round
+    exactly; random weights come back within half a step of the grid their group took (and
+    the float16 start's rounding)."""
     g = torch.Generator().manual_seed(len(grid))
     out, width = 24, 4 * GROUP
     d = (torch.rand(out, width // GROUP, 1, generator=g) * 0.01 + 1e-3).half().float()
-    levels = {"q4_1": 16, "q4_0": 16, "q8_0": 255, "256-steps": 256}[grid]
+    levels = {"q4_1": 16, "q4_0-full": 16, "q8_0": 255, "256-steps": 256}[grid]
     k = torch.randint(0, levels, (out, width // GROUP, GROUP), generator=g).float()
-    k[..., 0], k[..., 1] = 0, levels - 1  # every block spans its whole grid, as a file's does
-    if grid == "q4_0":
+    k[..., 0], k[..., 1] = 0, levels - 1  # every block spans its whole grid (a Q4_1 or Q8_0 file's do)
+    if grid == "q4_0-full":
         w = (k - 8) * d
     elif grid == "q8_0":
         w = (k - 127) * d
@@ -225,3 +226,14 @@ def test_rtn_round_keeps_weights_already_on_its_grids_exactly(grid):
     start = offset.float().abs().repeat_interleave(GROUP, dim=1)
     assert (err.abs() <= step * 0.5 + start * 2.0 ** -11 + 1e-6).all()
     assert (offset.float() != -128 * scale.float()).float().mean() > 0.5  # most groups took a min-to-max grid
+
+
+@pytest.mark.parametrize("bad, why", [(float("nan"), "not finite"), (-1e6, "beyond float16's range")])
+def test_weight_only_refuses_weights_it_cannot_express_naming_the_projection(bad, why):
+    from tritonlm.engine.runners.model import Transformer
+    from tritonlm.engine.runners.weight_only import quantize_weight_only
+
+    t = Transformer.from_hf(tiny()[0])
+    t.layers[1].down.w[3, 5] = bad  # [in, out]
+    with pytest.raises(ValueError, match=f"int8_weight_only: layers.1.down holds weights .*{why}"):
+        quantize_weight_only(t)
