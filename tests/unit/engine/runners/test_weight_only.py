@@ -233,7 +233,7 @@ def test_weight_only_refuses_weights_it_cannot_express_naming_the_projection(bad
     from tritonlm.engine.runners.model import Transformer
     from tritonlm.engine.runners.weight_only import quantize_weight_only
 
-    t = Transformer.from_hf(tiny()[0])
+    t = Transformer.from_hf(copy.deepcopy(tiny()[0]))  # its weights are the HF model's tensors: not the shared one
     t.layers[1].down.w[3, 5] = bad  # [in, out]
     with pytest.raises(ValueError, match=f"int8_weight_only: layers.1.down holds weights .*{why}"):
         quantize_weight_only(t)
