@@ -582,7 +582,10 @@ def test_nvidia_frontend_tensors_are_served(triton_server):
     for stream in (False, True):
         pieces, final = replay(triton_server, nvidia_inputs(prompt, NVIDIA_COMPLETION, stream))
         assert "".join(pieces) == ref
-        assert len(pieces) == 1 if not stream else len(pieces) > 1  # non-streamed: one response, as the frontend checks
+        # non-streamed: one response, as the frontend checks; streamed: as many as the response
+        # thread's sends kept up with the steps (events that queue behind a send go out as one), so
+        # no count; one event per token is checked without the thread (tests/unit/engine/test_detok.py)
+        assert len(pieces) == 1 if not stream else len(pieces) >= 1
         assert final["finish_reason"] == b"length" and int(final["num_output_tokens"]) == 12
         assert int(final["num_input_tokens"]) == len(tiny()[1](prompt).input_ids)
     pieces, _ = replay(triton_server, nvidia_inputs(prompt, NVIDIA_COMPLETION, False, echo=True))
