@@ -34,7 +34,8 @@ Per row count, after one warm-up round, --repeat times:
            so the split's total is a bit above the plain run's.
 
     .venv/bin/python perf/bench_engine_overhead.py [--rows 1,32,128,256] [--tokens 64]
-        [--tokens-one-row 200] [--repeat 2] [--threads N] [--no-stream] [--out DIR]
+        [--tokens-one-row 200] [--repeat 2] [--threads N] [--no-stream] [--decode native|python]
+        [--out DIR]
 
 Prints the host, then the tables with the goals beside them; writes
 bench_engine_overhead.csv and bench_engine_overhead.png (the phase split) under

@@ -121,6 +121,8 @@ class Transformer:
     # CUDA: decode steps whose batch brings block tables read the pool in place through the
     # Triton kernel (layers.decode_attention) instead of gathering K/V (use_decode_kernel)
     decode_kernel: bool = False
+    _ends_of: object | None = field(default=None, repr=False)  # the stack decode_step_ready last asked
+    _has_ends: bool = field(default=False, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -415,8 +417,14 @@ class Transformer:
 
     @property
     def decode_step_ready(self) -> bool:
-        """The whole model is in the C++ decoder stack, ends included: decode_step can run."""
-        return self.decoder_stack is not None and bool(self.decoder_stack.has_ends())
+        """The whole model is in the C++ decoder stack, ends included: decode_step can run.
+        Asked every decode step, so the stack's answer is kept until the stack changes."""
+        stack = self.decoder_stack
+        if stack is None:
+            return False
+        if self._ends_of is not stack:
+            self._ends_of, self._has_ends = stack, bool(stack.has_ends())
+        return self._has_ends
 
     @torch.inference_mode()
     def decode_step(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
