@@ -15,9 +15,9 @@ delivered by the engine thread itself, to a callback that only keeps the token i
 
 Per row count, after one warm-up round, --repeat times:
   plain    the engine as it is: wall and CPU (time.process_time, every thread of the
-           process) per generated token, wall per step, and how many cores' worth of CPU
-           other processes took on our cores meanwhile (cpu_cores.CoreWatch): a run
-           where that is well above 0 measured the neighbours as much as the engine
+           process) per generated token, wall per step, and how many cores' worth of time
+           this process's threads spent waiting for a core meanwhile (cpu_cores.CoreWatch):
+           a run where that is well above 0 measured the neighbours as much as the engine
   split    the same round again with timing wrappers on the bound methods of the engine's
            component instances (instance attributes shadow the class methods; nothing in
            the engine's code changes) and on runners.torch_runner.plan_step:
@@ -191,13 +191,14 @@ def run_round(engine: Engine, rows: int, tokens: int, stream: bool, split: bool)
     steps0, tokens0 = engine.stats.steps, engine.stats.tokens_generated
     times = PhaseTimes()
     gc.collect()
-    watch = CoreWatch()  # other processes on our cores make a run slower than the engine is
+    # every thread of this process: the engine steps on this thread, not on a named compute thread
+    watch = CoreWatch(thread_name=None)  # waiting for a core makes a run slower than the engine is
     with Wrapped(engine, seqs, times) if split else contextlib.nullcontext():
         c0, t0 = time.process_time(), time.perf_counter()
         while engine.has_work() or engine._inbox:
             engine.step()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        foreign = watch.foreign_cores()
+        foreign = watch.lost_cores()
     steps, made = engine.stats.steps - steps0, engine.stats.tokens_generated - tokens0
     if made != rows * tokens or any(c != tokens for c in counts):
         raise SystemExit(f"{rows} rows: expected {tokens} tokens each, got {made} in all, per row {sorted(set(counts))}")

@@ -2,20 +2,28 @@
 
 Two limits are read once, at load:
     affinity   os.sched_getaffinity (taskset, a cpuset, Kubernetes' static CPU manager)
-    quota      the CFS bandwidth limit of this process's cgroup and its ancestors: cgroup v2
-               `cpu.max` ("QUOTA PERIOD" or "max PERIOD"), v1 `cpu.cfs_quota_us` /
-               `cpu.cfs_period_us` (-1: none). A Kubernetes CPU limit is such a quota.
+    quota      the CFS bandwidth limit of this process's cgroup and its ancestors
+               (tritonlm/engine/cgroup_cpu.py; a Kubernetes CPU limit is such a quota)
 torch's OpenMP pool follows the affinity mask but not the quota, and `os.cpu_count()`
 follows neither, so a pod limited to 2 CPUs on a 64-core node would start 64 threads that
 are throttled together. `usable_cores()` is the smaller of the two.
 
-A third limit changes while serving: another process busy on one of our cores. An OpenMP
-team waits for its slowest thread at every parallel op; when one of them is off its core
-the rest spin, and a step made of hundreds of such ops stalls (docs/benchmarks.md, "A
-shared CPU"). `CoreWatch` measures, from /proc/stat,
-the CPU time on our cores that went to other processes, and `thread_count()` turns the
-cores left over into a thread count; the engine applies it between steps
-(`ThreadGovernor`). One compute thread per core left, never more than the load-time count.
+While serving, the team can get fewer cores than that. An OpenMP team waits for its
+slowest thread at every parallel op; when one of them is off its core the rest spin, and a
+step made of hundreds of such ops stalls (docs/benchmarks.md, "A shared CPU"). `CoreWatch`
+measures, for this process and not for the node, the two ways a team loses cores:
+    throttled  where a quota applies, the cgroup's own throttled time (cpu.stat) per second
+               of wall time: about how many cores' worth of runnable work it had beyond
+               the quota, whatever the rest of the node does
+    waiting    the compute threads' run-queue wait (schedstat, tritonlm/engine/schedstat.py)
+               per second: the time they were runnable while something else held the core.
+               A neighbour counts only as far as it makes them wait: a niced or idle-class
+               process that yields, or one busy on CPUs the scheduler does not put them
+               on, costs nothing and is not counted
+Busy time on the node's CPUs says neither: with a 4-core quota on a 64-core node the node
+can be full while the pod runs free, or quiet while the pod is throttled. `thread_count()`
+turns the cores lost into a team size, and the engine applies it between steps
+(`ThreadGovernor`). Never more threads than the load-time count.
 """
 
 from __future__ import annotations
@@ -27,9 +35,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tritonlm.engine.cgroup_cpu import Quota, cgroup_quota_cores, cgroup_quotas, throttled_s
+from tritonlm.engine.schedstat import TASKS, threads_named
+from tritonlm.engine.threads import ENGINE_THREAD, OS_NAME_BYTES
+
 log = logging.getLogger(__name__)
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+COMPUTE_THREAD = ENGINE_THREAD[:OS_NAME_BYTES]  # the compute thread's OS name; its OpenMP workers inherit it
 
 
 @dataclass(frozen=True)
@@ -52,61 +64,6 @@ def affinity_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def _cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
-    """(the v2 path, the v1 `cpu` controller's path) from /proc/self/cgroup."""
-    v2 = v1 = None
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None, None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            v2 = path
-        elif "cpu" in controllers.split(","):
-            v1 = path
-    return v2, v1
-
-
-def _ancestors(base: Path, path: str) -> list[Path]:
-    """base/path and each folder above it up to base: a limit anywhere on the way applies."""
-    parts = [p for p in path.split("/") if p]
-    return [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
-def cgroup_quota_cores(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
-    """The tightest CFS quota over this process's cgroup and its ancestors, in cores; None
-    where there is none (or no cgroup file system to read)."""
-    v2, v1 = _cgroup_paths(proc_cgroup)
-    limits: list[float] = []
-    if v2 is not None:
-        for folder in _ancestors(root, v2):
-            text = _read(folder / "cpu.max")
-            if text:
-                quota, _, period = text.partition(" ")
-                if quota != "max" and period:
-                    limits.append(int(quota) / int(period))
-    if v1 is not None:
-        # the controller is mounted as cpu, cpu,cpuacct or cpuacct,cpu; inside a container
-        # the mount's top is the container's own group, so the host path may not exist
-        for mount in (root / "cpu", root / "cpu,cpuacct", root / "cpuacct,cpu"):
-            for folder in _ancestors(mount, v1) + [mount]:
-                quota, period = _read(folder / "cpu.cfs_quota_us"), _read(folder / "cpu.cfs_period_us")
-                if quota and period and int(quota) > 0 and int(period) > 0:
-                    limits.append(int(quota) / int(period))
-    return min(limits) if limits else None
-
-
 def usable_cores(cpus: list[int] | None = None, quota: float | None = None, read_quota: bool = True) -> CoreBudget:
     """The affinity mask's CPU count, capped by the cgroup quota; says which one decided."""
     cpus = affinity_cpus() if cpus is None else cpus
@@ -122,114 +79,151 @@ def usable_cores(cpus: list[int] | None = None, quota: float | None = None, read
 
 # ---------------------------------------------------------------------------- while serving
 
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (steal: the hypervisor took it)
-_IDLE_FIELDS = (3, 4)  # idle iowait
+LOST_FROM = 0.5  # share of a core the team must lose before that core counts as gone
 
 
-def read_cpu_times(cpus: list[int], stat: Path = Path("/proc/stat")) -> tuple[float, float] | None:
-    """(busy, idle) seconds summed over `cpus` since boot; None where /proc/stat is missing."""
-    text = _read(stat)
-    if text is None:
-        return None
-    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    wanted = {f"cpu{c}" for c in cpus}
-    busy = idle = 0
-    for line in text.splitlines():
-        name, _, rest = line.partition(" ")
-        if name in wanted:
-            ticks = [int(v) for v in rest.split()]
-            busy += sum(ticks[i] for i in _BUSY_FIELDS if i < len(ticks))
-            idle += sum(ticks[i] for i in _IDLE_FIELDS if i < len(ticks))
-    return busy / hz, idle / hz
+@dataclass(frozen=True)
+class CoreReading:
+    """One window of `window_s` seconds, in cores' worth (seconds per second of wall time)."""
+
+    window_s: float
+    waiting: float  # the compute threads' run-queue wait
+    throttled: float  # the most any group with a quota on our path stood throttled
+
+    @property
+    def lost(self) -> float:
+        """Cores the team did not get. The larger of the two, not their sum: where the kernel
+        keeps a throttled thread on its run queue, its throttled time is wait as well."""
+        return max(self.waiting, self.throttled)
 
 
 class CoreWatch:
-    """How many of our cores other processes took over the last interval.
+    """How many cores the compute threads lost over the last interval, to waiting for a
+    core and to the cgroup's quota.
 
-    foreign = CPU time spent on our cores - this process's own CPU time, per second of wall
-    time. Our own threads spinning at a barrier keep other processes off our cores only as
-    far as the scheduler lets them, so a neighbour that wants a whole core shows up as most
-    of one."""
+    thread_name: the OS name of the threads whose waits count (the compute thread and the
+    OpenMP workers it started); None counts every thread of the process. quotas: the
+    groups whose throttling counts (read from /proc/self/cgroup when None)."""
 
-    def __init__(self, cpus: list[int] | None = None, clock=time.monotonic, own_cpu=time.process_time,
-                 cpu_times=read_cpu_times):
-        self.cpus = affinity_cpus() if cpus is None else cpus
-        self._clock, self._own, self._times = clock, own_cpu, cpu_times
-        self._last = self._sample()
+    def __init__(self, quotas: list[Quota] | None = None, thread_name: str | None = COMPUTE_THREAD,
+                 tasks: Path = TASKS, clock=time.monotonic):
+        self.quotas = cgroup_quotas() if quotas is None else quotas
+        self.thread_name, self.tasks, self._clock = thread_name, tasks, clock
+        self._t = clock()
+        self._waits = self._read_waits()
+        self._throttled = [throttled_s(q.stat) for q in self.quotas]
 
-    def _sample(self) -> tuple[float, float, float] | None:
-        times = self._times(self.cpus)
-        return None if times is None else (self._clock(), self._own(), times[0])
+    def _read_waits(self) -> dict[int, int]:
+        return {tid: s.waiting_ns for tid, s in threads_named(self.thread_name, self.tasks).items()}
 
-    def foreign_cores(self) -> float | None:
-        """Cores' worth of our CPUs used by other processes since the last call; None when
-        /proc/stat cannot be read or no time has passed."""
-        now = self._sample()
-        last, self._last = self._last, now
-        if now is None or last is None or now[0] <= last[0]:
+    def reading(self) -> CoreReading | None:
+        """Since the last call (or since it was made); None when no time has passed."""
+        now, waits = self._clock(), self._read_waits()
+        throttled = [throttled_s(q.stat) for q in self.quotas]
+        last_t, last_waits, last_throttled = self._t, self._waits, self._throttled
+        self._t, self._waits, self._throttled = now, waits, throttled
+        wall = now - last_t
+        if wall <= 0:
             return None
-        wall = now[0] - last[0]
-        foreign = (now[2] - last[2]) - (now[1] - last[1])
-        return min(float(len(self.cpus)), max(0.0, foreign / wall))
+        # a thread first seen now started during the window (a team grows by new workers);
+        # one that ended took its counters with it and is left out
+        waited_ns = sum(max(0, ns - last_waits.get(tid, 0)) for tid, ns in waits.items())
+        over = [max(0.0, b - a) for a, b in zip(last_throttled, throttled) if a is not None and b is not None]
+        return CoreReading(wall, waited_ns / 1e9 / wall, max(over, default=0.0) / wall)
+
+    def lost_cores(self) -> float | None:
+        """The cores lost since the last call as one number (CoreReading.lost)."""
+        reading = self.reading()
+        return None if reading is None else reading.lost
 
 
-def thread_count(cores: int, foreign: float, most: int) -> int:
-    """One thread per core that other processes leave free; a core counts as free while at
-    most half of it is taken (the server's own other processes and the tick accounting take
-    a few tenths on a quiet host; a neighbour that wants a core shows up as most of one)."""
-    return max(1, min(most, math.floor(cores - foreign + 0.5 + 1e-9)))
+def cores_lost(lost: float) -> int:
+    """Whole cores in `lost` cores' worth: a core counts once half of it is lost. A neighbour
+    that holds a core keeps a thread of the team waiting for most of the window; the
+    server's own threads waking on the team's cores on a quiet host cost a fraction of
+    that, and must not shrink the team."""
+    return max(0, math.floor(lost + 1 - LOST_FROM + 1e-9))
+
+
+def thread_count(current: int, lost: float, most: int) -> int:
+    """The team that fits the cores left: `current` threads less each core lost; at least
+    one thread, never more than `most`."""
+    return max(1, min(most, current - cores_lost(lost)))
 
 
 class ThreadGovernor:
-    """Keeps the compute thread's OpenMP team at the cores other processes leave free.
+    """Keeps the compute thread's OpenMP team at the cores it actually gets.
 
     tick() runs on the compute thread between steps (the team belongs to the thread that
-    runs the parallel ops); it is a clock read except every `interval_s`, when it reads
-    /proc/stat. The two directions are not alike: a team one thread too large for its
-    cores stalls at every op, one thread too small loses at most that thread's share. So
-    one reading lowers the team, and only `grow_after` readings in a row raise it, so a
-    neighbour that pauses for a moment does not bring the stalls back. The engine says how
-    long it was idle before this step: after an idle spell longer than the interval, the
-    reading starts afresh, since one over idle time says nothing about now. (A long gap
-    between ticks is not idleness: a starved step can take seconds, and that is when a
-    reading matters most.)"""
+    runs the parallel ops); it is a clock read except every `interval_s`, when it takes a
+    CoreWatch reading. A reading that shows cores lost lowers the team at once: a team one
+    thread too large for its cores stalls at every op, one thread too small loses at most
+    that thread's share.
+
+    Raising needs a probe: once the team is small enough its threads stop waiting, so a
+    reading cannot tell a neighbour that left from one still there. After `grow_after`
+    readings in a row with nothing lost the team grows by one thread, on trial for the next
+    `grow_after` readings. A trial that ends in a lowering doubles the calm readings the
+    next probe waits for (up to `grow_after * max_backoff`), so a neighbour that stays
+    costs one short stalled window now and then; a trial that holds brings the wait back
+    to `grow_after`. The engine says how long it was idle before this step: after an idle
+    spell longer than the interval, the reading starts afresh, since one over idle time
+    says nothing about now. (A long gap between ticks is not idleness: a starved step can
+    take seconds, and that is when a reading matters most.)"""
 
     def __init__(self, most: int, set_threads, watch: CoreWatch | None = None, interval_s: float = 0.25,
-                 grow_after: int = 4, clock=time.monotonic):
+                 grow_after: int = 4, max_backoff: int = 32, clock=time.monotonic):
         self.most, self.current = most, most
         self.set_threads = set_threads  # applies a count; called on the thread that ticks
         self.watch = watch or CoreWatch()
         self.interval_s, self.grow_after = interval_s, grow_after
+        self.most_calm = grow_after * max_backoff
         self._clock = clock
         self._next = clock() + interval_s
-        self._grow_votes = 0
+        self._calm = 0  # readings in a row with nothing lost
+        self._needed = grow_after  # calm readings the next probe waits for
+        self._trial = 0  # readings left before the last raise counts as holding
         self.changes = 0
 
     def tick(self, idle_s: float = 0.0) -> None:
         """Before a step; idle_s: how long the loop waited for work before it."""
+        if self.most <= 1:  # one thread is the least a team can have: nothing to decide
+            return
         now = self._clock()
         if idle_s > self.interval_s:
-            self.watch.foreign_cores()  # a fresh reading from now
+            self.watch.reading()  # a fresh reading from now
             self._next = now + self.interval_s
             return
         if now < self._next:
             return
         self._next = now + self.interval_s
-        foreign = self.watch.foreign_cores()
-        if foreign is None:
+        reading = self.watch.reading()
+        if reading is None:
             return
-        want = thread_count(len(self.watch.cpus), foreign, self.most)
-        if want > self.current:
-            self._grow_votes += 1
-            if self._grow_votes < self.grow_after:
-                return
-        self._grow_votes = 0
-        if want == self.current:
+        if cores_lost(reading.lost):
+            if self._trial:  # the probe found the cores still taken: wait longer for the next
+                self._needed = min(self._needed * 2, self.most_calm)
+            self._trial = self._calm = 0
+            want = thread_count(self.current, reading.lost, self.most)
+            if want < self.current:
+                self._apply(want, f"lost {reading.lost:.2f} cores' worth over {reading.window_s:.2f} s "
+                                  f"(run-queue wait {reading.waiting:.2f}, cgroup throttled {reading.throttled:.2f})")
             return
-        log.info("compute threads %d -> %d: other processes took %.1f of %d cores",
-                 self.current, want, foreign, len(self.watch.cpus))
-        self.set_threads(want)
-        self.current = want
+        if self._trial:
+            self._trial -= 1
+            if not self._trial:
+                self._needed = self.grow_after
+        if self.current >= self.most:
+            return
+        self._calm += 1
+        if self._calm >= self._needed:
+            self._calm, self._trial = 0, self.grow_after
+            self._apply(self.current + 1, f"nothing lost for {self._needed} readings")
+
+    def _apply(self, threads: int, why: str) -> None:
+        log.info("compute threads %d -> %d: %s", self.current, threads, why)
+        self.set_threads(threads)
+        self.current = threads
         self.changes += 1
 
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tritonlm.engine.schedstat import read_schedstat
 from tritonlm.engine.threads import ENGINE_THREAD, EVENTS_THREAD, OS_NAME_BYTES
 from tritonlm.perf.serverstats import process_tree
 
@@ -52,12 +53,11 @@ class _Process:
 def _thread_cpu_s(task: Path) -> float:
     fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
     ticks_s = (int(fields[11]) + int(fields[12])) * TICK_S  # utime + stime
-    try:  # nanoseconds on a CPU, finer than ticks (CONFIG_SCHED_INFO; older kernels print 0
-        # there when schedstats and delay accounting are both off)
-        ns = int((task / "schedstat").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+    stat = read_schedstat(task)  # nanoseconds on a CPU, finer than ticks
+    if stat is None:
         return ticks_s
-    return ns / 1e9 if ns > 0 or ticks_s == 0 else ticks_s
+    # older kernels print 0 there when schedstats and delay accounting are both off
+    return stat.on_cpu_ns / 1e9 if stat.on_cpu_ns > 0 or ticks_s == 0 else ticks_s
 
 
 def _read_process(pid: int) -> _Process | None:

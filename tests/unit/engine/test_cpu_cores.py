@@ -1,24 +1,28 @@
-"""tritonlm/engine/cpu_cores.py: the cores a process may use (affinity, cgroup v1/v2 quotas,
-split over instances and ranks), the neighbours' share measured from /proc/stat, and the
-governor that sizes the compute thread's team from it."""
+"""tritonlm/engine/cpu_cores.py, cgroup_cpu.py and schedstat.py: the cores a process may use
+(affinity, cgroup v1/v2 quotas, split over instances and ranks), the cores its compute
+threads lose while serving (its cgroup's throttling, their run-queue wait), and the governor
+that sizes the compute thread's team from that. A temp folder stands in for /sys/fs/cgroup
+and /proc/self/task."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from tritonlm.engine.cgroup_cpu import Quota, cgroup_quota_cores, cgroup_quotas, throttled_s
 from tritonlm.engine.cpu_cores import (
+    COMPUTE_THREAD,
     CoreBudget,
     CoreWatch,
     ThreadGovernor,
-    cgroup_quota_cores,
     instances_in_config,
-    read_cpu_times,
     thread_count,
     usable_cores,
 )
+from tritonlm.engine.schedstat import read_schedstat, threads_named
 
 
 def write(path: Path, text: str) -> None:
@@ -98,122 +102,283 @@ def test_instances_in_a_triton_config():
                                                    {"kind": "KIND_CPU", "count": 1}]}) == 5
 
 
-def test_cpu_times_sum_only_the_listed_cpus(tmp_path):
-    stat = tmp_path / "stat"
-    hz = os.sysconf("SC_CLK_TCK")
-    stat.write_text(
-        "cpu  999 0 999 999 0 0 0 0 0 0\n"
-        f"cpu0 {hz} 0 {hz} {3 * hz} {hz} 0 0 0 0 0\n"  # 2 s busy, 4 s idle (iowait counts idle)
-        f"cpu1 {5 * hz} 0 0 0 0 0 0 {hz} 0 0\n"  # 6 s busy, steal included
-        "intr 12345\n"
-    )
-    assert read_cpu_times([0], stat) == (2.0, 4.0)
-    assert read_cpu_times([0, 1], stat) == (8.0, 4.0)
-    assert read_cpu_times([0], tmp_path / "missing") is None
+def test_each_quota_on_the_way_keeps_its_throttling_beside_it(tmp_path):
+    root, proc = v2_host(tmp_path, "/kubepods/pod1/ctr", {
+        "kubepods": "max 100000",
+        "kubepods/pod1": "200000 100000",
+        "kubepods/pod1/ctr": "400000 100000",
+    })
+    assert cgroup_quotas(root, proc) == [Quota(4.0, root / "kubepods/pod1/ctr/cpu.stat"),
+                                         Quota(2.0, root / "kubepods/pod1/cpu.stat")]
+    v1_root, v1_proc = tmp_path / "v1", tmp_path / "v1_cgroup"
+    v1_proc.write_text("4:cpu,cpuacct:/docker/abc\n")
+    write(v1_root / "cpu,cpuacct" / "cpu.cfs_quota_us", "100000\n")
+    write(v1_root / "cpu,cpuacct" / "cpu.cfs_period_us", "100000\n")
+    assert cgroup_quotas(v1_root, v1_proc) == [Quota(1.0, v1_root / "cpu,cpuacct" / "cpu.stat")]
 
 
-class FakeHost:
-    """A clock, this process's CPU time and the busy time of its cores, moved by hand."""
+def test_throttled_time_in_v2_and_v1_cpu_stat(tmp_path):
+    v2 = tmp_path / "v2.stat"
+    v2.write_text("usage_usec 9000000\nuser_usec 8000000\nsystem_usec 1000000\n"
+                  "nr_periods 40\nnr_throttled 12\nthrottled_usec 1500000\n")
+    assert throttled_s(v2) == pytest.approx(1.5)
+    v1 = tmp_path / "v1.stat"
+    v1.write_text("nr_periods 40\nnr_throttled 12\nthrottled_time 2500000000\nnr_bursts 0\nburst_time 0\n")
+    assert throttled_s(v1) == pytest.approx(2.5)
+    assert throttled_s(tmp_path / "missing") is None
+    no_bandwidth = tmp_path / "bare.stat"  # v2 without the cpu controller enabled: usage only
+    no_bandwidth.write_text("usage_usec 1\nuser_usec 1\nsystem_usec 0\n")
+    assert throttled_s(no_bandwidth) is None
 
-    def __init__(self):
-        self.now = self.own = self.busy = 0.0
 
-    def advance(self, seconds: float, own_cores: float, foreign_cores: float) -> None:
+def test_schedstat_of_the_threads_with_a_name(tmp_path):
+    tasks = tmp_path / "task"
+    write(tasks / "7" / "comm", f"{COMPUTE_THREAD}\n")
+    write(tasks / "7" / "schedstat", "5000 300 12\n")
+    write(tasks / "8" / "comm", "triton_python_b\n")
+    write(tasks / "8" / "schedstat", "9000 700 3\n")
+    write(tasks / "9" / "comm", f"{COMPUTE_THREAD}\n")  # ended between the listing and the read
+    assert read_schedstat(tasks / "7").waiting_ns == 300
+    assert read_schedstat(tasks / "9") is None
+    assert {tid: s.waiting_ns for tid, s in threads_named(COMPUTE_THREAD, tasks).items()} == {7: 300}
+    assert set(threads_named(None, tasks)) == {7, 8}
+    assert threads_named(COMPUTE_THREAD, tmp_path / "missing") == {}
+
+
+def test_this_process_has_schedstat():
+    """The real file: a running thread's time on a CPU is counted (Linux with schedstat)."""
+    if not Path("/proc/self/task").exists():
+        pytest.skip("no /proc/self/task: not Linux")
+    mine = threads_named(None)
+    assert mine and all(s.on_cpu_ns >= 0 and s.waiting_ns >= 0 for s in mine.values())
+
+
+class FakeProc:
+    """A clock, /proc/self/task with two compute threads and the stub's main thread, and one
+    cgroup's cpu.stat (v2), moved by hand."""
+
+    COMPUTE = (101, 102)
+    OTHER = 100
+
+    def __init__(self, tmp_path: Path, quota: float | None = 4.0):
+        self.now = 0.0
+        self.tasks = tmp_path / "task"
+        self.waited = {tid: 0 for tid in (self.OTHER, *self.COMPUTE)}
+        self.stat = tmp_path / "cgroup" / "pod" / "cpu.stat"
+        self.throttled_us = 0
+        self.quotas = [] if quota is None else [Quota(quota, self.stat)]
+        write(self.tasks / str(self.OTHER) / "comm", "triton_python_b\n")
+        for tid in self.COMPUTE:
+            write(self.tasks / str(tid) / "comm", COMPUTE_THREAD + "\n")
+        self._write()
+
+    def _write(self) -> None:
+        for tid, ns in self.waited.items():
+            write(self.tasks / str(tid) / "schedstat", f"1000000 {ns} 10\n")
+        write(self.stat, f"usage_usec 0\nnr_periods 0\nnr_throttled 0\nthrottled_usec {self.throttled_us}\n")
+
+    def advance(self, seconds: float, waiting: float = 0.0, throttled: float = 0.0, others_wait: float = 0.0) -> None:
+        """`seconds` pass; the compute threads wait `waiting` cores' worth of them (split
+        over the two), the cgroup stands throttled `throttled` cores' worth, and threads
+        that are not compute threads wait `others_wait`."""
         self.now += seconds
-        self.own += seconds * own_cores
-        self.busy += seconds * (own_cores + foreign_cores)
+        for tid in self.COMPUTE:
+            if tid in self.waited:  # not ended
+                self.waited[tid] += round(seconds * waiting / len(self.COMPUTE) * 1e9)
+        self.waited[self.OTHER] += round(seconds * others_wait * 1e9)
+        self.throttled_us += round(seconds * throttled * 1e6)
+        self._write()
 
-    def watch(self, cpus: int) -> CoreWatch:
-        return CoreWatch(list(range(cpus)), clock=lambda: self.now, own_cpu=lambda: self.own,
-                         cpu_times=lambda _: (self.busy, 0.0))
-
-
-def test_core_watch_counts_what_other_processes_took():
-    host = FakeHost()
-    watch = host.watch(2)
-    host.advance(1.0, own_cores=1.0, foreign_cores=1.0)
-    assert watch.foreign_cores() == pytest.approx(1.0)
-    host.advance(2.0, own_cores=1.8, foreign_cores=0.1)
-    assert watch.foreign_cores() == pytest.approx(0.1)
-    assert watch.foreign_cores() is None  # no time passed
+    def watch(self) -> CoreWatch:
+        return CoreWatch(self.quotas, tasks=self.tasks, clock=lambda: self.now)
 
 
-@pytest.mark.parametrize("foreign, want", [(0.0, 2), (0.3, 2), (0.5, 2), (0.6, 1), (1.0, 1), (2.0, 1)])
-def test_a_core_counts_as_free_while_at_most_half_of_it_is_taken(foreign, want):
-    assert thread_count(2, foreign, most=2) == want
-    assert thread_count(8, foreign, most=4) == 4  # never above the load-time count
+def test_core_watch_counts_the_compute_threads_wait_and_the_cgroups_throttling(tmp_path):
+    proc = FakeProc(tmp_path)
+    watch = proc.watch()
+    proc.advance(1.0, waiting=0.7)
+    r = watch.reading()
+    assert (r.window_s, r.waiting, r.throttled, r.lost) == pytest.approx((1.0, 0.7, 0.0, 0.7))
+    proc.advance(2.0, throttled=1.0, others_wait=3.0)  # the stub's own threads waiting do not count
+    r = watch.reading()
+    assert (r.waiting, r.throttled, r.lost) == pytest.approx((0.0, 1.0, 1.0))
+    proc.advance(1.0, waiting=0.5, throttled=0.5)  # a throttled thread's wait may be the same time
+    assert watch.lost_cores() == pytest.approx(0.5)
+    assert watch.reading() is None  # no time passed
 
 
-def make_governor(host: FakeHost, applied: list[int]) -> ThreadGovernor:
-    return ThreadGovernor(2, applied.append, watch=host.watch(2), interval_s=0.25, grow_after=4, clock=lambda: host.now)
+def test_a_thread_that_starts_or_ends_in_the_window(tmp_path):
+    """A team that grows gets new workers; their wait since they started is in the window.
+    A thread that ends takes its counters with it: the rest still count."""
+    proc = FakeProc(tmp_path, quota=None)
+    watch = proc.watch()
+    write(proc.tasks / "103" / "comm", COMPUTE_THREAD + "\n")
+    write(proc.tasks / "103" / "schedstat", "1000 250000000 1\n")
+    proc.advance(1.0, waiting=0.2)
+    assert watch.lost_cores() == pytest.approx(0.45)
+    del proc.waited[102]
+    shutil.rmtree(proc.tasks / "102")
+    proc.advance(1.0, waiting=0.2)
+    assert watch.lost_cores() == pytest.approx(0.1)
 
 
-def test_governor_lowers_the_team_at_once_and_raises_it_after_four_free_readings():
+def test_the_watch_reads_no_quota_where_none_applies(tmp_path):
+    proc = FakeProc(tmp_path, quota=None)
+    watch = proc.watch()
+    proc.advance(1.0, throttled=2.0)
+    assert watch.reading().throttled == 0.0
+
+
+@pytest.mark.parametrize("lost, want", [(0.0, 4), (0.3, 4), (0.49, 4), (0.5, 3), (1.2, 3), (1.5, 2), (3.5, 1),
+                                        (9.0, 1)])
+def test_a_core_counts_as_lost_from_half_of_it(lost, want):
+    assert thread_count(4, lost, most=4) == want
+    assert thread_count(4, lost, most=2) == min(want, 2)  # never above the load-time count
+
+
+def make_governor(proc: FakeProc, applied: list[int], most: int = 2) -> ThreadGovernor:
+    return ThreadGovernor(most, applied.append, watch=proc.watch(), interval_s=0.25, grow_after=4,
+                          clock=lambda: proc.now)
+
+
+def test_governor_lowers_the_team_at_once_and_raises_it_after_four_calm_readings(tmp_path):
     """A team too large stalls at every op; one too small loses one thread's share."""
-    host = FakeHost()
+    proc = FakeProc(tmp_path)
     applied: list[int] = []
-    gov = make_governor(host, applied)
+    gov = make_governor(proc, applied)
 
-    def interval(foreign: float) -> None:
-        host.advance(0.25, own_cores=2.0 - foreign, foreign_cores=foreign)
+    def interval(waiting: float) -> None:
+        proc.advance(0.25, waiting=waiting)
         gov.tick()
 
-    interval(0.1)
-    interval(0.3)
+    interval(0.05)
+    interval(0.2)
     assert applied == [] and gov.current == 2  # quiet: the full team
-    interval(1.0)
+    interval(0.7)
     assert applied == [1] and gov.current == 1  # one reading of a neighbour: one thread
     for _ in range(3):
         interval(0.0)
-    interval(1.0)  # the neighbour was only pausing
+    interval(0.6)  # the neighbour was only pausing (one thread that waits: it lowers nothing more)
     for _ in range(3):
         interval(0.0)
     assert applied == [1]
-    interval(0.0)  # the fourth free reading in a row
+    interval(0.0)  # the fourth calm reading in a row
     assert applied == [1, 2] and gov.current == 2 and gov.changes == 2
 
 
-def test_governor_starts_a_fresh_reading_after_an_idle_spell():
-    """A window that is mostly idle time says nothing about the neighbour now; short waits
-    between back-to-back requests do not restart it (or a busy server would never read)."""
-    host = FakeHost()
+def test_a_neighbour_that_yields_is_not_counted(tmp_path):
+    """A niced or idle-class process busy on the team's cores, or the rest of a full node,
+    shows nowhere the governor looks unless it makes the compute threads wait: the team stays.
+    One that holds a core makes a compute thread wait most of the window, and is counted."""
+    proc = FakeProc(tmp_path, quota=None)
     applied: list[int] = []
-    gov = make_governor(host, applied)
-    host.advance(0.25, 2.0, 0.0)
+    gov = make_governor(proc, applied)
+    for _ in range(20):  # the neighbour yields: each wakeup of ours costs it its core at once
+        proc.advance(0.25, waiting=0.02)
+        gov.tick()
+    assert applied == [] and gov.current == 2
+    proc.advance(0.25, waiting=0.75)  # one that holds its core: a thread waits three quarters of the time
     gov.tick()
-    host.advance(30.0, 0.0, 1.0)  # idle while a neighbour ran, which has just left
+    assert applied == [1]
+
+
+def test_a_team_over_its_quota_is_lowered_by_the_cores_it_is_over(tmp_path):
+    """A 4-core quota on a node of any size: the cgroup's throttling says how far over the
+    quota the pod ran, and the team drops by that many cores."""
+    proc = FakeProc(tmp_path, quota=4.0)
+    applied: list[int] = []
+    gov = make_governor(proc, applied, most=4)
+    proc.advance(0.25)
+    gov.tick()
+    assert applied == []
+    proc.advance(0.25, throttled=1.1)  # e.g. the frontend and the team together want 5.1 cores
+    gov.tick()
+    assert applied == [3]
+
+
+def test_a_probe_that_fails_doubles_the_wait_for_the_next(tmp_path):
+    """With one thread fewer the team stops waiting while the neighbour stays; each probe
+    that finds the neighbour still there makes the next one wait twice as long, up to
+    grow_after x max_backoff readings. A probe that holds brings the wait back to four."""
+    proc = FakeProc(tmp_path, quota=None)
+    applied: list[int] = []
+    gov = make_governor(proc, applied)
+    proc.advance(0.25, waiting=0.7)
+    gov.tick()
+    assert applied == [1]
+
+    def calm_until_probe() -> int:
+        n = 0
+        while gov.current == 1:
+            proc.advance(0.25)
+            gov.tick()
+            n += 1
+        return n
+
+    gaps = []
+    for _ in range(7):
+        gaps.append(calm_until_probe())
+        proc.advance(0.25, waiting=0.7)  # the probe's window: the neighbour is still there
+        gov.tick()
+        assert gov.current == 1
+    assert gaps == [4, 8, 16, 32, 64, 128, 128]
+    assert calm_until_probe() == 128
+    for _ in range(4):  # the neighbour has left: the probe holds
+        proc.advance(0.25)
+        gov.tick()
+    assert gov.current == 2 and gov._needed == 4
+
+
+def test_governor_starts_a_fresh_reading_after_an_idle_spell(tmp_path):
+    """A window that is mostly idle time says nothing about now; short waits between
+    back-to-back requests do not restart it (or a busy server would never read)."""
+    proc = FakeProc(tmp_path)
+    applied: list[int] = []
+    gov = make_governor(proc, applied)
+    proc.advance(0.25)
+    gov.tick()
+    proc.advance(30.0, waiting=12.0)  # idle, but a request that came and went waited a lot
     gov.tick(idle_s=30.0)
-    host.advance(0.25, 2.0, 0.0)
+    proc.advance(0.25)
     gov.tick()
     assert applied == []  # judged on the fresh window alone
     for _ in range(5):  # requests 50 ms apart with a neighbour: each wait is short
-        host.advance(0.05, 1.0, 1.0)
+        proc.advance(0.05, waiting=0.7)
         gov.tick(idle_s=0.01)
     assert applied == [1]
 
 
-def test_a_starved_step_that_outlasts_the_interval_still_counts():
+def test_a_starved_step_that_outlasts_the_interval_still_counts(tmp_path):
     """A step that stalls for seconds (the team waiting on a thread off its core) is when a
     reading matters most: it lowers the team at the next tick."""
-    host = FakeHost()
+    proc = FakeProc(tmp_path)
     applied: list[int] = []
-    gov = make_governor(host, applied)
-    host.advance(3.0, own_cores=1.0, foreign_cores=1.0)
+    gov = make_governor(proc, applied)
+    proc.advance(3.0, waiting=0.8)
     gov.tick()
     assert applied == [1]
 
 
-def test_governor_reads_proc_only_once_an_interval():
-    host = FakeHost()
+def test_governor_reads_only_once_an_interval_and_never_for_one_thread(tmp_path):
+    proc = FakeProc(tmp_path)
     reads = []
-    watch = CoreWatch([0, 1], clock=lambda: host.now, own_cpu=lambda: host.own,
-                      cpu_times=lambda cpus: reads.append(1) or (host.busy, 0.0))
-    gov = ThreadGovernor(2, lambda n: None, watch=watch, interval_s=0.25, clock=lambda: host.now)
-    before = len(reads)
+
+    class Counting(CoreWatch):
+        def reading(self):
+            reads.append(1)
+            return super().reading()
+
+    watch = Counting(proc.quotas, tasks=proc.tasks, clock=lambda: proc.now)
+    gov = ThreadGovernor(2, lambda n: None, watch=watch, interval_s=0.25, clock=lambda: proc.now)
     for _ in range(100):
-        host.advance(0.002, 2.0, 0.0)  # a hundred 2 ms steps
+        proc.advance(0.002)  # a hundred 2 ms steps
         gov.tick()
-    assert len(reads) - before == 0
-    host.advance(0.05, 2.0, 0.0)
+    assert len(reads) == 0
+    proc.advance(0.05)
     gov.tick()
-    assert len(reads) - before == 1
+    assert len(reads) == 1
+    one = ThreadGovernor(1, lambda n: None, watch=watch, interval_s=0.25, clock=lambda: proc.now)
+    for _ in range(10):  # a team of one has nothing to lower
+        proc.advance(1.0, waiting=0.9)
+        one.tick()
+    assert len(reads) == 1 and one.current == 1
