@@ -77,8 +77,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    "/health/live (recovery has not given up), /health, /metrics (restarts, model health) "
                    f"(default {DEFAULT_HEALTH_PORT}; 0: off)")
     p.add_argument("--health-deadline", type=_seconds("--health-deadline", 1, 600), default=DEFAULT_DEADLINE_S,
-                   metavar="S", help="a model process stopped or silent (no heartbeat) this long is wedged and the "
-                   f"server restarts (default {DEFAULT_DEADLINE_S:g})")
+                   metavar="S", help="a model process stopped, silent (no heartbeat), or with its engine in one step "
+                   "while requests wait, this long (a step: or 4x the longest step finished, if longer) is wedged and the "
+                   "server restarts; keep it above the longest first step (a long prefill) the host takes"
+                   f" (default {DEFAULT_DEADLINE_S:g})")
     p.add_argument("--max-restarts", type=_count("--max-restarts"), default=DEFAULT_MAX_RESTARTS, metavar="N",
                    help="after a model's process dies or hangs, tritonserver restarts; more than N restarts within "
                    f"--restart-window and serve exits {EXIT_GAVE_UP} (default {DEFAULT_MAX_RESTARTS}; 0: exit at the "

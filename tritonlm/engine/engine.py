@@ -11,6 +11,7 @@ through every component.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -32,6 +33,10 @@ __all__ = ["Engine", "EngineObserver", "EngineStats"]
 log = logging.getLogger(__name__)
 
 EXPIRY_CHECK_S = 0.05  # how often waiting requests are checked against queue_timeout_s
+# Tests only (tests/integration/test_model_control.py): while the file this names exists,
+# every step that has rows to run waits in time.sleep, which frees the GIL: a step that
+# hangs the way a stuck OpenMP barrier or a CUDA deadlock does. Unset: no check at all.
+STALL_FILE_ENV = "TRITONLM_TEST_STALL_FILE"
 
 
 class Engine:
@@ -84,6 +89,10 @@ class Engine:
         self._poller: CancellationPoller | None = None
         self._guides: GuideCompiler | None = None
         self._guides_lock = threading.Lock()
+        self._step_at = time.time()  # when the last step began (wall clock): the heartbeat's step watchdog
+        self._idle = False  # the loop waits for work (under _cond)
+        self._longest_step_s = 0.0  # the longest step finished so far: the watchdog's yardstick
+        self._stall_file = os.environ.get(STALL_FILE_ENV) or None
 
     @property
     def cache(self) -> KVCacheManager:
@@ -160,6 +169,8 @@ class Engine:
                 raise ServerBusyError("the model is shutting down; retry on another instance")
             self.scheduler.check_room(self.scheduler.num_waiting + len(self._inbox))
             self._inbox.append(seq)
+            if self._idle:  # owed a step from now, not from the last step before the idle time
+                self._step_at = time.time()
             self._cond.notify()
 
     def cancel(self, request_id: int) -> None:
@@ -192,6 +203,14 @@ class Engine:
         if thread is not None and not thread.is_alive() and not self._stop:
             return "the engine thread stopped"
         return None
+
+    def progress(self) -> tuple[float, int, float]:
+        """(when the last step began, wall clock; requests owed a step: queued or running;
+        the longest step finished so far, seconds), read by the heartbeat thread. A step
+        begins as soon as the one before ends (or the loop wakes with new work), so while
+        requests are owed, now minus the first is how long the current step has run."""
+        owed = len(self._inbox) + self.scheduler.num_waiting + len(self.scheduler.running)
+        return self._step_at, owed, self._longest_step_s
 
     def _live(self) -> tuple[list[Sequence], list[Sequence]]:
         # list() of a list or deque copies in one C call: safe beside the engine thread
@@ -243,13 +262,17 @@ class Engine:
             with self._cond:
                 while not self._stop and not self._inbox and not self._cancel and not self.has_work():
                     idle_since = idle_since or time.monotonic()
+                    self._idle = True
                     self._cond.wait(timeout=EXPIRY_CHECK_S if self.scheduler.num_waiting else None)
+                self._idle = False
                 if self._stop:
                     break
             try:
                 if self.threads is not None:  # between steps, on this thread: the team is this thread's
                     self.threads.tick(idle_s=time.monotonic() - idle_since if idle_since else 0.0)
+                self._step_at = time.time()
                 self.step()
+                self._longest_step_s = max(self._longest_step_s, time.time() - self._step_at)
             except Exception:  # the loop must survive anything one step does
                 log.exception("engine step failed")
         self._fail_pending()
@@ -267,6 +290,8 @@ class Engine:
         if not plan:
             self._complete_deferred()
             return
+        if self._stall_file is not None:
+            _stall_while(self._stall_file)
         try:
             fwd = self.executor.forward(plan)
             self._complete_deferred()
@@ -313,3 +338,9 @@ class Engine:
                         f"timed out after waiting {seq.waited(now):.1f} s for a free slot "
                         f"(queue_timeout_s={self.queue_timeout_s}); retry later",
                     )
+
+
+def _stall_while(path: str) -> None:
+    """STALL_FILE_ENV's hang (tests only): sleep, the GIL free, while path exists."""
+    while os.path.exists(path):
+        time.sleep(0.05)

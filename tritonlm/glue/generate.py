@@ -60,7 +60,8 @@ class GenerateHandler:
         self.metrics.set_kv_capacity(self.engine.cache.total_bytes, self.engine.runner.spec.bytes_per_token)
         self.engine.start()
         self.metrics.watch(self.engine)
-        self.heartbeat = Heartbeat(self.name, args.get("model_instance_name", ""), self.engine.fault).start()
+        self.heartbeat = Heartbeat(self.name, args.get("model_instance_name", ""), self.engine.fault,
+                                   progress=self.engine.progress).start()
 
     def execute(self, requests):
         for request in requests:

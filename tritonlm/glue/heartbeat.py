@@ -1,19 +1,17 @@
 """The model process's heartbeat for `tritonlm serve`'s supervisor (tritonlm/supervise).
 
 A process can be alive and still serve nobody: stopped (SIGSTOP), its Python wedged (a
-native call holding the GIL), or its engine gone (the engine thread ended, a
-tensor-parallel worker died). The supervisor sees the first two as a heartbeat that stops
-and the third as a fault the heartbeat names. `tritonlm serve` sets HEALTH_DIR_ENV for
-tritonserver (the stubs inherit it); without it (plain tritonserver, NVIDIA's container
-without `tritonlm serve`) nothing is written.
-
-Each beat rewrites <dir>/<pid>.json: {"pid", "model", "instance", "time", "fault"}. Written
-beside, then renamed: the supervisor never reads half a beat.
+native call holding the GIL), its engine stuck in a step while the GIL is free (an OpenMP
+barrier, a CUDA or C++ deadlock), or its engine gone (the engine thread ended, a
+tensor-parallel worker died). The supervisor sees the first two as a heartbeat that stops,
+the third as a beat whose engine has made no progress while requests wait, and the fourth
+as a fault the heartbeat names. `tritonlm serve` sets HEALTH_DIR_ENV for tritonserver (the
+stubs inherit it); without it (plain tritonserver, NVIDIA's container without `tritonlm
+serve`) nothing is written. The file's format is tritonlm/health_beat.py's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -22,34 +20,31 @@ from pathlib import Path
 from typing import Callable
 
 from tritonlm.engine.threads import named_thread
+from tritonlm.health_beat import HEALTH_DIR_ENV, beat_path, read_beat, write_beat
+
+__all__ = ["BEAT_INTERVAL_S", "HEALTH_DIR_ENV", "Heartbeat", "beat_path", "read_beat"]
 
 log = logging.getLogger(__name__)
 
-HEALTH_DIR_ENV = "TRITONLM_HEALTH_DIR"
 BEAT_INTERVAL_S = 0.5  # the supervisor's wedge deadline is several beats long
 
-
-def beat_path(directory: Path, pid: int) -> Path:
-    return Path(directory) / f"{pid}.json"
-
-
-def read_beat(path: Path) -> dict | None:
-    """A beat, or None when there is none (or it cannot be read)."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
+# (when the engine's current step began: wall-clock seconds, requests it owes a step,
+# the longest step it has finished: seconds)
+Progress = Callable[[], tuple[float, int, float]]
 
 
 class Heartbeat:
     """A daemon thread that beats every interval_s while the process runs; `fault()` (None
-    while the model can serve) goes into every beat."""
+    while the model can serve) goes into every beat, and so does `progress()` for a model
+    with an engine loop (Engine.progress)."""
 
     def __init__(self, model: str, instance: str, fault: Callable[[], str | None],
-                 directory: str | os.PathLike | None = None, interval_s: float = BEAT_INTERVAL_S):
+                 directory: str | os.PathLike | None = None, interval_s: float = BEAT_INTERVAL_S,
+                 progress: Progress | None = None):
         directory = directory if directory is not None else os.environ.get(HEALTH_DIR_ENV)
         self.path = beat_path(Path(directory), os.getpid()) if directory else None
         self.model, self.instance, self.fault, self.interval_s = model, instance, fault, interval_s
+        self.progress = progress
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -68,10 +63,13 @@ class Heartbeat:
         except Exception as e:  # noqa: BLE001 - a failing check is a fault to report, not to raise
             fault = f"the health check failed: {type(e).__name__}: {e}"
         body = {"pid": os.getpid(), "model": self.model, "instance": self.instance, "time": time.time(), "fault": fault}
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        if self.progress is not None:
+            try:
+                body["step_at"], body["waiting"], body["longest_step"] = self.progress()
+            except Exception as e:  # noqa: BLE001 - as above
+                body["fault"] = fault or f"the progress check failed: {type(e).__name__}: {e}"
         try:
-            tmp.write_text(json.dumps(body))
-            os.replace(tmp, self.path)
+            write_beat(self.path, body)
         except OSError as e:  # the folder went away (serve stopping): nothing to tell
             log.debug("heartbeat not written: %s", e)
 

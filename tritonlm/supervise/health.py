@@ -3,7 +3,9 @@
 One HealthBoard per `tritonlm serve`. The supervisor writes it (main thread); the health
 endpoint and the OpenAI frontend read it (their own threads), hence the lock.
 
-- ready: every model serves and nothing is draining or recovering (readiness probe);
+- ready: every model Triton serves has all the processes its configuration asks for, and
+  nothing is draining or recovering (readiness probe). The models follow the server: one
+  unloaded leaves the board, one loaded joins it once Triton serves it;
 - live: recovery has not given up (liveness probe): a drain or a restart in progress is
   not a reason to kill the pod, a model that cannot come back is.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from tritonlm.supervise.procs import is_dead, process_state
+from tritonlm.supervise.watch import ModelView
 
 LOADING, READY, RECOVERING, DRAINING, FAILED = "loading", "ready", "recovering", "draining", "failed"
 
@@ -34,7 +37,7 @@ class HealthBoard:
         self._models: dict[str, ModelHealth] = {}
         self._gave_up: str | None = None
         self._draining = False
-        self._processes: dict[int, str] = {}
+        self._views: dict[str, ModelView] = {}
         self._epoch = 0  # faults so far: a request that saw it change lived through a restart
         self._last_cause = ""
         self.registry = CollectorRegistry()
@@ -53,18 +56,29 @@ class HealthBoard:
         self._models[model] = ModelHealth(state, cause, time.time())
         self._healthy.labels(model).set(1 if state == READY else 0)
 
-    def set_models(self, models: list[str], processes: dict[int, str] | None = None) -> None:
-        """The models served (after a start): each is ready; any other one is forgotten.
-        processes (pid -> model): the readiness probe checks them itself, so a process that
-        died since the supervisor last looked is never reported ready."""
+    def follow(self, views: dict[str, ModelView]) -> None:
+        """After every check (and every start): the models Triton serves now, with their
+        processes. A model with fewer live stubs than it asks for is loading (readiness off,
+        no fault); any other model is forgotten. The readiness probe checks the processes
+        itself, so one that died since the supervisor last looked is never reported ready."""
         with self._lock:
-            self._processes = dict(processes or {})
-            for gone in set(self._models) - set(models):
+            if self._draining or self._gave_up is not None:  # what the probes say now stays
+                return
+            self._views = dict(views)
+            for gone in set(self._models) - set(views):
                 del self._models[gone]
                 self._healthy.remove(gone)
-            for name in models:
-                self._set(name, READY, "")
+            for name, view in views.items():
+                missing = _missing(view)
+                state, cause = (READY, "") if not missing else (LOADING, missing)
+                old = self._models.get(name)
+                if old is None or (old.state, old.cause) != (state, cause):
+                    self._set(name, state, cause)
             self._recovery.set(0)
+
+    def set_models(self, models: list[str]) -> None:
+        """The models served, with no processes to check (a stand-in server's)."""
+        self.follow({name: ModelView(name, (), (), 0) for name in models})
 
     def recovering(self, model: str, cause: str, restart_cause: str) -> None:
         """A fault of `model` (or of tritonserver): every model goes down while the server
@@ -94,7 +108,7 @@ class HealthBoard:
     def _ready(self) -> bool:
         return (not self._draining and self._gave_up is None and bool(self._models)
                 and all(m.state == READY for m in self._models.values())
-                and not any(is_dead(process_state(pid)) for pid in self._processes))
+                and not any(_missing(view) for view in self._views.values()))
 
     def ready(self) -> bool:
         with self._lock:
@@ -142,3 +156,13 @@ class HealthBoard:
                 "models": {name: {"state": m.state, "cause": m.cause or None, "since": m.since}
                            for name, m in sorted(self._models.items())},
             }
+
+
+def _missing(view: ModelView) -> str:
+    """What the model lacks to serve, in words ("" when nothing): live stubs short of the
+    instances it asks for, or a dead model-parallel worker."""
+    live = sum(not is_dead(process_state(pid)) for pid in view.stubs)
+    if live < view.asked:
+        return f"{live} of its {view.asked} instance processes run"
+    dead = [pid for pid in view.workers if is_dead(process_state(pid))]
+    return f"its model-parallel worker process (pid {dead[0]}) died" if dead else ""

@@ -8,27 +8,37 @@ answering ready (triton-inference-server/server#8604), so "zombie" counts as dea
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 STUB_BINARY = "triton_python_backend_stub"
+STUB_COMM = STUB_BINARY[:15]  # the kernel keeps 15 characters of a program's name, a zombie's too
 RUNNING, SLEEPING, STOPPED, ZOMBIE, GONE = "running", "sleeping", "stopped", "zombie", "gone"
 
 
 PF_EXITING = 0x4  # the kernel's task flag: the process is tearing itself down (killed or exiting)
 
 
+def _stat(pid: int) -> tuple[str, list[str]] | None:
+    """(comm, the fields after it) of /proc/pid/stat; None when the process is gone.
+    "pid (comm) S ppid pgrp session tty tpgid flags ...": comm may hold spaces and
+    parentheses, so the fields follow the last ')'."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    close = stat.rfind(")")
+    return stat[stat.find("(") + 1:close], stat[close + 2:].split()
+
+
 def process_state(pid: int) -> str:
     """running / sleeping (any waiting state) / stopped (SIGSTOP or traced) / zombie (also
     while it is still exiting: a killed process runs on for a moment freeing its memory) /
     gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    stat = _stat(pid)
+    if stat is None:
         return GONE
-    # "pid (comm) S ppid pgrp session tty tpgid flags ...": comm may hold spaces and
-    # parentheses; the fields follow the last ')'
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[1]
     code = fields[0] if fields else ""
     if len(fields) > 6 and int(fields[6]) & PF_EXITING:
         return ZOMBIE
@@ -57,12 +67,18 @@ def is_dead(state: str) -> bool:
     return state in (ZOMBIE, GONE)
 
 
+def start_time(pid: int) -> int:
+    """When pid started, in clock ticks since boot (a zombie keeps it); 0 when gone. Orders
+    processes where pids cannot: they wrap."""
+    stat = _stat(pid)
+    return int(stat[1][19]) if stat is not None and len(stat[1]) > 19 else 0
+
+
 def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    stat = _stat(pid)
+    if stat is None:
         return None
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[1]
     return int(fields[1]) if len(fields) > 1 else None
 
 
@@ -106,6 +122,7 @@ class Stub:
     pid: int
     model: str  # the model's folder name in the repository (Triton's model name)
     instance: str  # e.g. "tiny_0_0"
+    started: int = 0  # start_time(pid): a reload's new stubs start after the ones they replace
 
 
 def parse_stub(pid: int, argv: list[str]) -> Stub | None:
@@ -120,13 +137,30 @@ def parse_stub(pid: int, argv: list[str]) -> Stub | None:
     return Stub(pid, model_file.parts[-3], instance)
 
 
-def find_stubs(server_pid: int) -> list[Stub]:
-    """The stubs tritonserver (server_pid) has started and not yet reaped, zombies included."""
-    stubs = []
+@dataclass
+class StubScan:
+    """tritonserver's stubs at one look at the process table."""
+
+    stubs: list[Stub] = field(default_factory=list)  # named by their command line, zombies known from it
+    # stubs that died before anyone read their command line: a zombie's is empty, only its
+    # program name (comm) is left, so their model is unknown
+    unnamed_dead: list[int] = field(default_factory=list)
+
+
+def scan_stubs(server_pid: int) -> StubScan:
+    """The stubs tritonserver (server_pid) has started and not yet reaped."""
+    scan = StubScan()
     for pid in children(server_pid):
         stub = parse_stub(pid, command_line(pid))
-        if stub is None and process_state(pid) == ZOMBIE:
-            continue  # a zombie's command line is empty: known from an earlier scan or not at all
         if stub is not None:
-            stubs.append(stub)
-    return stubs
+            scan.stubs.append(Stub(stub.pid, stub.model, stub.instance, start_time(pid)))
+            continue
+        stat = _stat(pid)
+        if stat is not None and stat[0] == STUB_COMM and is_dead(process_state(pid)):
+            scan.unnamed_dead.append(pid)
+    return scan
+
+
+def find_stubs(server_pid: int) -> list[Stub]:
+    """The stubs of server_pid named by their command line (see scan_stubs)."""
+    return scan_stubs(server_pid).stubs

@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import shutil
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from tritonlm.server import ServerStartError, TritonServer
+from tritonlm.server import ServerStartError, TritonServer, parse_restriction
 from tritonlm.supervise.health import HealthBoard
 from tritonlm.supervise.procs import describe_exit
 from tritonlm.supervise.recovery import RestartPolicy
+from tritonlm.supervise.served import TritonModels
 from tritonlm.supervise.watch import DEFAULT_DEADLINE_S, SERVER, Fault, ModelWatch
 
 EXIT_GAVE_UP = 3  # serve's exit code when recovery gives up (1: tritonserver failed otherwise)
 POLL_S = 0.2
 
 
-def repository_models(repo: Path) -> list[str]:
-    return sorted(p.name for p in Path(repo).iterdir() if (p / "config.pbtxt").is_file())
+def triton_models(server: TritonServer) -> TritonModels:
+    """The client of the server's model states, with the model-control restriction's header
+    (the repository index is a model-control request)."""
+    restriction = getattr(server, "restrict_model_control", None)
+    headers = dict([parse_restriction(restriction)]) if restriction else None
+    return TritonModels(server.http_url, headers)
 
 
 class Supervisor:
@@ -41,6 +44,7 @@ class Supervisor:
         self.server, self.board, self.health_dir, self.policy = server, board, Path(health_dir), policy
         self.deadline_s, self.start_timeout_s, self.say = deadline_s, start_timeout_s, say
         self.watch: ModelWatch | None = None
+        self._first_fault: Fault | None = None  # found by the first scan after a start, reported by check()
         self.stop_requested: Callable[[], bool] = lambda: False  # a stop signal came: no more restarts
 
     def clear_beats(self) -> None:
@@ -49,37 +53,32 @@ class Supervisor:
         self.health_dir.mkdir(parents=True, exist_ok=True)
 
     def started(self) -> None:
-        """After every (re)start: watch the new processes; every model serves."""
+        """After every (re)start: watch the new processes and the models the server serves.
+        A fault the first scan finds (a stub that died while the server came up) is the
+        next check()'s answer."""
         assert self.server.process is not None
-        self.watch = ModelWatch(self.server.process.pid, self.health_dir, self._model_served, self.deadline_s)
-        self.watch.check()  # the first scan: every stub there is now
-        processes = {pid: w.stub.model for pid, w in self.watch.watched.items()}
-        for w in self.watch.watched.values():
-            processes.update({worker: w.stub.model for worker in w.workers})
-        self.board.set_models(repository_models(self.server.repo), processes)
-
-    def _model_served(self, model: str) -> bool:
-        """Triton's ready endpoint for the model; True when it cannot be asked (a dead server
-        is the server check's business)."""
-        try:
-            with urllib.request.urlopen(f"http://{self.server.http_url}/v2/models/{model}/ready", timeout=2) as r:
-                return r.status == 200
-        except urllib.error.HTTPError:
-            return False
-        except (urllib.error.URLError, OSError):
-            return True
+        self.watch = ModelWatch(self.server.process.pid, self.health_dir, triton_models(self.server), self.deadline_s)
+        self._first_fault = self.watch.check()
+        self.board.follow(self.watch.views())
 
     def check(self) -> Fault | None:
+        """The first fault now, or None; the board follows what the server serves."""
         process = self.server.process
         if process is not None and process.poll() is not None:
             exited = f"tritonserver exited with {describe_exit(process.returncode)}"
             # a model's process that died first is the cause (tritonserver 2.51 has been seen
             # to abort right after a stub was killed): name it
-            first = self.watch.check() if self.watch is not None else None
-            if first is not None and first.kind in ("died", "worker_died"):
+            first = self.watch.first_death() if self.watch is not None else None
+            if first is not None:
                 return Fault(first.model, first.kind, f"{first.cause}, then {exited}")
             return Fault(SERVER, "server_exited", exited)
-        return self.watch.check() if self.watch is not None else None
+        if self.watch is None:
+            return None
+        fault, self._first_fault = self._first_fault, None
+        if fault is None:
+            fault = self.watch.check()
+        self.board.follow(self.watch.views())
+        return fault
 
     def recover(self, fault: Fault) -> int | None:
         """Kill the server and start it again, backing off between failed attempts. None

@@ -44,3 +44,66 @@ def test_without_a_health_folder_nothing_is_written(tmp_path, monkeypatch):
         assert hb.path == beat_path(tmp_path, os.getpid()) and hb.path.exists()
     finally:
         hb.stop()
+
+
+def test_beats_carry_the_engines_progress(tmp_path):
+    progress = [(1000.0, 0, 0.0)]
+    hb = Heartbeat("m", "m_0_0", lambda: None, directory=tmp_path, progress=lambda: progress[0])
+    hb.beat()
+    beat = read_beat(hb.path)
+    assert (beat["step_at"], beat["waiting"], beat["longest_step"]) == (1000.0, 0, 0.0)
+    progress[0] = (1001.5, 3, 0.25)
+    hb.beat()
+    beat = read_beat(hb.path)
+    assert (beat["step_at"], beat["waiting"], beat["longest_step"]) == (1001.5, 3, 0.25)
+    without = Heartbeat("f", "", lambda: None, directory=tmp_path / "f")
+    (tmp_path / "f").mkdir()
+    without.beat()  # a model with no engine loop (a forward-pass model): no progress to tell
+    assert "waiting" not in read_beat(without.path) and "step_at" not in read_beat(without.path)
+
+
+def test_an_engine_owes_a_step_from_when_work_came_and_a_stalled_step_shows(tmp_path, monkeypatch):
+    """Engine.progress: an idle engine's request is owed a step from its arrival (not from the
+    last step before the idle time); a step that hangs, the GIL free (the test-only stall),
+    keeps its start while requests wait; once it ends nothing is owed."""
+    import time
+
+    from tests.helpers.models import Collector, make_engine
+    from tritonlm.engine.engine import STALL_FILE_ENV
+
+    stall = tmp_path / "stall"
+    stall.touch()
+    monkeypatch.setenv(STALL_FILE_ENV, str(stall))
+    engine = make_engine().start()
+    try:
+        idle_since, owed, _ = engine.progress()
+        assert owed == 0
+        assert wait_until(lambda: time.time() > idle_since, HANG_GUARD_S)  # the clock moves past the idle mark
+        submitted = time.time()
+        collector = Collector()
+        rid = collector.request(engine, "The lighthouse keeper wrote", max_tokens=4)
+        assert wait_until(lambda: in_function(engine._thread, "_stall_while"), HANG_GUARD_S)
+        began, owed, _ = engine.progress()
+        assert began >= submitted and owed == 1
+        assert wait_until(lambda: time.time() > began + 0.2, HANG_GUARD_S)
+        assert engine.progress()[:2] == (began, 1)  # stalled: the same step, the request still owed
+        assert engine.fault() is None  # the engine thread lives: only the step watchdog sees this
+        stall.unlink()
+        assert wait_until(lambda: collector.events[rid] and collector.events[rid][-1].finished, HANG_GUARD_S)
+        assert wait_until(lambda: engine.progress()[1] == 0, HANG_GUARD_S)
+        assert engine.progress()[2] >= 0.2  # the stalled step is the longest finished
+    finally:
+        stall.unlink(missing_ok=True)
+        engine.shutdown()
+
+
+def in_function(thread, name: str) -> bool:
+    """Whether thread is now inside a call of the function called name."""
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False

@@ -8,6 +8,7 @@ import sys
 from prometheus_client import generate_latest
 
 from tritonlm.supervise.health import HealthBoard
+from tritonlm.supervise.watch import ModelView
 
 
 def sample(board: HealthBoard, name: str, **labels) -> float | None:
@@ -56,12 +57,37 @@ def test_a_watched_process_that_died_is_never_ready():
     board = HealthBoard()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        board.set_models(["a"], {child.pid: "a"})
+        board.follow({"a": ModelView("a", (child.pid,), (), 1)})
         assert board.ready()
         child.kill()
         child.wait()
         assert not board.ready()
         assert board.status()["ready"] is False
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_board_follows_loads_and_unloads_without_counting_faults():
+    """A model short of the stubs it asks for is loading (not ready, no fault); an unloaded
+    one leaves the board and readiness answers for the models still served."""
+    board = HealthBoard()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        board.follow({"a": ModelView("a", (child.pid,), (), 1), "b": ModelView("b", (), (), 1)})
+        assert not board.ready()
+        assert board.status()["models"]["b"]["state"] == "loading"
+        assert board.status()["models"]["b"]["cause"] == "0 of its 1 instance processes run"
+        board.follow({"a": ModelView("a", (child.pid,), (), 1)})  # b unloaded
+        assert board.ready() and list(board.status()["models"]) == ["a"]
+        assert sample(board, "tritonlm_model_healthy", model="b") is None
+        board.follow({"a": ModelView("a", (child.pid,), (), 1), "b": ModelView("b", (child.pid,), (), 1)})
+        assert board.ready()
+        assert b"tritonlm_model_restarts_total" not in generate_latest(board.registry).replace(
+            b"# HELP tritonlm_model_restarts_total", b"").replace(b"# TYPE tritonlm_model_restarts_total", b"")
+        board.draining()
+        board.follow({"a": ModelView("a", (child.pid,), (), 1)})  # a drain's state is not undone
+        assert not board.ready() and "shutting down" in board.unavailable("a")
     finally:
         child.kill()
         child.wait()

@@ -12,7 +12,7 @@ from tritonlm.server import ServerStartError
 from tritonlm.supervise import supervisor as supervisor_module
 from tritonlm.supervise.health import HealthBoard
 from tritonlm.supervise.recovery import RestartPolicy
-from tritonlm.supervise.supervisor import EXIT_GAVE_UP, Supervisor, repository_models
+from tritonlm.supervise.supervisor import EXIT_GAVE_UP, Supervisor
 from tritonlm.supervise.watch import Fault
 
 
@@ -98,5 +98,42 @@ def test_a_stop_signal_ends_recovery(repo, tmp_path, monkeypatch):
     assert "start" not in server.events
 
 
-def test_repository_models_are_the_folders_with_a_config(repo):
-    assert repository_models(repo) == ["m"]
+def test_a_fault_of_the_first_scan_is_reported(repo, tmp_path, monkeypatch):
+    """A stub that died while the server came up is found by started()'s first scan and is
+    the next check()'s answer, not dropped."""
+    import os
+    from types import SimpleNamespace
+
+    from tests.helpers.servers import HANG_GUARD_S, wait_until
+    from tests.unit.supervise.test_watch import StandInTriton, start_stub
+    from tritonlm.supervise.procs import find_stubs, process_state
+    from tritonlm.supervise.served import READY
+
+    board = HealthBoard()
+    server = StandInServer(repo, board)
+    server.process = SimpleNamespace(pid=os.getpid(), poll=lambda: None)  # the stand-in stubs are this process's
+    monkeypatch.setattr(supervisor_module, "triton_models", lambda _: StandInTriton({"m": READY}))
+    stub = start_stub(tmp_path, "m", named=True)
+    try:
+        assert wait_until(lambda: [s.pid for s in find_stubs(os.getpid())] == [stub.pid], HANG_GUARD_S)
+        stub.kill()
+        assert wait_until(lambda: process_state(stub.pid) == "zombie", HANG_GUARD_S)
+        sup = Supervisor(server, board, tmp_path / "beats", RestartPolicy(5, 300, clock=FakeClock()))
+        sup.started()
+        assert not board.ready()
+        fault = sup.check()
+        assert fault is not None and (fault.model, fault.kind) == ("m", "died")
+    finally:
+        stub.wait()
+
+
+def test_the_index_is_asked_with_the_model_control_header():
+    """The repository index is a model-control request: with --restrict-model-control it
+    needs the restriction's header, or Triton refuses it."""
+    from types import SimpleNamespace
+
+    from tritonlm.supervise.supervisor import triton_models
+
+    restricted = triton_models(SimpleNamespace(restrict_model_control="x-admin=s3cret", http_url="127.0.0.1:1"))
+    assert restricted.headers == {"x-admin": "s3cret"} and restricted.base == "http://127.0.0.1:1"
+    assert triton_models(SimpleNamespace(restrict_model_control=None, http_url="127.0.0.1:1")).headers == {}

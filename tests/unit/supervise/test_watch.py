@@ -1,4 +1,5 @@
-"""Faults the supervisor finds in a server's model processes: dead, stopped, silent, failed."""
+"""Faults the supervisor finds in a server's model processes: dead, stopped, silent, stuck,
+failed; and the deaths that are not faults (an unload, a reload, a configuration stub)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.clock import FakeClock
 from tests.helpers.servers import HANG_GUARD_S, wait_until
 from tritonlm.glue.heartbeat import Heartbeat
-from tests.helpers.clock import FakeClock
-from tritonlm.supervise.procs import STOPPED, process_state
-from tritonlm.supervise.watch import WORKER_MODULE, ModelWatch
+from tritonlm.health_beat import beat_path, write_beat
+from tritonlm.supervise.procs import STOPPED, STUB_BINARY, find_stubs, process_state, start_time
+from tritonlm.supervise.served import READY, UNAVAILABLE, UNLOADING
+from tritonlm.supervise.watch import STEP_MARGIN, WORKER_MODULE, ModelWatch, step_limit
 
 
-def start_stub(tmp_path: Path, model: str, worker: bool = False) -> subprocess.Popen:
+def start_stub(tmp_path: Path, model: str, worker: bool = False, instance: str | None = None,
+               named: bool = False) -> subprocess.Popen:
     """A stand-in stub of `model` (a child of this process, as stubs are of tritonserver),
-    with a stand-in model-parallel worker of its own when asked."""
+    with a stand-in model-parallel worker of its own when asked. named: run through a link
+    called like the stub's binary, so that its program name (what a zombie keeps) is the
+    stub's too."""
     model_py = tmp_path / model / "1" / "model.py"
     model_py.parent.mkdir(parents=True, exist_ok=True)
     body = "import time\n"
@@ -28,8 +34,41 @@ def start_stub(tmp_path: Path, model: str, worker: bool = False) -> subprocess.P
         body += (f"import subprocess\nsubprocess.Popen([{sys.executable!r}, '-c', 'import time; time.sleep(600)', "
                  f"'{WORKER_MODULE}'])\n")
     model_py.write_text(body + "time.sleep(600)\n")
-    return subprocess.Popen(["/b/triton_python_backend_stub", str(model_py), "s", "1", "1", "1", "/b", "1",
-                             f"{model}_0_0", "/b/t"], executable=sys.executable)
+    argv = ["/b/triton_python_backend_stub", str(model_py), "s", "1", "1", "1", "/b", "1",
+            instance if instance is not None else f"{model}_0_0", "/b/t"]
+    if named:
+        link = tmp_path / "bin" / STUB_BINARY
+        link.parent.mkdir(exist_ok=True)
+        if not link.exists():
+            link.symlink_to(sys.executable)
+        argv[0] = str(link)
+        return subprocess.Popen(argv)
+    return subprocess.Popen(argv, executable=sys.executable)
+
+
+class StandInTriton:
+    """What the watch asks tritonserver: each model's state, and the stubs it asks for."""
+
+    def __init__(self, states: dict[str, str] | None, asked: dict[str, int] | None = None):
+        self.states, self.asked = states, asked or {}
+
+    def index(self) -> dict[str, str] | None:
+        return dict(self.states) if self.states is not None else None
+
+    def stubs_asked(self, model: str) -> int | None:
+        return self.asked.get(model, 1)
+
+
+def clock_ticks() -> float:
+    """Now, in the clock ticks of a process's start time."""
+    return float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK")
+
+
+def start_later(tmp_path: Path, after: subprocess.Popen, model: str, **kwargs) -> subprocess.Popen:
+    """A stub that starts after `after` did (as a reload's stubs start after the old ones)."""
+    began = start_time(after.pid)
+    assert wait_until(lambda: clock_ticks() > began + 1, HANG_GUARD_S)
+    return start_stub(tmp_path, model, **kwargs)
 
 
 @pytest.fixture
@@ -52,11 +91,19 @@ def _tree(pid: int) -> list[int]:
     return descendants(pid)
 
 
-def watch_for(tmp_path: Path, served: set[str], clock=None, wall=None, deadline_s: float = 4.0) -> ModelWatch:
+def watch_for(tmp_path: Path, served: set[str] | StandInTriton, clock=None, wall=None,
+              deadline_s: float = 4.0) -> ModelWatch:
+    """A watch of this process's stand-in stubs; served: the models Triton serves (READY)."""
     beats = tmp_path / "beats"
     beats.mkdir(exist_ok=True)
-    return ModelWatch(os.getpid(), beats, lambda m: m in served, deadline_s=deadline_s,
+    triton = served if isinstance(served, StandInTriton) else StandInTriton({m: READY for m in served})
+    return ModelWatch(os.getpid(), beats, triton, deadline_s=deadline_s,
                       clock=clock or FakeClock(), wall_clock=wall or FakeClock())
+
+
+def kill_and_reap(p: subprocess.Popen) -> None:
+    p.kill()
+    p.wait()
 
 
 def test_a_killed_stub_of_a_served_model_died(tmp_path, stubs):
@@ -72,12 +119,18 @@ def test_a_killed_stub_of_a_served_model_died(tmp_path, stubs):
 
 def test_a_stub_gone_with_its_model_unloaded_is_no_fault(tmp_path, stubs):
     stubs.append(start_stub(tmp_path, "m"))
-    watch = watch_for(tmp_path, set())  # the model is no longer served: an unload
-    assert wait_until(lambda: watch.models() == ["m"] or watch.check() is not None, HANG_GUARD_S)
-    stubs[0].kill()
+    triton = StandInTriton({"m": READY})
+    watch = watch_for(tmp_path, triton)
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    assert list(watch.views()) == ["m"]
+    triton.states = {"m": UNLOADING}  # the model-control API unloads it: Triton ends its stub
+    stubs[0].kill()  # a zombie for a moment, then reaped
+    assert wait_until(lambda: process_state(stubs[0].pid) in ("zombie", "gone"), HANG_GUARD_S)
+    assert watch.check() is None
+    assert watch.models() == [] and watch.views() == {}
+    triton.states = {"m": UNAVAILABLE}
     stubs[0].wait()
     assert watch.check() is None
-    assert watch.models() == []
 
 
 def test_a_dead_worker_is_its_models_death(tmp_path, stubs):
@@ -133,3 +186,185 @@ def test_heartbeat_silence_and_named_faults(tmp_path, stubs):
     beat.beat()
     found = watch.check()
     assert (found.kind, found.cause) == ("failed", "the engine thread stopped")
+
+
+def test_a_reload_ends_the_old_stub_after_its_replacement_starts(tmp_path, stubs):
+    """A reload (model control, or poll mode) starts the new instance's stub, then ends the
+    old one while Triton still serves the model: no fault, and the new one is watched."""
+    stubs.append(start_stub(tmp_path, "m"))
+    watch = watch_for(tmp_path, {"m"})
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    stubs.append(start_later(tmp_path, stubs[0], "m"))
+    assert wait_until(lambda: watch.check() is None and len(watch.watched) == 2, HANG_GUARD_S)
+    kill_and_reap(stubs[0])
+    assert watch.check() is None
+    assert list(watch.watched) == [stubs[1].pid]
+    assert watch.views()["m"].stubs == (stubs[1].pid,)
+
+
+def test_a_reload_that_renames_its_instances_is_no_fault(tmp_path, stubs):
+    """New instance names (a changed instance_group): the old stub has no namesake, but the
+    new set is as large as the configuration asks."""
+    stubs.append(start_stub(tmp_path, "m", instance="m_0_1"))
+    watch = watch_for(tmp_path, StandInTriton({"m": READY}, {"m": 1}))
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    stubs.append(start_later(tmp_path, stubs[0], "m", instance="m_1_0"))
+    assert wait_until(lambda: watch.check() is None and len(watch.watched) == 2, HANG_GUARD_S)
+    kill_and_reap(stubs[0])
+    assert watch.check() is None
+
+
+def test_a_killed_instance_beside_a_live_sibling_is_a_fault(tmp_path, stubs):
+    """Two instances of a model, one killed: the other is no replacement, whether it started
+    before the victim (a) or after it (b)."""
+    for model in ("a", "b"):
+        stubs.append(start_stub(tmp_path, model, instance=f"{model}_0_0"))
+        stubs.append(start_later(tmp_path, stubs[-1], model, instance=f"{model}_0_1"))
+    triton = StandInTriton({"a": READY, "b": READY}, {"a": 2, "b": 2})
+    watch = watch_for(tmp_path, triton)
+    assert wait_until(lambda: watch.check() is None and len(watch.watched) == 4, HANG_GUARD_S)
+    younger_a = stubs[1]
+    younger_a.kill()
+    assert wait_until(lambda: watch.check() is not None, HANG_GUARD_S)
+    fault = watch.check()
+    assert (fault.model, fault.kind) == ("a", "died") and f"pid {younger_a.pid}" in fault.cause
+    younger_a.wait()  # reaped: model a now lacks a stub (not ready), and has no dead one to judge
+    watch = watch_for(tmp_path, triton)
+    assert wait_until(lambda: watch.check() is None and len(watch.watched) == 3, HANG_GUARD_S)
+    assert watch.views()["a"].asked == 2 and len(watch.views()["a"].stubs) == 1
+    older_b = stubs[2]
+    older_b.kill()
+    assert wait_until(lambda: watch.check() is not None, HANG_GUARD_S)
+    fault = watch.check()
+    assert (fault.model, fault.kind) == ("b", "died") and f"pid {older_b.pid}" in fault.cause
+
+
+def test_the_configuration_stub_ends_on_its_own(tmp_path, stubs):
+    """While a model loads, the Python backend runs a stub named after the model only to read
+    its configuration; it ends while the model is served (a reload): no fault."""
+    stubs.append(start_stub(tmp_path, "m", instance="m"))
+    watch = watch_for(tmp_path, {"m"})
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    assert watch.views()["m"].stubs == ()  # not an instance: readiness does not count it
+    kill_and_reap(stubs[0])
+    assert watch.check() is None
+
+
+def test_a_death_is_judged_only_once_triton_can_say(tmp_path, stubs):
+    """The index cannot be read (a busy server): no verdict until it can (or, failing that,
+    for the deadline: then it is a fault)."""
+    stubs.append(start_stub(tmp_path, "m"))
+    triton = StandInTriton({"m": READY})
+    clock = FakeClock()
+    watch = watch_for(tmp_path, triton, clock=clock)
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    triton.states = None
+    stubs[0].kill()
+    assert wait_until(lambda: process_state(stubs[0].pid) in ("zombie", "gone"), HANG_GUARD_S)
+    assert watch.check() is None
+    clock.now += 3.9
+    assert watch.check() is None
+    triton.states = {"m": UNAVAILABLE}  # then Triton answers: it was an unload
+    assert watch.check() is None and watch.models() == []
+    stubs.append(start_stub(tmp_path, "m"))
+    triton.states = {"m": READY}
+    watch = watch_for(tmp_path, triton, clock=clock)
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    triton.states = None
+    stubs[1].kill()
+    assert wait_until(lambda: process_state(stubs[1].pid) in ("zombie", "gone"), HANG_GUARD_S)
+    assert watch.check() is None
+    clock.now += 4.0  # no answer for the deadline: the death counts
+    fault = watch.check()
+    assert (fault.model, fault.kind) == ("m", "died")
+
+
+def test_a_stub_that_died_before_the_first_scan_is_caught(tmp_path, stubs):
+    """Its zombie's command line is empty: the heartbeat file names it; without one, the
+    served model that lacks a stub is charged; a lone zombie no model misses is no fault."""
+    stubs.append(start_stub(tmp_path, "m", named=True))
+    assert wait_until(lambda: any(s.pid == stubs[0].pid for s in find_stubs_now()), HANG_GUARD_S)
+    (tmp_path / "beats").mkdir()
+    write_beat(beat_path(tmp_path / "beats", stubs[0].pid),
+               {"pid": stubs[0].pid, "model": "m", "instance": "m_0_0", "time": 0.0, "fault": None})
+    stubs[0].kill()  # a zombie (not reaped) before any watch looked
+    assert wait_until(lambda: process_state(stubs[0].pid) == "zombie", HANG_GUARD_S)
+    fault = watch_for(tmp_path, {"m"}).check()
+    assert (fault.model, fault.kind) == ("m", "died") and f"pid {stubs[0].pid}, instance m_0_0" in fault.cause
+    beat_path(tmp_path / "beats", stubs[0].pid).unlink()
+    fault = watch_for(tmp_path, {"m"}).check()
+    assert (fault.model, fault.kind) == ("m", "died") and f"pid {stubs[0].pid}" in fault.cause
+    assert watch_for(tmp_path, StandInTriton({"m": READY}, {"m": 0})).check() is None
+
+
+def find_stubs_now():
+    return find_stubs(os.getpid())
+
+
+def test_a_step_stuck_while_requests_wait_is_wedged(tmp_path, stubs):
+    """The heartbeat still beats (the hang frees the GIL) but the engine has been in one step
+    for the deadline while requests wait; the same step with nothing owed is idleness."""
+    stubs.append(start_stub(tmp_path, "m"))
+    wall = FakeClock(5000.0)
+    watch = watch_for(tmp_path, {"m"}, wall=wall)
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    path = beat_path(tmp_path / "beats", stubs[0].pid)
+
+    def beat(step_at: float, waiting: int, longest_step: float = 0.01) -> None:
+        write_beat(path, {"pid": stubs[0].pid, "model": "m", "instance": "m_0_0", "time": wall.now, "fault": None,
+                          "step_at": step_at, "waiting": waiting, "longest_step": longest_step})
+
+    beat(step_at=wall.now - 3.9, waiting=2)  # a long step, not yet the deadline's length
+    assert watch.check() is None
+    beat(step_at=wall.now - 60.0, waiting=0)  # idle for a minute: owes nothing
+    assert watch.check() is None
+    beat(step_at=wall.now - 4.2, waiting=2)
+    fault = watch.check()
+    assert fault.kind == "wedged" and "has been in one step for 4.2 s (limit 4.0 s) while 2 request(s) wait" in fault.cause
+
+
+def test_a_model_whose_steps_are_long_by_nature_gets_longer(tmp_path, stubs):
+    """A step of 3 s finished before: one of 10 s is within STEP_MARGIN of it; 12 s is not."""
+    stubs.append(start_stub(tmp_path, "m"))
+    wall = FakeClock(5000.0)
+    watch = watch_for(tmp_path, {"m"}, wall=wall)
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    path = beat_path(tmp_path / "beats", stubs[0].pid)
+
+    def beat(in_step: float) -> None:
+        write_beat(path, {"pid": stubs[0].pid, "model": "m", "instance": "m_0_0", "time": wall.now, "fault": None,
+                          "step_at": wall.now - in_step, "waiting": 1, "longest_step": 3.0})
+
+    beat(10.0)
+    assert watch.check() is None
+    beat(12.5)
+    fault = watch.check()
+    assert fault.kind == "wedged" and "(limit 12.0 s)" in fault.cause
+
+
+def test_step_limit_is_the_deadline_or_a_margin_over_the_longest_step():
+    assert step_limit(4.0, 0.0) == 4.0
+    assert step_limit(4.0, 0.5) == 4.0
+    assert step_limit(4.0, 2.0) == 2.0 * STEP_MARGIN
+
+
+def test_a_worker_ended_by_its_models_unload_is_no_fault(tmp_path, stubs):
+    """finalize removes the heartbeat file, then ends the workers: not a fault; a worker that
+    dies while the file is there is."""
+    stubs.append(start_stub(tmp_path, "m", worker=True))
+    watch = watch_for(tmp_path, {"m"}, wall=FakeClock(5000.0))
+
+    def worker_seen() -> bool:
+        watch.watched.clear()
+        watch.check()
+        return any(w.workers for w in watch.watched.values())
+
+    assert wait_until(worker_seen, HANG_GUARD_S)
+    path = beat_path(tmp_path / "beats", stubs[0].pid)
+    write_beat(path, {"pid": stubs[0].pid, "model": "m", "instance": "m_0_0", "time": 5000.0, "fault": None})
+    assert watch.check() is None
+    path.unlink()
+    (worker,) = next(iter(watch.watched.values())).workers
+    os.kill(worker, signal.SIGKILL)
+    assert wait_until(lambda: process_state(worker) in ("zombie", "gone"), HANG_GUARD_S)
+    assert watch.check() is None
