@@ -34,6 +34,8 @@ def guide_from_fields(obj, where: str) -> GuidedDecoding:
     if obj.get("disable_any_whitespace") not in (None, True, False):
         raise InvalidRequestError(f"{where}.disable_any_whitespace: expected true or false, "
                                   f"got {json.dumps(obj['disable_any_whitespace'])[:40]}")
+    # vLLM's disable_any_whitespace: JSON without whitespace between tokens; otherwise bounded whitespace
+    compact = obj.get("disable_any_whitespace") is True
     given = [k for k in GUIDE_FIELDS if obj.get(k) not in (None, False)]
     if len(given) != 1:
         raise InvalidRequestError(f"{where}: exactly one of {', '.join(GUIDE_FIELDS)} is needed, got "
@@ -45,11 +47,11 @@ def guide_from_fields(obj, where: str) -> GuidedDecoding:
             v = json.dumps(v)
         if not isinstance(v, str):
             raise InvalidRequestError(f"{where}.json: expected a JSON Schema (an object or its JSON text), got {json.dumps(v)[:40]}")
-        return GuidedDecoding("json_schema", v)
+        return GuidedDecoding("json_schema", v, compact=compact)
     if key == "json_object":
         if v is not True:
             raise InvalidRequestError(f"{where}.json_object: expected true, got {json.dumps(v)[:40]}")
-        return GuidedDecoding("json_object")
+        return GuidedDecoding("json_object", compact=compact)
     if key == "choice":
         if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
             raise InvalidRequestError(f"{where}.choice: expected a non-empty list of non-empty strings, got {json.dumps(v)[:40]}")

@@ -4,7 +4,9 @@ tritonclient with the Triton inputs (sampling_parameters' guided_decoding, Tenso
 guided_decoding_guide_type / guided_decoding_guide).
 
 References: pydantic and `jsonschema` validating the answers, `re.fullmatch` for regexes;
-the guides bound the answers' length, so every answer must end with finish_reason stop."""
+the guides bound the answers' length, so every answer must end with finish_reason stop,
+but for those max_tokens cuts on purpose (`length`) and those whose schema the grammar
+enforces only in part (`oneOf` as `anyOf`), which end with the violation as an error."""
 
 from __future__ import annotations
 
@@ -54,17 +56,22 @@ def client(triton_server, triton_repo):
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
 
 
+# compact JSON (vLLM's option, with response_format's guide): the random tiny model would spend
+# the tokens these tests bound on the whitespace a guide takes by default
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
 def test_chat_parse_with_a_pydantic_model_and_json_object(client):
     for temperature in (0, 1.2):
         completion = client.chat.completions.parse(
             model="tiny_chat", messages=[{"role": "user", "content": "Describe a pet."}], response_format=Pet,
-            max_tokens=64, temperature=temperature, seed=5)
+            max_tokens=64, temperature=temperature, seed=5, extra_body=COMPACT)
         choice = completion.choices[0]
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, Pet)  # the openai client parsed and validated it
     # two sampled choices, each with its own matcher; and json_object
     r = client.chat.completions.parse(model="tiny_chat", messages=[{"role": "user", "content": "Two pets."}], n=2,
-                                      response_format=Pet, max_tokens=64, temperature=1.0, seed=9)
+                                      response_format=Pet, max_tokens=64, temperature=1.0, seed=9, extra_body=COMPACT)
     assert len(r.choices) == 2
     for choice in r.choices:
         assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Pet)
@@ -107,7 +114,7 @@ def test_bad_guides_are_400s_naming_the_field(client):
 def test_triton_guided_decoding_in_sampling_parameters_and_trtllm_inputs(triton_server):
     schema = {**Pet.model_json_schema(), "additionalProperties": False}  # bounded: no further keys
     got = generate_grpc(triton_server.grpc_url, "tiny_chat", "Pet:", exclude_input_in_output=True, max_tokens=64,
-                        sampling_parameters=json.dumps({"guided_decoding": {"json": schema}}))
+                        sampling_parameters=json.dumps({"guided_decoding": {"json": schema, "disable_any_whitespace": True}}))
     assert got.finish_reason == "stop", got.text
     jsonschema.validate(json.loads(got.text), schema)
     got = generate_grpc(triton_server.grpc_url, "tiny_chat", "Date:", exclude_input_in_output=True, max_tokens=24,
@@ -117,6 +124,57 @@ def test_triton_guided_decoding_in_sampling_parameters_and_trtllm_inputs(triton_
     got = generate_grpc(triton_server.grpc_url, "tiny_chat", "Answer:", exclude_input_in_output=True, max_tokens=24,
                         guided_decoding_guide_type="ebnf_grammar", guided_decoding_guide='root ::= "ok" | "fail" [0-9]')
     assert got.finish_reason == "stop" and re.fullmatch(r"ok|fail[0-9]", got.text)
-    with pytest.raises(GenerateError, match=r"guided_decoding: invalid json_schema: .*uniqueItems"):
+    with pytest.raises(GenerateError, match=r"guided_decoding: invalid json_schema: .*contains"):
         generate_grpc(triton_server.grpc_url, "tiny_chat", "Hi", max_tokens=4, guided_decoding_guide_type="json_schema",
-                      guided_decoding_guide='{"type": "array", "uniqueItems": true}')
+                      guided_decoding_guide='{"type": "array", "contains": {"type": "integer"}}')
+
+
+LONG_LIST = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 40}},
+             "required": ["values"], "additionalProperties": False}
+ONE_OF_NUMBER = {"type": "object", "properties": {"x": {"oneOf": [{"type": "number"}, {"type": "integer"}]}},
+                 "required": ["x"], "additionalProperties": False}  # an integer matches both branches
+
+
+def test_a_guided_answer_cut_by_max_tokens_ends_with_length(client):
+    """The schema needs more than max_tokens allows: the answer is cut, and says so."""
+    rf = {"type": "json_schema", "json_schema": {"name": "values", "schema": LONG_LIST}}
+    messages = [{"role": "user", "content": "Forty numbers."}]
+    r = client.chat.completions.create(model="tiny_chat", messages=messages, response_format=rf, max_tokens=12, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(r.choices[0].message.content)  # incomplete
+    stream = client.chat.completions.create(model="tiny_chat", messages=messages, response_format=rf, max_tokens=12,
+                                            temperature=0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    r = client.completions.create(model="tiny_chat", prompt="{", max_tokens=6, temperature=0,
+                                  extra_body={"structured_outputs": {"json": LONG_LIST, "disable_any_whitespace": True}})
+    assert r.choices[0].finish_reason == "length" and not any(c.isspace() for c in r.choices[0].text)
+
+
+def test_one_of_is_accepted_and_each_answer_validated_or_the_violation_reported(client):
+    """oneOf with overlapping branches: the grammar enforces it as anyOf, and the finished
+    answer is checked against the whole schema. One that stops is valid (jsonschema); one
+    that violates it ends with an error naming the violation, never a silent stop."""
+    rf = {"type": "json_schema", "json_schema": {"name": "value", "schema": ONE_OF_NUMBER}}
+    outcomes = set()
+    for seed in range(6):
+        try:
+            r = client.chat.completions.create(model="tiny_chat", messages=[{"role": "user", "content": "A value."}],
+                                               response_format=rf, max_tokens=24, temperature=1.0, seed=seed)
+        except openai.InternalServerError as e:
+            assert "the answer violates the json_schema" in e.body["message"] and "keyword oneOf" in e.body["message"]
+            outcomes.add("violation")
+            continue
+        outcomes.add(r.choices[0].finish_reason)
+        if r.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(r.choices[0].message.content), ONE_OF_NUMBER)
+    assert outcomes <= {"stop", "length", "violation"}
+    always = {"oneOf": [{"type": "boolean"}, {"enum": [True, False]}]}  # every answer matches both branches
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model="tiny_chat", prompt="Yes or no:", max_tokens=8, temperature=0,
+                                  extra_body={"guided_json": always, **COMPACT})
+    assert "the answer violates the json_schema" in err.value.body["message"]
+    assert "is valid under each of" in err.value.body["message"]
+    assert err.value.body["code"] == "schema_violation" and "internal error" not in err.value.body["message"]

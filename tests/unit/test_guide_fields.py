@@ -20,6 +20,9 @@ from tritonlm.guide_fields import ANY_JSON_SCHEMA, guide_from_fields, guide_from
     ({"choice": ["só", "no"]}, GuidedDecoding("choice", json.dumps(["só", "no"], ensure_ascii=False))),
     ({"regex": "a", "json": None, "json_object": False}, GuidedDecoding("regex", "a")),  # unset fields as vLLM sends them
     ({"json_object": True, "disable_any_whitespace": False}, GuidedDecoding("json_object")),  # vLLM's default
+    # JSON without whitespace between tokens; the default takes bounded whitespace
+    ({"json_object": True, "disable_any_whitespace": True}, GuidedDecoding("json_object", compact=True)),
+    ({"json": {"type": "object"}, "disable_any_whitespace": True}, GuidedDecoding("json_schema", '{"type": "object"}', compact=True)),
     # asdict(StructuredOutputsParams(json=...)), as NVIDIA's OpenAI frontend sends it for a named tool_choice
     ({"json": '{"type": "object"}', "regex": None, "choice": None, "grammar": None, "json_object": None,
       "disable_fallback": False, "disable_any_whitespace": False, "disable_additional_properties": False,

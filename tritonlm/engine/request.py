@@ -41,6 +41,9 @@ class GuidedDecoding:
 
     kind: str
     spec: str = ""
+    # JSON kinds: no whitespace between JSON tokens (vLLM's disable_any_whitespace); otherwise
+    # the bounded whitespace of tritonlm/engine/guided.py
+    compact: bool = False
 
     def validate(self) -> None:
         if self.kind not in GUIDE_KINDS:

@@ -63,6 +63,8 @@ def from_triton(message: str, chat: bool = False) -> OpenAIError:
         return OpenAIError(503, text, code="unavailable")
     if "unknown model" in lower or ("model" in lower and "is not found" in lower) or "not ready" in lower:
         return OpenAIError(404, text, param="model", code="model_not_found")
+    if "the answer violates the json_schema" in lower:  # a valid request; the model's answer broke the schema
+        return OpenAIError(500, text, code="schema_violation")
     if lower.startswith("internal error"):
         return OpenAIError(500, text, code="internal_error")
     m = re.match(r"(sampling_parameters\.)?([a-z_]+): ", text)

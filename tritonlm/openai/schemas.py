@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tritonlm.openai.errors import OpenAIError, bad_field, unsupported
 from tritonlm.openai.tools import Function, check_tool_choice, check_tools
-from tritonlm.openai.structured import OLDER_FIELDS, guided_decoding
+from tritonlm.openai.structured import OLDER_FIELDS, guide_options, guided_decoding
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # Triton requests one HTTP request may start (prompts x n)
@@ -214,6 +214,11 @@ class ChatCompletionRequest(_Request):
     @property
     def parallel(self) -> bool:
         return self.parallel_tool_calls is not False
+
+    @property
+    def guide_options(self) -> dict:
+        """structured_outputs' options (disable_any_whitespace) for a tool call's guide."""
+        return guide_options(self.structured_outputs)
 
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -3,6 +3,10 @@ json_schema) and vLLM's extra fields (`structured_outputs`, and the older `guide
 `guided_regex`, `guided_choice`, `guided_grammar`) -> the `guided_decoding` object of
 tritonlm's sampling_parameters (vLLM's names, tritonlm/guide_fields.py).
 
+A structured_outputs object that sets no guide but options (`disable_any_whitespace`) goes
+with the guide of response_format or an older field, as in vLLM, or with a tool call's
+(guide_options).
+
 Each guide is compiled here once without a tokenizer (llguidance's own check), so a bad
 schema, regex or grammar is a 400 naming the field that carried it, before any Triton
 request starts.
@@ -15,7 +19,9 @@ from typing import Any
 from tritonlm.engine.guided import check_guide
 from tritonlm.engine.request import InvalidRequestError
 from tritonlm.openai.errors import bad_field, unsupported
-from tritonlm.guide_fields import guide_from_fields
+from tritonlm.guide_fields import GUIDE_FIELDS, guide_from_fields
+
+GUIDE_OPTIONS = ("disable_any_whitespace",)  # structured_outputs' options that may go with another field's guide
 
 # vLLM's older extra fields (before structured_outputs) -> the structured_outputs key each sets
 OLDER_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -28,15 +34,20 @@ def guided_decoding(response_format: Any, structured_outputs: Any, older: dict[s
     guided_* fields as sent (None where absent). At most one of the three may set a guide;
     errors are 400s naming the field."""
     sources: list[tuple[str, dict]] = []  # (field that set it, guided_decoding object)
+    options: dict = {}  # structured_outputs' options for the guide another field sets
     if response_format is not None:
         guide = _from_response_format(response_format)
         if guide is not None:
             sources.append(("response_format", guide))
+    given = {name: v for name, v in older.items() if v is not None}
     if structured_outputs is not None:
         if not isinstance(structured_outputs, dict):
             raise bad_field("structured_outputs", 'expected an object such as {"regex": "[0-9]+"}')
-        sources.append(("structured_outputs", structured_outputs))
-    given = {name: v for name, v in older.items() if v is not None}
+        # vLLM's way: options alone (disable_any_whitespace) apply to another field's guide, or
+        # to a tool call's (guide_options)
+        options = guide_options(structured_outputs)
+        if _sets_guide(structured_outputs) or not (options or sources or given):
+            sources.append(("structured_outputs", structured_outputs))
     if len(given) > 1:
         first, second = sorted(given)[:2]
         raise bad_field(second, f"sent with {first}; send one guide")
@@ -47,11 +58,30 @@ def guided_decoding(response_format: Any, structured_outputs: Any, older: dict[s
     if len(sources) > 1:
         raise bad_field(sources[1][0], f"sent with {sources[0][0]}; send one guide")
     where, guide = sources[0]
+    guide = {**guide, **options}
     try:
         check_guide(guide_from_fields(guide, where))
     except InvalidRequestError as e:
         raise bad_field(_param(where, guide), _without_prefix(str(e), where)) from None
     return guide
+
+
+def _sets_guide(structured_outputs: dict) -> bool:
+    return any(structured_outputs.get(k) not in (None, False) for k in GUIDE_FIELDS)
+
+
+def guide_options(structured_outputs: Any) -> dict:
+    """The options of a structured_outputs object that sets no guide of its own, for the guide
+    another field sets ({} where it sets one, or is absent); any other key set is a 400."""
+    if not isinstance(structured_outputs, dict) or _sets_guide(structured_outputs):
+        return {}
+    for key, value in structured_outputs.items():
+        if key not in GUIDE_OPTIONS and not key.startswith("_") and value not in (None, False):
+            raise bad_field(f"structured_outputs.{key}", f"not supported by this server (without a guide of its own, "
+                                                         f"structured_outputs takes {', '.join(GUIDE_OPTIONS)})")
+    if structured_outputs.get("disable_any_whitespace") not in (None, True, False):
+        raise bad_field("structured_outputs.disable_any_whitespace", "expected true or false")
+    return {k: structured_outputs[k] for k in GUIDE_OPTIONS if structured_outputs.get(k) is not None}
 
 
 def _from_response_format(rf: Any) -> dict | None:

@@ -10,6 +10,8 @@ from tritonlm.openai.schemas import ChatCompletionRequest, CompletionRequest, pa
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+ONE_OF = {"type": "object", "properties": {"x": {"oneOf": [{"type": "number"}, {"type": "integer"}]}}, "required": ["x"]}
+UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
 
 
 @pytest.mark.parametrize("fields, guide", [
@@ -21,6 +23,15 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"guided_json": SCHEMA}, {"json": SCHEMA}),
     ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
     ({"guided_grammar": 'root ::= "x"'}, {"grammar": 'root ::= "x"'}),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, {"json": SCHEMA, "disable_any_whitespace": True}),
+    # enforced in part by the grammar, the answer checked after against the whole schema
+    ({"guided_json": ONE_OF}, {"json": ONE_OF}),
+    ({"guided_json": UNIQUE}, {"json": UNIQUE}),
+    # structured_outputs' options alone go with the guide of another field (vLLM's way)
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
+     {"json_object": True, "disable_any_whitespace": True}),
+    ({"guided_json": SCHEMA, "structured_outputs": {"disable_any_whitespace": False, "regex": None}},
+     {"json": SCHEMA, "disable_any_whitespace": False}),
 ])
 def test_guides_reach_sampling_parameters(fields, guide):
     for model, body in ((ChatCompletionRequest, CHAT), (CompletionRequest, {"model": "m", "prompt": "hi"})):
@@ -32,6 +43,13 @@ def test_guides_reach_sampling_parameters(fields, guide):
      "response_format.json_schema.schema", "strin"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}},
      "response_format.json_schema.schema", "not"),  # unsupported keyword: refused, not ignored
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {**UNIQUE, "contains": {}}}}},
+     "response_format.json_schema.schema", 'Unimplemented keys: ["contains"]'),  # only uniqueItems is checked after
+    ({"guided_json": {"type": "object", "dependencies": {"a": ["b"]}}}, "guided_json", "not a keyword of the schema's draft"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"whitespace_pattern": " *"}},
+     "structured_outputs.whitespace_pattern", "not supported by this server"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace", "expected true or false"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema.name", "required"),
     ({"response_format": {"type": "structural_tag"}}, "response_format.type", "not supported"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
