@@ -127,7 +127,9 @@ OUTPUTS: tuple[Tensor, ...] = (
     _out("num_input_tokens", "INT32", "final response: tokens in the prompt"),
     _out("num_output_tokens", "INT32", "final response: tokens generated"),
     _out("num_cached_tokens", "INT32", "final response: prompt tokens served from the prefix cache (`enable_prefix_caching`)"),
-    _out("output_log_probs", "FP32", "with `return_log_probs`: log-probability of each token of this response", dims=(-1,)),
+    _out("output_log_probs", "FP32",
+         "with `return_log_probs`: log-probability of each token of this response (log_softmax of the model's raw "
+         "logits, before penalties, guide and temperature: the source of the alternatives too)", dims=(-1,)),
     _out("output_top_token_ids", "INT32",
          "with `top_log_probs` N: for each token of this response, the N most likely token ids, most likely first",
          dims=(-1, -1)),

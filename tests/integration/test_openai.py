@@ -612,8 +612,10 @@ def test_nvidia_frontends_named_tool_choice_is_guided(triton_server):
 
     params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "boolean"}},
               "required": ["city", "days"], "additionalProperties": False}
+    # disable_any_whitespace (compact JSON): the seeded weights would spend max_tokens on the
+    # whitespace a JSON guide takes by default
     structured = {"json": json.dumps(params), "regex": None, "choice": None, "grammar": None, "json_object": None,
-                  "disable_fallback": False, "disable_any_whitespace": False, "disable_additional_properties": False,
+                  "disable_fallback": False, "disable_any_whitespace": True, "disable_additional_properties": False,
                   "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False}
     sampling = {**NVIDIA_CHAT, "max_tokens": 40, "structured_outputs": json.dumps(structured)}
     for stream in (False, True):
@@ -671,6 +673,10 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
 TOOL_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+MOST = 140  # the tiny model's context (256) less the tools' prompt: room for a guided call's whitespace
+# compact JSON for a call's guide (vLLM's option): sampled, the seeded weights would spend
+# max_tokens on the whitespace a JSON guide takes by default
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
 
 
 def assert_valid_calls(message, names: set[str]):
@@ -688,18 +694,19 @@ def test_named_and_required_tool_calls_always_parse_and_validate(client):
     with jsonschema; streamed deltas re-assembled equal the non-streamed call for the same seed."""
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = client.chat.completions.create(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=named,
-                                       max_tokens=96, temperature=1.0, seed=3, n=2)
+                                       max_tokens=MOST, temperature=1.0, seed=3, n=2, extra_body=COMPACT)
     for c in r.choices:
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
         assert_valid_calls(c.message, {"get_weather"})
     r = client.chat.completions.create(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=96, temperature=1.0, seed=4, n=2)
+                                       parallel_tool_calls=False, max_tokens=MOST, temperature=1.0, seed=4, n=2,
+                                       extra_body=COMPACT)
     for c in r.choices:
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
         assert_valid_calls(c.message, {"get_weather", "get_time"})
     for choice in (named, "required"):
-        ask = dict(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=96,
-                   temperature=1.0, seed=5)
+        ask = dict(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=MOST,
+                   temperature=1.0, seed=5, extra_body=COMPACT)
         whole = client.chat.completions.create(**ask).choices[0]
         calls: list[dict] = []
         chunks = list(client.chat.completions.create(**ask, stream=True))
@@ -712,7 +719,9 @@ def test_named_and_required_tool_calls_always_parse_and_validate(client):
                     calls[d.index]["arguments"] += d.function.arguments
         assert [(c["name"], c["arguments"]) for c in calls] == [
             (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # several calls may run into max_tokens: the last one is then cut, and so is the answer
+        ended = "tool_calls" if all(parses(c["arguments"]) for c in calls) else "length"
+        assert chunks[-1].choices[0].finish_reason == whole.finish_reason == ended
 
 
 def test_auto_tool_choice_reads_hermes_calls_from_the_templates_prompt(client, triton_server):
@@ -769,6 +778,222 @@ def test_tool_history_is_templated_as_transformers_does(client, triton_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny_tools", messages=ASK + [{"role": "tool", "content": "x"}])
     assert e.value.body["param"] == "messages[1].tool_call_id"
+
+
+def tools_prompt(messages=ASK, tools=(WEATHER, TIME)) -> str:
+    """transformers' rendering of the conversation with the tools: the reference prompt."""
+    return tiny()[1].apply_chat_template(messages, tools=list(tools), tokenize=False, add_generation_prompt=True,
+                                         chat_template=TOOLS_TEMPLATE)
+
+
+def guided(server, prompt: str, guide: dict, stream: bool = False, **params):
+    """The gRPC path with the prompt and a guide, greedy unless told: the frontend's reference."""
+    return grpc(server, prompt, model="tiny_tools", stream=stream,
+                sampling_parameters=json.dumps({"guided_decoding": guide}), **params)
+
+
+def tokens_until(server, prompt: str, guide: dict, pattern: str, most: int = MOST) -> int:
+    """The fewest tokens of the guided greedy answer whose text holds the regex pattern (a
+    search over max_tokens: a streamed piece may hold several tokens)."""
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if re.search(pattern, guided(server, prompt, guide, max_tokens=mid).text):
+            hi = mid
+        else:
+            lo = mid + 1
+    assert re.search(pattern, guided(server, prompt, guide, max_tokens=lo).text)
+    return lo
+
+
+def streamed_message(client, **ask) -> tuple[str, list[tuple[str, str]], str]:
+    """A streamed chat answer re-assembled: (content, [(name, arguments)], finish_reason)."""
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            if d.id is not None:
+                assert d.index == len(calls)
+                calls.append([d.function.name, d.function.arguments or ""])
+            else:
+                calls[d.index][1] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [tuple(c) for c in calls], finish
+
+
+def whole_message(client, **ask) -> tuple[str | None, list[tuple[str, str]], str]:
+    c = client.chat.completions.create(**ask).choices[0]
+    return c.message.content, [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []], c.finish_reason
+
+
+def parses(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
+def test_forced_calls_cut_by_max_tokens_end_with_length_the_same_streamed_or_not(client, triton_server):
+    """A named or required call cut by max_tokens: finish_reason `length` (never `tool_calls`),
+    content null, the call with the arguments made so far (the gRPC path's text for the same
+    prompt, guide and max_tokens), the same streamed or not."""
+    from tritonlm.openai.tools import check_tools, required_schema
+
+    prompt = tools_prompt()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cases = ((named, WEATHER["function"]["parameters"]),
+             ("required", required_schema(check_tools([WEATHER, TIME]), parallel=False)))
+    for choice, schema in cases:
+        full = guided(triton_server, prompt, {"json": schema}, max_tokens=MOST)
+        assert full.finish_reason == "stop" and parses(full.text) == (choice is named)
+        # cut two tokens after the arguments' first key (named) or their opening (required): inside them
+        k = tokens_until(triton_server, prompt, {"json": schema}, ":" if choice is named else r'"arguments"\s*:\s*\{') + 2
+        cut = guided(triton_server, prompt, {"json": schema}, max_tokens=k)
+        assert cut.finish_reason == "length" and full.text.startswith(cut.text) and cut.text != full.text
+        ask = dict(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=k,
+                   parallel_tool_calls=False)
+        content, calls, finish = whole_message(client, **ask)
+        assert (content, finish) == (None, "length") and len(calls) == 1
+        name, arguments = calls[0]
+        if choice is named:
+            assert (name, arguments) == ("get_weather", cut.text)
+        else:  # the element's name, its arguments' text so far: the end of the gRPC path's text
+            assert name in ("get_weather", "get_time") and re.search(rf'"name"\s*:\s*"{name}"', cut.text)
+            assert arguments and cut.text.endswith(arguments) and '"arguments"' in cut.text[: -len(arguments)]
+        assert not parses(arguments)
+        assert streamed_message(client, **ask) == ("", calls, "length")
+
+
+def test_stop_strings_do_not_cut_forced_calls_but_do_cut_the_others(client, triton_server):
+    """Stop strings that the call's JSON holds (`"`, `:`) do not apply while a named or required
+    call is generated: the answer equals the one without them, finish_reason `tool_calls`, the
+    arguments parse; the gRPC path with the same stop strings shows they would have cut it. An
+    answer that is not forced is still cut by them."""
+    prompt = tools_prompt()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stop = ['"', ":"]
+    cut = guided(triton_server, prompt, {"json": WEATHER["function"]["parameters"]}, max_tokens=MOST, stop_words=stop)
+    assert cut.finish_reason == "stop" and not parses(cut.text)  # what the stop strings do to a guided answer
+    for choice in (named, "required"):
+        ask = dict(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=MOST,
+                   parallel_tool_calls=False)
+        free = whole_message(client, **ask)
+        assert free[2] == "tool_calls", (choice, free)
+        with_stop = whole_message(client, **ask, stop=stop)
+        assert with_stop == free and all(parses(a) for _, a in with_stop[1])
+        assert streamed_message(client, **ask, stop=stop) == ("", free[1], "tool_calls")
+    plain = grpc(triton_server, prompt, model="tiny_tools", max_tokens=24)
+    words = stop + ["e"]
+    ends = [plain.text.index(w) for w in words if w in plain.text]
+    assert ends, plain.text  # the greedy answer holds one of them
+    r = client.chat.completions.create(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], tool_choice="none",
+                                       max_tokens=24, stop=words).choices[0]
+    assert (r.message.content, r.finish_reason) == (plain.text[: min(ends)], "stop")
+
+
+# the tiny model, kept to the Hermes syntax by a regex guide: auto's reading of a real answer
+AUTO_CALL = (r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo|Lima)", '
+             r'"unit": "(C|F)"\}\}</tool_call>')
+
+
+def test_auto_reads_a_call_the_model_makes_and_a_cut_one_stays_content(client, triton_server):
+    """tool_choice auto with a regex guide that makes the model write a Hermes block (the model
+    picks the city and unit): the call is in tool_calls, the text before it content,
+    finish_reason `tool_calls`, as the Hermes reader reads the gRPC path's greedy text of
+    transformers' rendering; streamed the same. Cut by max_tokens or by a stop string inside the
+    block: no call, the text as content, finish_reason `length` / `stop`, streamed the same."""
+    from tritonlm.openai.tools import HermesReader
+
+    prompt = tools_prompt()
+    ref = guided(triton_server, prompt, {"regex": AUTO_CALL}, max_tokens=96)
+    assert ref.finish_reason == "stop" and re.fullmatch(AUTO_CALL, ref.text)
+    reader = HermesReader({"get_weather", "get_time"})
+    reader.feed(ref.text)
+    reader.finish()
+    content, calls = reader.message()
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert content == "Sure. " and [n for n, _ in want] == ["get_weather"]
+    ask = dict(model="tiny_tools", messages=ASK, tools=[WEATHER, TIME], max_tokens=96,
+               extra_body={"structured_outputs": {"regex": AUTO_CALL}})
+    assert whole_message(client, **ask) == ("Sure. ", want, "tool_calls")
+    assert streamed_message(client, **ask) == ("Sure. ", want, "tool_calls")
+    assert json.loads(want[0][1])["city"] in ref.text
+    # cut inside the block by max_tokens: the fragment is content
+    k = tokens_until(triton_server, prompt, {"regex": AUTO_CALL}, '"arguments"')  # inside the block
+    cut = guided(triton_server, prompt, {"regex": AUTO_CALL}, max_tokens=k)
+    assert "<tool_call>" in cut.text and cut.finish_reason == "length"
+    ask["max_tokens"] = k
+    assert whole_message(client, **ask) == (cut.text, [], "length")
+    assert streamed_message(client, **ask) == (cut.text, [], "length")
+    # cut by a stop string inside the block (auto is not forced: stop strings apply)
+    ask["max_tokens"] = 96
+    stopped = ref.text[: ref.text.index('"unit"')]
+    assert whole_message(client, **ask, stop=['"unit"']) == (stopped, [], "stop")
+    assert streamed_message(client, **ask, stop=['"unit"']) == (stopped, [], "stop")
+
+
+def test_chat_logprobs_with_sampling_and_penalties_agree_with_themselves_and_transformers(client, triton_server):
+    """Chat at temperature 1.3 with frequency and repetition penalties and a logit bias, logprobs
+    with 5 alternatives: each chosen token's value is its entry among the alternatives when
+    listed, and both are log_softmax of transformers' logits over the sampled sequence (raw: the
+    settings do not change them); streamed, the same values. The vLLM backend's `logprobs` output
+    for the same request (its ids tell the chosen tokens) gives the chosen token the same value
+    with 0 or 5 alternatives, listed among them or not."""
+    import torch
+
+    from tests.helpers.models import hf_logits
+
+    model, tok = tiny()
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt = chat_template_prompt(messages)
+    settings = {"max_tokens": 10, "temperature": 1.3, "seed": 5, "frequency_penalty": 1.0, "repetition_penalty": 1.3,
+                "logit_bias": {"17": 4.0}, "ignore_eos": True}
+
+    def vllm_form(n: int) -> list[dict[int, tuple[float, int]]]:
+        responses = replay_responses(triton_server, nvidia_inputs(prompt, {**settings, "logprobs": n}, False, logprobs=True),
+                                     model="tiny_chat")
+        texts = [r["logprobs"].reshape(-1)[0].decode() for r in responses if "logprobs" in r]
+        return [{int(t): (e["logprob"], e["rank"]) for t, e in per.items()} for text in texts if text != "null"
+                for per in json.loads(text)]
+
+    chosen_only, with_top = vllm_form(0), vllm_form(5)
+    assert len(chosen_only) == len(with_top) == 10 and all(len(d) == 1 for d in chosen_only)
+    ids = [next(iter(d)) for d in chosen_only]
+    for token, alone, listed in zip(ids, chosen_only, with_top):
+        # among the 5 most likely or added to them: one value (two requests: the second one's prompt
+        # comes from the prefix cache, whose kernels may round the logits' last bits differently)
+        assert listed[token][0] == pytest.approx(alone[token][0], abs=1e-5)
+        assert len(listed) == (5 if alone[token][1] <= 5 else 6)  # the chosen one's rank says which
+
+    ask = dict(model="tiny_chat", messages=messages, max_tokens=10, temperature=1.3, seed=5, frequency_penalty=1.0,
+               logit_bias={"17": 4.0}, logprobs=True, top_logprobs=5,
+               extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+    r = client.chat.completions.create(**ask).choices[0]
+    content = r.logprobs.content
+    assert tok.decode(ids) == r.message.content and len(content) == 10  # the same sampled tokens
+    assert [e.logprob for e in content] == pytest.approx([d[t][0] for t, d in zip(ids, chosen_only)], abs=1e-5)
+    assert ids != hf_greedy_text(prompt, 10)  # sampled: not the greedy answer
+    history = list(tok(prompt).input_ids)
+    listed = 0
+    for token, entry in zip(ids, content):
+        with torch.no_grad():
+            want = torch.log_softmax(hf_logits(model, history)[-1], -1)  # [V]
+        assert entry.logprob == pytest.approx(want[token].item(), abs=1e-3)
+        values, order = torch.topk(want, 5)
+        assert [a.token for a in entry.top_logprobs] == [tok.decode([t]) for t in order.tolist()]
+        assert np.allclose([a.logprob for a in entry.top_logprobs], values.tolist(), atol=1e-3)
+        if token in order.tolist():
+            assert entry.top_logprobs[order.tolist().index(token)].logprob == entry.logprob  # one source: one value
+            listed += 1
+        history.append(token)
+    assert 0 < listed < 10  # some chosen tokens among the 5 most likely, some not
+    streamed = [e for c in client.chat.completions.create(**ask, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.logprob, [a.logprob for a in e.top_logprobs]) for e in streamed] == [
+        (e.logprob, [a.logprob for a in e.top_logprobs]) for e in content]
 
 
 # ---- echo with the prompt's log-probabilities ----------------------------------------------------

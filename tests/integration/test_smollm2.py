@@ -170,3 +170,50 @@ def test_guides_log_probs_and_penalties_hold_on_real_weights(triton_server, smol
     (final,) = stream_responses(triton_server.grpc_url, NAME, _request(
         prompt, {"max_tokens": n, "temperature": 0, "frequency_penalty": freq, "presence_penalty": pres, "ignore_eos": True}))
     assert b"".join(final["text_output"].reshape(-1)).decode() == expected
+
+
+def test_smollm2s_own_chat_template_with_tools(triton_server, triton_repo, smollm2):
+    """SmolLM2-Instruct's own chat template (from its GGUF, saved with the exported tokenizer)
+    renders no tools and no tool calls: transformers renders the prompt the same with tools as
+    without. So tool_choice auto is a 400 naming `tools`, and a history with tool calls a 400
+    naming that message's `tool_calls` (both say what to send instead); a named call is guided
+    and comes out valid, its arguments the gRPC path's greedy text for transformers' rendering."""
+    import json
+
+    import jsonschema
+    import openai
+
+    from tests.helpers.servers import HANG_GUARD_S, stream_responses
+    from tritonlm.openai.server import OpenAIServer
+    from tritonlm.server import free_ports
+
+    _, tok = smollm2
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                "parameters": parameters}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    prompt = tok.apply_chat_template(ask, tools=[weather], tokenize=False, add_generation_prompt=True)
+    assert tok.chat_template and prompt == tok.apply_chat_template(ask, tokenize=False, add_generation_prompt=True)
+    (port,) = free_ports(1)
+    with OpenAIServer(triton_server.grpc_url, port=port, repo=triton_repo) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=ask, tools=[weather], max_tokens=8)
+        assert e.value.body["param"] == "tools" and "does not render tools" in e.value.body["message"]
+        assert 'tool_choice "required" or a named function' in e.value.body["message"]  # what is allowed
+        history = ask + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=history, max_tokens=8)
+        assert e.value.body["param"] == "messages[1].tool_calls" and "does not render tool calls" in e.value.body["message"]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        r = client.chat.completions.create(model=NAME, messages=ask, tools=[weather], tool_choice=named, max_tokens=64)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
+    (final,) = stream_responses(triton_server.grpc_url, NAME, _request(
+        prompt, {"max_tokens": 64, "temperature": 0, "guided_decoding": {"json": weather["function"]["parameters"]}}))
+    assert call.function.arguments == b"".join(final["text_output"].reshape(-1)).decode()
+    assert r.usage.prompt_tokens == len(tok(prompt).input_ids)

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tritonlm.engine.guided import GuideViolation
 from tritonlm.engine.scheduler import ScheduledBatch, Scheduler
-from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row, sample_rows, token_ranks, top_log_probs
+from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row, sample_rows, token_log_probs
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import AdaptiveK, Drafter, Proposal, verify_row
 
@@ -210,22 +211,26 @@ class ModelExecutor:
                     outputs.append(RowOutput(seq, [drawn[i]]))
                 else:
                     outputs.append(RowOutput(seq, [sample_row(last(i), seq.sampling)]))
+            except GuideViolation as e:  # the model's answer, not a fault of the server
+                log.warning("request %s: %s", seq.id, e)
+                outputs.append(RowOutput(seq, error=str(e)))
+                continue
             except Exception as e:  # noqa: BLE001 - one bad row must not fail its batch
                 log.exception("sampling failed for request %s", seq.id)
                 outputs.append(RowOutput(seq, error=f"internal error while sampling: {e}"))
                 continue
             if seq.request.params.return_log_probs and seq.id not in fwd.proposals:
                 alternatives.append((outputs[-1], i))
-        if alternatives:  # the most likely tokens and the chosen one's rank, for every row that asked
+        if alternatives:  # the chosen token's log-probability and rank, the most likely tokens: one source
             try:
                 stacked = torch.stack([last(i) for _, i in alternatives])  # [n, V]
                 counts = [out.seq.request.params.top_log_probs for out, _ in alternatives]
-                tops = top_log_probs(stacked, counts) if any(counts) else [[] for _ in counts]
-                ranks = token_ranks(stacked, [out.tokens[0][0] for out, _ in alternatives])
-                for (out, _), top, rank in zip(alternatives, tops, ranks):
+                details = token_log_probs(stacked, [out.tokens[0][0] for out, _ in alternatives], counts)
+                for (out, _), found in zip(alternatives, details):
+                    out.tokens = [(out.tokens[0][0], found.chosen)]
                     if out.seq.request.params.top_log_probs:
-                        out.top_log_probs = [top]
-                    out.ranks = [rank]
+                        out.top_log_probs = [found.top]
+                    out.ranks = [found.rank]
             except Exception as e:  # noqa: BLE001 - those rows fail, the others carry on
                 log.exception("top log-probabilities failed")
                 for out, _ in alternatives:

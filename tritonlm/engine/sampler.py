@@ -12,6 +12,12 @@ whichever device the logits are.
 
 `sample_rows` decides a step's rows together, on the logits' device, with one host sync
 for the whole batch; `sample_row` decides one row with the same arithmetic.
+
+Log-probabilities have one source: log_softmax of the model's raw logits (`raw_log_probs`),
+before every step above, as vLLM reports them by default (its `raw_logprobs`). The chosen
+token's value, its rank and the most likely alternatives (`token_log_probs`) all come from
+it, so a token listed both as chosen and among the alternatives has one value, and neither
+depends on the guide, the penalties, the bans or the temperature.
 """
 
 from __future__ import annotations
@@ -253,8 +259,8 @@ NO_FINITE_LOGIT = "the model's logits hold no finite value for this sequence"
 
 
 def sample_rows(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, float]]:
-    """[n, V] raw logits, row i's settings in rows[i] -> (token, log-probability under the
-    processed distribution; 0.0 unless asked for) per row.
+    """[n, V] raw logits, row i's settings in rows[i] -> (token, its raw log-probability
+    (raw_log_probs); 0.0 unless asked for) per row.
 
     Works on the logits' device and waits for it once, for all tokens and log-probabilities
     together. Raises ValueError when a row's logits hold no finite value: the caller then
@@ -323,7 +329,7 @@ def sample_rows(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, f
 
     logprobs = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
     if any(row.params.return_log_probs for row in rows):
-        chosen = torch.log_softmax(processed, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
+        chosen = raw_log_probs(logits).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
         logprobs = torch.where(table[:, 6] > 0, chosen, logprobs)
 
     # the one host sync: tokens, log-probabilities and the failed rows in one transfer
@@ -337,8 +343,8 @@ def sample_rows(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, f
 
 
 def sample_row(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
-    """[V] raw logits -> (token, its log-probability under the processed distribution):
-    sample_rows on a batch of one, so a row decides the same token alone or batched."""
+    """[V] raw logits -> (token, its raw log-probability; 0.0 unless asked for): sample_rows
+    on a batch of one, so a row decides the same token alone or batched."""
     if plain_greedy(row):
         # Plain greedy, the common case: one pass over V. A finite winner means no NaN and no
         # +inf in the row, and the full path would pick the same token; otherwise it decides.
@@ -348,19 +354,38 @@ def sample_row(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
     return sample_rows(logits.unsqueeze(0), [row])[0]
 
 
-def top_log_probs(logits: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]]]:
-    """logits [n, V] raw -> for row i its counts[i] most likely (token id, log-probability),
-    most likely first: log_softmax of the model's raw logits (before penalties, bans and
-    temperature), one host sync for the batch."""
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [n, V]
-    values, ids = torch.topk(logprobs, max(counts), dim=-1)  # [n, K]
-    values, ids = values.tolist(), ids.tolist()
-    return [list(zip(ids[i][:k], values[i][:k])) for i, k in enumerate(counts)]
+def raw_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """[n, V] (or [V]) raw logits -> the same shape of float32 log-probabilities: log_softmax
+    of the model's logits before the guide, penalties, bias, bans and temperature. NaN counts
+    as -inf and +inf as the largest float, as in sampling, so one bad logit does not turn
+    every value of its row into NaN."""
+    clean = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=FLOAT32_MAX)
+    return torch.log_softmax(clean, dim=-1)
 
 
-def token_ranks(logits: torch.Tensor, tokens: list[int]) -> list[int]:
-    """logits [n, V] raw -> for row i the rank of tokens[i] by raw log-probability (1: the most
-    likely; vLLM's Logprob.rank), one host sync for the batch."""
-    rows = logits.to(torch.float32)  # [n, V]
-    chosen = rows.gather(-1, torch.tensor(tokens, device=rows.device).unsqueeze(-1))  # [n, 1]
-    return ((rows > chosen).sum(dim=-1) + 1).tolist()
+@dataclass
+class TokenLogProbs:
+    """One position's log-probabilities, all from raw_log_probs."""
+
+    chosen: float  # the chosen token's
+    rank: int  # its rank (1: the most likely; vLLM's Logprob.rank)
+    top: list[tuple[int, float]]  # the most likely (token id, log-probability), most likely first
+
+
+def token_log_probs(logits: torch.Tensor, tokens: list[int], counts: list[int]) -> list[TokenLogProbs]:
+    """logits [n, V] raw, tokens[i] row i's chosen token, counts[i] how many most likely tokens
+    it lists -> each row's TokenLogProbs, from one log_softmax (raw_log_probs) and one host
+    sync for the batch: the chosen token's value is its entry among the most likely, bit for bit."""
+    logprobs = raw_log_probs(logits)  # [n, V]
+    index = to_device(tokens, torch.int64, logprobs.device).unsqueeze(-1)  # [n, 1]
+    chosen = logprobs.gather(-1, index)  # [n, 1]
+    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True)  # [n, 1]: tokens more likely than the chosen one
+    k = max(counts, default=0)
+    values, ids = torch.topk(logprobs, k, dim=-1)  # [n, k]
+    # the one host sync: float64 holds every token id and rank exactly
+    packed = torch.cat([chosen.double(), ranks.double(), values.double(), ids.double()], dim=-1).tolist()  # [n, 2 + 2k]
+    out = []
+    for row, c in zip(packed, counts):
+        top = [(int(t), v) for t, v in zip(row[2 + k: 2 + k + c], row[2: 2 + c])]
+        out.append(TokenLogProbs(row[0], int(row[1]) + 1, top))
+    return out

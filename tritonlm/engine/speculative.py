@@ -24,7 +24,7 @@ import torch
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.draws import ACCEPT, DRAFT, RESIDUAL, SAMPLE, inverse_cdf
 from tritonlm.engine.kv_cache import KVCacheManager
-from tritonlm.engine.sampler import RowState, next_token_distribution, process_logits
+from tritonlm.engine.sampler import RowState, next_token_distribution, raw_log_probs
 from tritonlm.engine.sequence import Sequence
 
 
@@ -92,9 +92,10 @@ def _draw(weights: torch.Tensor, row: RowState, stream: int) -> int:
 
 
 def _logprob(logits: torch.Tensor, row: RowState, token: int) -> float:
+    """The token's raw log-probability (the sampler's one source), 0.0 unless asked for."""
     if not row.params.return_log_probs:
         return 0.0
-    return float(torch.log_softmax(process_logits(logits, row), dim=-1)[token])
+    return float(raw_log_probs(logits)[token])
 
 
 # ---- drafters ----------------------------------------------------------------------
@@ -148,7 +149,11 @@ class DraftModelDrafter:
                 break
             logits = self._run([seqs[i] for i in active], [feeds[i] for i in active])  # [b, V]
             for row_index, i in enumerate(active):
-                q = next_token_distribution(logits[row_index], rows[i])
+                try:
+                    q = next_token_distribution(logits[row_index], rows[i])
+                except ValueError:  # e.g. an answer its guide refuses (guided.py): the verifier fails that row alone
+                    ks[i] = step  # no more guesses for it
+                    continue
                 guess = _draw(q, rows[i], DRAFT)  # independent of the verifier's uniforms
                 proposals[i].tokens.append(guess)
                 proposals[i].dists.append(None if rows[i].params.greedy else q)

@@ -84,13 +84,15 @@ class Choice:
     reader: Reader | None = None  # chat with tools: reads the answer into content and tool calls
 
     def final_reason(self) -> str | None:
-        """finish_reason: "tool_calls" for an answer that ended on its own with calls."""
-        if self.reader is not None and self.reader.calls and self.finish_reason == "stop":
+        """finish_reason: "tool_calls" for an answer that ended on its own with calls whose
+        arguments all parse; a cut call keeps the answer's own reason (length or stop)."""
+        if self.reader is not None and self.reader.calls and self.finish_reason == "stop" and self.reader.complete():
             return "tool_calls"
         return self.finish_reason
 
     def message(self) -> dict:
-        """The whole answer as a chat message: content, or the calls (and the text outside them)."""
+        """The whole answer as a chat message: content, and the calls when there are any. The
+        reader reads it as the streamed pieces are read, so both tell the same."""
         text = "".join(self.text)
         if self.reader is None:
             return {"role": "assistant", "content": text}
@@ -98,7 +100,7 @@ class Choice:
         self.reader.finish()
         content, calls = self.reader.message()
         if not calls:
-            return {"role": "assistant", "content": text}
+            return {"role": "assistant", "content": content}
         return {"role": "assistant", "content": content, "tool_calls": calls}
 
     def absorb_prompt(self, piece: Piece) -> None:
@@ -496,7 +498,10 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
                     raise OpenAIError(400, "tool_choice: a named or required tool call is itself a constraint on the "
                                       "answer; send it without response_format or another guide", param="tool_choice",
                                       code="invalid_value")
-                sampling["guided_decoding"] = call_guide
+                sampling["guided_decoding"] = {**call_guide, **req.guide_options}  # e.g. disable_any_whitespace
+                # the whole answer is the call: a stop string met inside its JSON would cut it into
+                # arguments that do not parse, so stop strings do not apply (the guide ends it)
+                sampling.pop("stop", None)
         readers = [tool_reader(choice, functions, req.parallel) for _ in jobs]  # each choice its own
         return await _answer(request, req, info, jobs, n, chat=True, echo=False, readers=readers)
 

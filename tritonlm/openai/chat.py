@@ -70,11 +70,13 @@ class ChatTemplates:
                 "use /v1/completions with a prompt, or add a chat_template to the model's tokenizer_config.json",
                 param="messages", code="no_chat_template",
             )
-        try:
-            text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+        def apply(msgs: list[dict], with_tools: bool = True) -> str:
+            return tok.apply_chat_template(msgs, tools=(tools or None) if with_tools else None, tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
-            if need_tools and text == tok.apply_chat_template(messages, tokenize=False,
-                                                              add_generation_prompt=add_generation_prompt):
+
+        try:
+            text = apply(messages)
+            if need_tools and text == apply(messages, with_tools=False):
                 raise OpenAIError(
                     400, f"tools: the chat template of '{model}' does not render tools, so the model cannot be offered "
                     "them with tool_choice \"auto\"; send tool_choice \"required\" or a named function (the answer is "
@@ -83,13 +85,37 @@ class ChatTemplates:
         except OpenAIError:
             raise
         except Exception as e:  # a template may raise on purpose (e.g. roles must alternate)
+            _check_tool_history(model, messages, apply)  # a template that cannot take tool calls says so
             raise OpenAIError(400, f"messages: the chat template of '{model}' refused them: {e}", param="messages",
                               code="invalid_value") from None
+        _check_tool_history(model, messages, apply, text)
         # the model's tokenizer adds its BOS itself when it encodes: do not send a second one
         bos = getattr(tok, "bos_token", None)
         if bos and text.startswith(bos) and _adds_bos(tok):
             text = text[len(bos):]
         return text
+
+
+def _check_tool_history(model: str, messages: list[dict], apply, text: str | None = None) -> None:
+    """A 400 naming the first assistant message's tool_calls when the template cannot express
+    them: it renders the conversation the same without them (they would vanish from the
+    prompt), or refuses it only while they are there (e.g. it adds the content, null beside
+    calls, to a string). text: the rendering with them, None when that raised."""
+    first = next((i for i, m in enumerate(messages) if m.get("tool_calls")), None)
+    if first is None:
+        return
+    without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    if text is None:  # it raised: does it take the same conversation without the calls (and their null content)?
+        without = [m | {"content": m["content"] or ""} if m["role"] == "assistant" else m for m in without]
+    try:
+        plain = apply(without)
+    except Exception:  # noqa: BLE001 - refused without the calls too: not about the calls
+        return
+    if text is None or text == plain:
+        raise OpenAIError(
+            400, f"messages[{first}].tool_calls: the chat template of '{model}' does not render tool calls, so the "
+            "model would not see this call; send the call and its result as text (assistant and user content), or "
+            "give the model a template with tool support", param=f"messages[{first}].tool_calls", code="no_tool_support")
 
 
 def _adds_bos(tok) -> bool:

@@ -14,6 +14,12 @@ tool_choice decides how the answer becomes calls:
 Every reader takes the answer's text piece by piece and gives back what is final so far:
 content text and whole or partial calls (ToolDelta), so streamed deltas and the
 non-streamed message come from the same reading.
+
+An answer cut short (max_tokens) ends the same streamed or not: a named call keeps the
+arguments made so far; a required call cut inside an array element whose name is written
+becomes a call with the arguments' text so far (nothing if the name is not complete); an
+auto block that does not parse stays content. The answer's finish_reason is `tool_calls`
+only when it ended on its own and every call's arguments parse (`Reader.complete`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for functio
 MAX_TOOLS = 128  # OpenAI's limit
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+# the start of a required call's element, cut short: its complete name, then maybe the arguments' key
+# (the guide writes "name" first: required_schema lists it first)
+CUT_ELEMENT = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"arguments"\s*:\s*)?')
 
 
 def call_id() -> str:
@@ -188,13 +197,32 @@ class Reader:
         return Reading()
 
     def message(self) -> tuple[str | None, list[dict]]:
-        """(content or None, tool_calls) of the whole answer."""
+        """(content, tool_calls) of the whole answer: content None when there are calls and the
+        text around them is only whitespace."""
         content = "".join(self.content)
-        return (content if content.strip() else None), self.calls
+        return (None if self.calls and not content.strip() else content), self.calls
+
+    def complete(self) -> bool:
+        """Every call's arguments are a whole JSON object (a cut call's are not)."""
+        for call in self.calls:
+            try:
+                if not isinstance(json.loads(call["function"]["arguments"]), dict):
+                    return False
+            except ValueError:
+                return False
+        return True
 
 
-class NamedReader(Reader):
-    """A named function: the whole answer is its arguments, streamed as they come."""
+class ForcedReader(Reader):
+    """A reader of a guided answer (named or required): all of it is calls, never content."""
+
+    def message(self) -> tuple[str | None, list[dict]]:
+        return None, self.calls
+
+
+class NamedReader(ForcedReader):
+    """A named function: the whole answer is its arguments, streamed as they come (cut short,
+    the arguments so far)."""
 
     def __init__(self, name: str):
         super().__init__()
@@ -206,9 +234,11 @@ class NamedReader(Reader):
         return Reading(calls=[self._more(text)] if text else [])
 
 
-class CallListReader(Reader):
+class CallListReader(ForcedReader):
     """tool_choice "required": the answer is a JSON array of {"name", "arguments"}; each call is
-    given once its object closes (a scan of the brackets outside strings)."""
+    given once its object closes (a scan of the brackets outside strings). An element left
+    open at the end (max_tokens) becomes a call when its name is complete, its arguments the
+    text written so far."""
 
     def __init__(self):
         super().__init__()
@@ -240,11 +270,19 @@ class CallListReader(Reader):
                     self.current = []
         return out
 
+    def finish(self) -> Reading:
+        text, self.current = "".join(self.current), []
+        found = CUT_ELEMENT.match(text)
+        if found is None:  # nothing open, or cut before its name was complete
+            return Reading()
+        arguments = text[found.end():] if found.group(2) else ""
+        return Reading(calls=[self._call(json.loads(found.group(1)), arguments)])
+
     def _element(self, text: str) -> list[ToolDelta]:
         try:
             obj = json.loads(text)
         except ValueError:
-            return []  # the guide forbids this; an answer cut short by max_tokens ends mid-call
+            return []  # the guide forbids this
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return []
         return [self._call(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False))]

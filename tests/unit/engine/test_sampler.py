@@ -135,6 +135,57 @@ def test_log_probs_are_those_of_the_model():
     assert lps == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.parametrize("engine_kind", ["plain", "speculative"])
+def test_sampled_log_probs_with_penalties_are_the_models_and_agree_with_their_alternatives(engine_kind, monkeypatch):
+    """Sampling at temperature 1.4 with repetition and frequency penalties, in one batch with a
+    greedy row on the same prompt: every chosen token's log-probability and its 5 most likely
+    alternatives are log_softmax of transformers' logits over the sequence (not of the
+    processed logits), the chosen token's value is its entry among the alternatives when
+    listed, bit for bit, and a position both rows share (the first) has the same values.
+    Speculative: the verifier's tokens carry the same raw values (alternatives turn speculation
+    off, so none are asked there)."""
+    import tritonlm.engine.executor as executor
+
+    verified = []
+    real_verify = executor.verify_row
+    monkeypatch.setattr(executor, "verify_row",
+                        lambda logits, proposal, row: verified.append(1) or real_verify(logits, proposal, row))
+    model, tok = tiny()
+    engine = make_engine() if engine_kind == "plain" else make_speculative_engine("random", k=3)
+    top_n = 5 if engine_kind == "plain" else 0
+    col = Collector()
+    prompt = MIXED_PROMPTS[1]
+    sampled = col.request(engine, prompt, max_tokens=12, temperature=1.4, seed=21, repetition_penalty=1.3,
+                          frequency_penalty=0.8, return_log_probs=True, top_log_probs=top_n, end_id=-1)
+    greedy = col.request(engine, prompt, max_tokens=12, return_log_probs=True, top_log_probs=top_n, end_id=-1)
+    drain(engine)
+    assert bool(verified) == (engine_kind == "speculative")
+    prompt_ids = tok(prompt).input_ids
+    listed = 0
+    runs = {}
+    for rid in (sampled, greedy):
+        ids = col.ids(rid)
+        lps = [lp for e in col.events[rid] for lp in e.log_probs]
+        tops = [t for e in col.events[rid] for t in e.top_log_probs] or [[] for _ in ids]
+        assert len(ids) == len(lps) == len(tops) == 12
+        with torch.no_grad():
+            want = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1:-1].log_softmax(-1)  # [T, V]
+        assert lps == pytest.approx([float(want[i, t]) for i, t in enumerate(ids)], abs=1e-4)
+        for i, (token, lp, top) in enumerate(zip(ids, lps, tops)):
+            assert [t for t, _ in top] == torch.topk(want[i], top_n).indices.tolist()
+            assert [v for _, v in top] == pytest.approx(torch.topk(want[i], top_n).values.tolist(), abs=1e-4)
+            if token in dict(top):
+                assert dict(top)[token] == lp
+                listed += 1
+        runs[rid] = (ids, lps, tops)
+    assert runs[sampled][0] != runs[greedy][0]  # the settings did change the text
+    if top_n:
+        assert listed > 0
+        assert any(t not in dict(top) for t, top in zip(runs[sampled][0], runs[sampled][2]))  # a draw outside the top 5
+        # the first position: the same logits in both rows, so the same values whatever the settings
+        assert runs[sampled][2][0] == runs[greedy][2][0]
+
+
 # ---- against transformers' logits processors ------------------------------------------
 
 
@@ -543,15 +594,42 @@ def test_a_seeded_row_gets_the_same_tokens_alone_and_in_any_batch(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_log_probs_are_those_of_the_processed_logits(device):
-    logits = (torch.randn(4, 25, generator=torch.Generator().manual_seed(4)) * 2).to(device)  # [n, V]
+def test_log_probs_are_the_raw_logits_whatever_the_settings(device):
+    """The chosen token's log-probability is log_softmax of the raw logits (computed here
+    with torch directly), not of the logits after penalties, bias, bans and temperature: the
+    same token on the same logits has the same value under every setting; token_log_probs
+    gives it bit for bit as its entry among the most likely, and its rank."""
+    from tritonlm.engine.sampler import token_log_probs
+
+    logits = (torch.randn(5, 25, generator=torch.Generator().manual_seed(4)) * 2).to(device)  # [n, V]
+    logits[4, 3] = float("nan")  # counts as -inf: the row's other values stay finite
     rows = [row(1, [3, 3], temperature=0.7, top_k=4, return_log_probs=True),
             row(2, [3, 5], repetition_penalty=1.4, return_log_probs=True),
-            row(3, temperature=1.3, frequency_penalty=1.0, return_log_probs=True),
-            row(4, temperature=0.9)]
-    for (token, lp), r, lg in zip(sample_rows(logits, rows), rows, logits):
-        expected = float(torch.log_softmax(process_logits(lg, r), dim=-1)[token]) if r.params.return_log_probs else 0.0
-        assert lp == pytest.approx(expected, abs=1e-5)
+            row(3, temperature=1.3, frequency_penalty=1.0, presence_penalty=0.5, logit_bias=((6, 3.0),),
+                return_log_probs=True),
+            row(4, temperature=0.9),
+            row(5, [2], temperature=1.6, bad_words=((1,),), return_log_probs=True)]
+    reference = torch.log_softmax(torch.nan_to_num(logits.double().cpu(), nan=float("-inf")), dim=-1)  # [n, V]
+    drawn = sample_rows(logits, rows)
+    for i, ((token, lp), r, want) in enumerate(zip(drawn, rows, reference)):
+        assert lp == (pytest.approx(float(want[token]), abs=1e-5) if r.params.return_log_probs else 0.0)
+        assert sample_row(logits[i], r) == (token, lp)
+    # a token in a row of its own settings and in a plain greedy row: one value
+    greedy = RowState.make(SamplingParams(max_tokens=4, return_log_probs=True), [0], eos_id=None)
+    token, lp = drawn[2]
+    forced = RowState.make(SamplingParams(max_tokens=4, return_log_probs=True, logit_bias=((token, 100.0),)), [0], None)
+    assert sample_row(logits[2], forced) == (token, lp)  # the bias decides the token, not its value
+    assert sample_row(logits[2], greedy)[1] == pytest.approx(float(reference[2].max()), abs=1e-5)
+    details = token_log_probs(logits, [t for t, _ in drawn], [5, 0, 25, 1, 3])
+    for (token, lp), found, want in zip(drawn, details, reference):
+        assert found.chosen == pytest.approx(float(want[token]), abs=1e-5)
+        assert found.rank == int((want > want[token]).sum()) + 1
+        assert [t for t, _ in found.top] == torch.topk(want, len(found.top)).indices.tolist()
+        for t, v in found.top:
+            assert v == pytest.approx(float(want[t]), abs=1e-5)
+            if t == token:
+                assert v == found.chosen  # one source: the same float
+    assert len(details[2].top) == 25 and details[1].top == []
 
 
 def test_rows_get_a_seed_each_and_forks_keep_it():

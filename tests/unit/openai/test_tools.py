@@ -97,6 +97,62 @@ def test_required_calls_are_read_as_each_object_closes(step):
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == plain(calls)
 
 
+CUT_REQUIRED = [
+    # (a required answer cut by max_tokens, the calls it ends with: a cut element with a complete name
+    # is a call with the arguments' text so far)
+    ('[{"name": "get_weather", "arguments": {"city": "Pa', [("get_weather", '{"city": "Pa')]),
+    ('[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": ',
+     [("get_time", '{"zone": "UTC"}'), ("get_weather", "")]),
+    ('[{"name": "get_time"', [("get_time", "")]),
+    ('[{"name": "get_ti', []),  # no complete name: no call
+    ("[", []),
+]
+
+
+@pytest.mark.parametrize("text, calls", CUT_REQUIRED)
+@pytest.mark.parametrize("step", [None, 1, 5])
+def test_a_cut_required_call_ends_the_same_streamed_or_not(text, calls, step):
+    reader = CallListReader()
+    (content, got), (streamed_content, streamed) = read(reader, text, step)
+    assert content is None and streamed_content == ""  # a forced answer is never content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+    assert [(c["name"], c["arguments"]) for c in streamed] == calls
+    assert reader.complete() == all(_parses(a) for _, a in calls)  # a cut call's arguments do not parse
+    assert not reader.complete() or not calls
+
+
+def _parses(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def test_finish_reason_is_tool_calls_only_when_every_call_parses():
+    """The app's Choice: `tool_calls` for an answer that stopped on its own with calls whose
+    arguments parse; a cut call (by max_tokens, or a stop) keeps the answer's own reason. The
+    non-streamed message holds the calls a stream of the same text gives, content null."""
+    from tritonlm.openai.app import Choice
+    from tritonlm.openai.triton import Piece
+
+    named = '{"city": "Paris", "days": 3}'
+    cases = ((named, "stop", "tool_calls"), (named[:9], "length", "length"), (named[:9], "stop", "stop"),
+             ('[{"name": "get_time", "arguments": {}}]', "stop", "tool_calls"),
+             ('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci', "length", "length"))
+    for text, reason, want in cases:
+        def new_reader():
+            return NamedReader("get_weather") if text.startswith("{") else CallListReader()
+
+        whole = Choice(0, 0, True, "", gen=None, reader=new_reader())
+        whole.absorb(Piece(text=text, final=True, finish_reason=reason))
+        message = whole.message()
+        assert whole.final_reason() == want, (text, reason)
+        _, (streamed_content, streamed) = read(new_reader(), text, step=4)
+        assert message["content"] is None and streamed_content == ""
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+            (c["name"], c["arguments"]) for c in streamed]
+
+
 def test_a_named_call_streams_its_arguments_as_they_come():
     (content, calls), (_, streamed) = read(NamedReader("get_weather"), '{"city": "Paris", "days": 3}', step=2)
     assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}
