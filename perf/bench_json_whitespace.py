@@ -33,7 +33,6 @@ from pathlib import Path
 
 import jsonschema
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf/json_schemas.py, run as a script
 
 from json_schemas import SCHEMAS  # noqa: E402
 

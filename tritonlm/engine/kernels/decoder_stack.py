@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from tritonlm.engine.runners.layers import (
-    INT8_REDUCE_RANGE,
     BlockedLinear,
     Int8Linear,
     Linear,
@@ -76,7 +75,7 @@ def build_decoder_stack(model: Transformer) -> object | None:
         elif isinstance(p, WeightOnlyInt8Linear):
             stack.add_w8(p.panel, p.scale, p.offset, p.b, p.out)
         else:
-            stack.add_int8(p.packed, p.smooth, p.b, INT8_REDUCE_RANGE)
+            stack.add_int8(p.packed, p.smooth, p.b, p.reduce_range)
 
     for L in model.layers:
         for p in (L.qkv, L.o, L.gate_up if act == "silu_mul" else L.fc, L.down):

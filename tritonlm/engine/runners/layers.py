@@ -23,6 +23,7 @@ C hidden, H query heads, Hkv key/value heads, D head_dim, S pool slots.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,8 +39,28 @@ from tritonlm.engine.runners.base import ForwardBatch, gather_kv
 # Dynamic int8 (fbgemm) quantizes activations to uint8 per call. Without VNNI its AVX2
 # kernel sums pairs of u8*s8 products in int16 and can saturate, so activations are then
 # limited to 7 bits (reduce_range), as torch.ao's dynamic Linear does; VNNI accumulates
-# in int32 and keeps all 8.
-INT8_REDUCE_RANGE = not (hasattr(torch.cpu, "_is_vnni_supported") and torch.cpu._is_vnni_supported())
+# in int32 and keeps all 8. The integer sums are exact in both modes, so a VNNI host forced
+# to 7 bits computes what a host without VNNI does: int8_reduce_range() is the one place
+# that decides, and TRITONLM_INT8_REDUCE_RANGE overrides it (docs/configuration.md).
+INT8_VNNI = bool(hasattr(torch.cpu, "_is_vnni_supported") and torch.cpu._is_vnni_supported())
+INT8_REDUCE_RANGE_ENV = "TRITONLM_INT8_REDUCE_RANGE"
+
+
+def int8_reduce_range() -> bool:
+    """Whether int8 activations are quantized to 7 bits (True) or 8 (False): the CPU decides
+    (8 with VNNI), unless TRITONLM_INT8_REDUCE_RANGE is 1 (7 bits) or 0 (8 bits). Read at
+    the making of each int8 projection (Int8Linear.reduce_range; a DecoderStack takes the
+    projection's), so a test can switch modes between models. 8 bits without VNNI is refused: fbgemm's kernel would saturate, silently."""
+    value = os.environ.get(INT8_REDUCE_RANGE_ENV, "").strip()
+    if not value:
+        return not INT8_VNNI
+    if value not in ("0", "1"):
+        raise ValueError(f"{INT8_REDUCE_RANGE_ENV}={value!r}: 1 (7-bit int8 activations), "
+                         "0 (8-bit, CPUs with VNNI only) or unset (chosen by the CPU)")
+    if value == "0" and not INT8_VNNI:
+        raise ValueError(f"{INT8_REDUCE_RANGE_ENV}=0: this CPU has no VNNI, where fbgemm's int8 kernel "
+                         "saturates with 8-bit activations; use 1 or leave it unset")
+    return value == "1"
 
 BLOCKED_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's prepacked linear runs on any x86 CPU
 
@@ -210,6 +231,9 @@ class Int8Linear(Linear):
     smooth: torch.Tensor | None = None  # [in] 1/s of SmoothQuant's migration, when not folded upstream
     pinned: PinnedRows = field(default_factory=PinnedRows, repr=False)  # shared by the model's int8 projections
     fused_op: bool = False  # through torch.ops.tritonlm.int8_linear (scaling, kernel, rescale, bias: one op)
+    # 7-bit activations (int8_reduce_range), decided once when the projection is made: not
+    # an environment read in every call of the hot path
+    reduce_range: bool = field(default_factory=lambda: int8_reduce_range())
 
     @staticmethod
     def from_float(w: torch.Tensor, b: torch.Tensor | None, smooth: torch.Tensor | None = None) -> "Int8Linear":
@@ -237,13 +261,13 @@ class Int8Linear(Linear):
         rows = flat.shape[0]
         buf = self.pinned.take(rows, self.in_features)
         if self.fused_op:
-            y = torch.ops.tritonlm.int8_linear(flat.contiguous(), self.smooth, bias, self.packed, buf, INT8_REDUCE_RANGE)
+            y = torch.ops.tritonlm.int8_linear(flat.contiguous(), self.smooth, bias, self.packed, buf, self.reduce_range)
             return y.view(*x.shape[:-1], y.shape[-1])
         if self.smooth is not None:
             flat = flat * self.smooth
         scale = flat.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)  # [M, 1] (faster than vector_norm(inf))
         torch.div(flat, scale, out=buf[1 : rows + 1])
-        y = torch.ops.quantized.linear_dynamic(buf[: rows + 1], self.packed, INT8_REDUCE_RANGE)
+        y = torch.ops.quantized.linear_dynamic(buf[: rows + 1], self.packed, self.reduce_range)
         y = (y[1:] * scale).view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 

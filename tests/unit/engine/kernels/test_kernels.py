@@ -193,16 +193,16 @@ def test_fused_ops_refuse_bad_tensors_naming_them():
         ops.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="silu_mul: gate_up must be a contiguous float32 CPU tensor"):
         ops.silu_mul(torch.randn(8, 2).t())
-    from tritonlm.engine.runners.layers import INT8_REDUCE_RANGE, FloatLinear
+    from tritonlm.engine.runners.layers import FloatLinear, int8_reduce_range
     from tritonlm.engine.runners.quant import quantize_linear
 
     packed = quantize_linear(FloatLinear(torch.randn(8, 6), None)).packed
     with pytest.raises(RuntimeError, match=r"int8_linear: buf must be \[>= 3, 8\] \(the pinned row and x's rows\), not \[2, 8\]"):
-        ops.int8_linear(x, None, None, packed, torch.zeros(2, 8), INT8_REDUCE_RANGE)
+        ops.int8_linear(x, None, None, packed, torch.zeros(2, 8), int8_reduce_range())
     with pytest.raises(RuntimeError, match="int8_linear: smooth has 4 values; x's rows have 8"):
-        ops.int8_linear(x, torch.ones(4), None, packed, torch.zeros(3, 8), INT8_REDUCE_RANGE)
+        ops.int8_linear(x, torch.ones(4), None, packed, torch.zeros(3, 8), int8_reduce_range())
     with pytest.raises(RuntimeError, match="int8_linear: bias has 5 values; the weights have 6 outputs"):
-        ops.int8_linear(x, None, torch.ones(5), packed, torch.zeros(3, 8), INT8_REDUCE_RANGE)
+        ops.int8_linear(x, None, torch.ones(5), packed, torch.zeros(3, 8), int8_reduce_range())
 
 
 # ---------------------------------------------------------------------------- the build

@@ -1,4 +1,4 @@
-"""Golden logits of the Transformer forward pass, for test_golden_logits.py.
+"""Golden logits of the Transformer forward pass, for test_model.py.
 
     .venv/bin/python tests/unit/engine/runners/make_golden_logits.py   # rewrites data/golden_logits.npz
 
@@ -6,16 +6,23 @@ Two seeded tiny models (the built-in tiny-gpt2; a grouped-query Llama with tied
 embeddings, built here from a seeded LlamaConfig) run the same four steps through a
 paged KV pool on scattered slots: a prefill of two prompts of different widths in one
 batch (the packed path), two decode steps, and a 3-token step with every token's logits
-(speculative verification). Each model runs in every variant of VARIANTS. The logits are
-stored raw (float32), with the host facts that decide their exact bits (HostFacts).
+(speculative verification). Each model runs in every variant of VARIANTS; the int8 variants
+run twice, once per activation range (PARTS: 8 bits, what CPUs with VNNI run, and 7, what
+the others run; TRITONLM_INT8_REDUCE_RANGE), so every host has the recording of its own
+range. Recording therefore needs a CPU with VNNI. The logits are stored raw (float32), with
+the host facts that decide their exact bits (HostFacts).
 Rerun it only when a change of the logits is intended.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
+import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,6 +35,7 @@ from tritonlm.engine.kernels import kernels_available
 from tritonlm.engine.parallel.comm import Comm
 from tritonlm.engine.parallel.shard import layer_slice, tensor_slice
 from tritonlm.engine.runners.base import plan_step
+from tritonlm.engine.runners.layers import INT8_REDUCE_RANGE_ENV, INT8_VNNI
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.models.builtin import build_tiny
@@ -231,8 +239,8 @@ def _ranks(hf: torch.nn.Module, mode: str) -> list[Transformer]:
     return shares
 
 
-# name -> the logits of every step for (HF model, batches); names starting "int8" are compared more
-# loosely across hosts (test_golden_logits.py)
+# name -> the logits of every step for (HF model, batches); names starting "int8" run once per
+# int8 part of PARTS and are compared more loosely across hosts (test_model.py)
 VARIANTS: dict[str, Callable[[torch.nn.Module, list[StepBatch]], list[torch.Tensor]]] = {
     "float32_plain": lambda hf, b: run_whole(_plain(hf), b),
     "float32_packed_gather": lambda hf, b: run_whole(_runner_model(attention="gather")(hf), b),
@@ -245,15 +253,51 @@ VARIANTS: dict[str, Callable[[torch.nn.Module, list[StepBatch]], list[torch.Tens
 }
 
 
-def compute_logits(models: dict[str, torch.nn.Module] | None = None) -> dict[str, np.ndarray]:
-    """"{arch}/{variant}/step{i}" -> float32 logits ([B, V], or [B, T, V] for the verify step)."""
+# The recording's parts: the float32 variants, and the int8 ones with 8-bit activations (CPUs
+# with VNNI) and with 7-bit ones (the others), each forced through TRITONLM_INT8_REDUCE_RANGE.
+# fbgemm's integer sums are exact in both ranges, so a CPU with VNNI computes both.
+PARTS = ("float32", "int8_act8", "int8_act7")
+INT8_PARTS = {"int8_act8": 8, "int8_act7": 7}  # part -> activation bits
+
+
+def part_of(key: str) -> str:
+    """The part of PARTS a key of compute_logits belongs to: "llama/int8_gather_act7/step0" -> "int8_act7"."""
+    label = key.split("/")[1]
+    return "int8_" + label.rsplit("_", 1)[1] if label.startswith("int8") else "float32"
+
+
+@contextlib.contextmanager
+def activation_range(part: str) -> Iterator[None]:
+    """TRITONLM_INT8_REDUCE_RANGE set to the int8 part's range meanwhile (float32: untouched)."""
+    bits = INT8_PARTS.get(part)
+    before = os.environ.get(INT8_REDUCE_RANGE_ENV)
+    if bits is not None:
+        os.environ[INT8_REDUCE_RANGE_ENV] = "1" if bits == 7 else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(INT8_REDUCE_RANGE_ENV, None)
+        else:
+            os.environ[INT8_REDUCE_RANGE_ENV] = before
+
+
+def compute_logits(models: dict[str, torch.nn.Module] | None = None,
+                   parts: tuple[str, ...] = PARTS) -> dict[str, np.ndarray]:
+    """"{arch}/{variant}/step{i}" -> float32 logits ([B, V], or [B, T, V] for the verify step),
+    for the variants of `parts`; an int8 variant's name ends in its part's range ("int8_gather_act7")."""
     models = hf_models() if models is None else models
     out = {}
-    for arch, hf in models.items():
-        batches = step_batches(hf.config.vocab_size)
-        for name, run in VARIANTS.items():
-            for i, logits in enumerate(run(hf, batches)):
-                out[f"{arch}/{name}/step{i}"] = logits.detach().cpu().numpy().astype(np.float32, copy=False)
+    for part in parts:
+        with activation_range(part):
+            for arch, hf in models.items():
+                batches = step_batches(hf.config.vocab_size)
+                for name, run in VARIANTS.items():
+                    if name.startswith("int8") != (part in INT8_PARTS):
+                        continue
+                    label = f"{name}_{part.removeprefix('int8_')}" if part in INT8_PARTS else name
+                    for i, logits in enumerate(run(hf, batches)):
+                        out[f"{arch}/{label}/step{i}"] = logits.detach().cpu().numpy().astype(np.float32, copy=False)
     return out
 
 
@@ -264,6 +308,9 @@ def load_golden(path: Path = DATA) -> tuple[HostFacts, dict[str, np.ndarray]]:
 
 
 def main() -> None:
+    if not INT8_VNNI:
+        sys.exit("record on a CPU with VNNI (avx512_vnni): the recording holds int8 with 8-bit activations, "
+                 "which fbgemm computes correctly only there")
     logits = compute_logits()
     DATA.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(DATA, __host__=np.array(HostFacts.here().to_json()), **logits)
