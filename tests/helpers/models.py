@@ -68,6 +68,52 @@ def tiny_llama(**overrides):
     return LlamaForCausalLM(LlamaConfig(**args)).eval()
 
 
+# the Llama-shaped families served (runners.families.FAMILIES), each as a tiny seeded model
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2")
+WINDOW = 8  # sliding window of the tiny windowed models: prompts plus answers run past it
+
+
+def tiny_family(family: str, **overrides):
+    """A tiny seeded model of `family` from transformers' own config class (hidden 64, 4 query
+    heads over 2 kv heads, 512 tokens, no EOS: greedy references run to their length), with
+    each family's feature switched on: Qwen2's q/k/v biases, Qwen3's per-head q/k norm with
+    an explicit head_dim, Mistral's and Phi-3's sliding window, Granite's multipliers,
+    SmolLM3's NoPE layers (every 2nd of 4), OLMo 2's post-norm blocks and whole q/k norm."""
+    import transformers
+
+    args = dict(vocab_size=LLAMA_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                initializer_range=0.2)  # as tiny_llama: varied greedy continuations
+    extra = {
+        "llama": {},
+        "qwen2": {},  # q/k/v biases are always on in Qwen2
+        "qwen3": dict(head_dim=32),  # not hidden / heads: the explicit head_dim must be read
+        "mistral": dict(sliding_window=WINDOW),
+        "phi3": dict(sliding_window=WINDOW, tie_word_embeddings=False),
+        "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.1, residual_multiplier=0.4,
+                        logits_scaling=4.0),
+        "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=2),
+        "olmo2": {},
+    }[family]
+    args.update(extra)
+    args.update(overrides)
+    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
+             "granite": "Granite", "smollm3": "SmolLM3", "olmo2": "Olmo2"}
+    config = getattr(transformers, f"{names[family]}Config")(**args)
+    torch.manual_seed(77)
+    model = getattr(transformers, f"{names[family]}ForCausalLM")(config).eval()
+    with torch.no_grad():  # transformers initializes biases to zero and norms to one: make them matter
+        for layer in model.model.layers:
+            if family == "qwen2":
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+            if family in ("qwen3", "olmo2"):
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
 def hf_greedy_text(prompt: str, max_tokens: int, builtin: str = "tiny-gpt2", **kwargs) -> list[int]:
     """transformers' own generate(), greedy, on a built-in tiny model's tokens of `prompt`:
     the reference token ids (EOS and after removed); kwargs go to generate()."""

@@ -9,7 +9,7 @@ import torch
 
 @dataclass(frozen=True)
 class ModelShape:
-    architecture: str  # "gpt2" | "llama"
+    architecture: str  # "gpt2" | "llama" (every Llama-shaped family: runners.families.ROTARY_FAMILIES)
     num_layers: int
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (< num_heads with grouped-query attention)
@@ -17,6 +17,7 @@ class ModelShape:
     vocab_size: int
     max_positions: int  # context length the model supports
     dtype: torch.dtype = torch.float32
+    family: str = ""  # the config's model_type ("qwen3", "mistral", ...): runners.families.FAMILIES
 
     def kv_bytes_per_token(self, num_layers: int | None = None, num_kv_heads: int | None = None) -> int:
         """KV cache bytes one token costs: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes.
@@ -45,8 +46,11 @@ class ModelShape:
                 vocab_size=config.vocab_size,
                 max_positions=config.n_positions,
                 dtype=dtype,
+                family="gpt2",
             )
-        if model_type == "llama":
+        from tritonlm.engine.runners.families import ROTARY_FAMILIES, refusal
+
+        if model_type in ROTARY_FAMILIES:
             heads = config.num_attention_heads
             return ModelShape(
                 architecture="llama",
@@ -57,5 +61,6 @@ class ModelShape:
                 vocab_size=config.vocab_size,
                 max_positions=config.max_position_embeddings,
                 dtype=dtype,
+                family=model_type,
             )
-        raise ValueError(f"unsupported architecture {model_type!r}: tritonlm supports gpt2 and llama")
+        raise ValueError(refusal(model_type))

@@ -20,8 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("model", help="built-in (tiny-gpt2, tiny-gpt2-draft, smollm2-135m), .gguf file, "
                    "Hugging Face model folder, or Hugging Face id (gpt2, distilgpt2)")
     add_export_args(p)
-    p.add_argument("--formats", default=",".join(ALL_FORMATS),
-                   help=f"comma-separated, from {','.join(ALL_FORMATS)} (default: all)")
+    p.add_argument("--formats", default=None,
+                   help=f"comma-separated, from {','.join(ALL_FORMATS)}, or none: the generation model alone "
+                   "(default: all the model's family exports)")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     p.set_defaults(func=run_export)
 
@@ -32,14 +33,15 @@ def add_parser(sub) -> None:
     s.add_argument("--model", default="smollm2-135m", help="model to serve (default: smollm2-135m)")
     s.add_argument("--draft", default=None, help="draft model for speculative decoding (same tokenizer)")
     s.add_argument("--name", default=None, help="Triton model name (default: from the model name)")
-    s.add_argument("--formats", default="onnx", help="formats to export when exporting (default: onnx)")
+    s.add_argument("--formats", default=None,
+                   help="formats to export when exporting (default: onnx, where the model's family exports it)")
     s.add_argument("--max-context", type=int, default=None)
     s.add_argument("--device", default="cpu")
     s.add_argument("--force", action="store_true", help="export again even if the model is already there")
     from tritonlm.commands.serve import add_server_args
 
     add_server_args(s)
-    s.set_defaults(func=run_serve_default)
+    s.set_defaults(func=run_serve_default, default_formats="onnx")
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
@@ -79,7 +81,8 @@ def options_from_args(args: argparse.Namespace):
         model=args.model,
         name=args.name,
         repo=Path(args.repo),
-        formats=parse_formats(args.formats),
+        formats=None if args.formats is None else parse_formats(args.formats),
+        default_formats=parse_formats(getattr(args, "default_formats", None) or "all"),
         draft=args.draft,
         max_context=args.max_context,
         device=args.device,

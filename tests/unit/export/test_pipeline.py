@@ -1,7 +1,10 @@
 """tritonlm/export/pipeline.py without a server: every format written with its verification,
 artifacts that match transformers on fresh inputs, configs that parse as Triton's ModelConfig,
 re-runs that reuse verified artifacts, a failed verification that writes nothing, a local
-Llama folder exported. The shared export: tests/unit/export/conftest.py.
+Llama folder exported; the families beyond GPT-2 and Llama (runners.families): their
+generation model written, forward formats skipped by default and refused when named,
+`--formats none`, refused families and features named. The shared export:
+tests/unit/export/conftest.py.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import pytest
 import torch
 
 from tests.helpers.exports import FORWARD, NAME, artifact, assert_untouched
+from tests.helpers.models import tiny_family
 from tritonlm.export.pipeline import ExportError, ExportOptions, export, parse_formats
 from tritonlm.export.repository import parse_config
 from tritonlm.export.verify import onnx_decoder_fn, torchscript_decoder_fn, verify_decoder
+from tritonlm.models.builtin import tiny_tokenizer
 
 
 def _fn(path: Path):
@@ -150,3 +155,61 @@ def test_tiny_llama_folder_exports_and_verifies(tmp_path):
     assert report.failure() is None and report.max_abs_diff < 1e-4
     gen = parse_config((repo / "tiny-llama" / "config.pbtxt").read_text())
     assert gen.parameters["max_context"].string_value == "128"
+
+
+# ---------------------------------------------------------------------------- families
+
+
+def _folder(tmp_path, family: str, **overrides):
+    folder = tmp_path / f"Tiny-{family}"
+    tiny_family(family, **overrides).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "phi3", "granite", "smollm3", "olmo2"])
+def test_default_export_writes_the_generation_model_and_skips_forward_formats(tmp_path, family):
+    lines: list[str] = []
+    result = export(ExportOptions(model=str(_folder(tmp_path, family)), repo=tmp_path / "repo"), out=lines.append)
+    assert result.artifacts == [] and result.models == [f"tiny-{family}"]
+    assert (tmp_path / "repo" / f"tiny-{family}" / "1" / "hf" / "config.json").is_file()
+    assert any(line.startswith("skipping onnx") and f"({family})" in line for line in lines)
+
+
+def test_named_forward_formats_are_refused_naming_the_family(tmp_path):
+    folder = _folder(tmp_path, "qwen3")
+    with pytest.raises(ExportError, match=r"--formats: torchscript forward-model export is not supported for "
+                                          r"Qwen3 dense \(qwen3\).*--formats none"):
+        export(ExportOptions(model=str(folder), repo=tmp_path / "repo", formats=["torchscript"]), out=lambda s: None)
+    assert not (tmp_path / "repo").exists()
+
+
+def test_formats_none_is_the_generation_model_alone(tmp_path):
+    assert parse_formats("none") == [] and parse_formats(["None"]) == []
+    with pytest.raises(ExportError, match="'none'.*cannot be combined"):
+        parse_formats("none,onnx")
+    result = export(ExportOptions(model="tiny-gpt2", repo=tmp_path / "repo", formats=parse_formats("none")),
+                    out=lambda s: None)
+    assert result.artifacts == [] and sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["tiny-gpt2"]
+
+
+@pytest.mark.parametrize("model_type, name", [("gemma2", "Gemma 2"), ("gpt_oss", "gpt-oss"), ("gemma3_text", "Gemma 3"),
+                                              ("qwen3_moe", "Qwen3-MoE"), ("mixtral", "Mixtral")])
+def test_refused_families_are_named(tmp_path, model_type, name):
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(ExportError) as e:
+        export(ExportOptions(model=str(folder), repo=tmp_path / "repo"), out=lambda s: None)
+    message = str(e.value)
+    assert f"architecture {model_type!r} ({name}" in message and "supported: gpt2" in message and "qwen3:" in message
+
+
+def test_partial_rotary_is_refused_naming_the_family(tmp_path):
+    """Phi-4-mini's partial rotary (a Phi-3 config) is not done: refused when the model loads."""
+    folder = _folder(tmp_path, "phi3")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})["partial_rotary_factor"] = 0.75
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=r"Phi-3: rope partial_rotary_factor=0.75 is not supported"):
+        export(ExportOptions(model=str(folder), repo=tmp_path / "repo"), out=lambda s: None)

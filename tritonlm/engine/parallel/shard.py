@@ -62,6 +62,8 @@ def tensor_slice(model: Transformer, rank: int, world: int) -> Transformer:
     """Rank `rank` of `world`'s copy of its weights (see the module docstring)."""
     if model.layers:
         model.layers[0].qkv.plain()  # int8 or blocked weights: refused, saying which
+    if any(L.block.qk_norm == "whole" for L in model.layers):  # its RMS spans every rank's heads
+        raise ValueError(f"{model.spec.family}: q/k norm over the whole projection is not split across tensor-parallel ranks")
     s, d = model.spec, model.spec.head_dim
     h0, h1 = split_range(s.num_heads, world, rank)
     g0, g1 = split_range(s.num_kv_heads, world, rank)
@@ -78,7 +80,7 @@ def tensor_slice(model: Transformer, rank: int, world: int) -> Transformer:
             fc=None if L.fc is None else column_slice(L.fc, [(f_lo, f_hi)]),
             # fused [gate | up] columns: this rank's span of each
             gate_up=None if L.gate_up is None else column_slice(L.gate_up, [(f_lo, f_hi), (inner + f_lo, inner + f_hi)]),
-            attn_scale=L.attn_scale,
+            attn_scale=L.attn_scale, block=L.block, q_norm=_clone(L.q_norm), k_norm=_clone(L.k_norm),
         ))
     v0, v1 = split_range(model.wte.shape[0], world, rank)
     wte = owned_copy(model.wte[v0:v1])

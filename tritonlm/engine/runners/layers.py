@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonlm.engine.runners.base import ForwardBatch, gather_kv
+from tritonlm.engine.runners.families import BlockSpec, rope_parameters
 
 # ---------------------------------------------------------------------------- projections
 
@@ -382,6 +383,11 @@ class Layer:
     fc: Linear | None = None
     gate_up: Linear | None = None
     attn_scale: float = 1.0
+    # what the config asks of this layer's attention beyond Llama's (runners.families.BlockSpec),
+    # and the q/k norms when block.qk_norm is "per_head": weights [D], shared by every head
+    block: BlockSpec = BlockSpec()
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
 
 
 PROJECTION_NAMES = ("qkv", "o", "down", "fc", "gate_up")  # a Layer's projection fields
@@ -395,15 +401,7 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     Static RoPE variants only: default, linear, llama3, yarn. Length-dependent ones
     (dynamic, longrope) change the frequencies with the sequence length and are refused."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    legacy = getattr(config, "rope_scaling", None)
-    if not params and isinstance(legacy, dict):
-        params = dict(legacy)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-    if partial != 1.0:
-        raise ValueError(f"rope partial_rotary_factor={partial} is not supported (only 1.0)")
+    rope_type, theta, _ = rope_parameters(config)  # ValueError for what is not computed here
     if rope_type == "default":
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
         return inv, 1.0
@@ -412,9 +410,7 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
         inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
         return inv.float(), float(scaling)
-    raise ValueError(
-        f"rope_type {rope_type!r} is not supported by TorchRunner (supported: default, linear, llama3, yarn)"
-    )
+    raise AssertionError(f"rope_type {rope_type!r} passed rope_parameters")  # pragma: no cover
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
@@ -453,6 +449,9 @@ class StepContext:
     k_buf: torch.Tensor | None  # [B, Hkv, L, D] workspace for the gathered keys, reused by every layer
     v_buf: torch.Tensor | None  # [B, Hkv, L, D]
     rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [B, T, 1, D] (Llama)
+    # gather path, sliding-window layers: {window: [B, 1, T, L] mask}, `mask` with only the
+    # keys at positions p - window < j <= p of each query's p (transformers' sliding_window_overlay)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     kernel: bool = False  # torch.ops.tritonlm.paged_attention_qkv reads the pool directly
     slot_table: torch.Tensor | None = None  # [B, L] int64 contiguous, for the kernel
     # gather path, padded batch: [N] plan.packed, the valid tokens' rows of [B*T]; the
@@ -476,8 +475,10 @@ def paged_attention(
     v_cache: torch.Tensor,  # [S, Hkv, D]
     ctx: StepContext,
     scale: float,
+    mask: torch.Tensor | None = None,  # [B, 1, T, L] instead of ctx.mask (a sliding window's)
 ) -> torch.Tensor:  # [B, T, H*D]
     bsz = q.shape[0]
+    mask = ctx.mask if mask is None else mask
     write_kv(k_cache, ctx.plan.write_slots, k)
     write_kv(v_cache, ctx.plan.write_slots, v)
     keys = gather_kv(k_cache, ctx.rows, bsz, out=ctx.k_buf).to(q.dtype)  # [B, Hkv, L, D]
@@ -486,14 +487,14 @@ def paged_attention(
     kv_heads = k.shape[2]
     group = heads // kv_heads
     if group == 1:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.mask, scale=scale)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale)
         return out.transpose(1, 2).reshape(bsz, width, heads * dim)  # [B, H, T, D] -> [B, T, H*D]
     # GQA: the `group` query heads that share a kv head become query rows of that head
     # (query head h reads kv head h // group), so each key block is loaded once per kv
     # head, not once per query head. [B, T, Hkv, G, D] -> [B, Hkv, G*T, D]; the mask
     # [B, 1, T, L] repeats over the group: [B, 1, G*T, L].
     q_rows = q.view(bsz, width, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(bsz, kv_heads, group * width, dim)
-    mask = ctx.mask if width == 1 else ctx.mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(bsz, 1, group * width, -1)
+    mask = mask if width == 1 else mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(bsz, 1, group * width, -1)
     out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)  # [B, Hkv, G*T, D]
     return out.view(bsz, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4).reshape(bsz, width, heads * dim)
 

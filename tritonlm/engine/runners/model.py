@@ -1,4 +1,6 @@
-"""One transformer (GPT-2 or Llama family): its weights as plain tensors and its forward pass.
+"""One transformer (GPT-2, or a Llama-shaped family: runners.families): its weights as plain
+tensors and its forward pass. What a Llama-shaped layer does beyond Llama's block (q/k norm,
+post-norm, a sliding window, no RoPE) is its Layer.block, read from the config at load.
 
 gpt-fast style: the weights are pulled out of a loaded HF model (from_hf) into the pieces
 of runners.layers (GPT-2 Conv1D and Llama Linear layouts unified to `y = x @ w + b`,
@@ -40,6 +42,7 @@ from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.engine.parallel.comm import ONE_RANK, Comm, row_parallel
 from tritonlm.engine.runners.base import ForwardBatch, Workspace, kv_rows
+from tritonlm.engine.runners.families import FastPaths, Multipliers, block_specs, check_config, fast_paths, multipliers
 from tritonlm.engine.runners.layers import (
     BLOCKED_DTYPES,
     PAGED_KERNEL_MAX_WIDTH,
@@ -117,6 +120,8 @@ class Transformer:
     # with the C++ ops, float32 / int8 layers (Llama family, GPT-2) also as one torch.classes.tritonlm.DecoderStack:
     # decode-width steps run every layer in one call (kernels.decoder_stack.build_decoder_stack)
     decoder_stack: object | None = field(default=None, repr=False)
+    # the paged-attention kernel may run this model's layers (families.fast_paths: not with a sliding window)
+    attention_kernel: bool = True
     workspace: Workspace = field(default_factory=Workspace, repr=False)  # gathered K/V, reused step to step
     # CUDA: decode steps whose batch brings block tables read the pool in place through the
     # Triton kernel (layers.decode_attention) instead of gathering K/V (use_decode_kernel)
@@ -151,8 +156,9 @@ class Transformer:
     # ---- from a Hugging Face model ----------------------------------------------------
     @staticmethod
     def from_hf(model, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "Transformer":
-        """The weights of a loaded GPT2LMHeadModel / LlamaForCausalLM (shared, not copied,
-        when device and dtype already match). ValueError for other architectures."""
+        """The weights of a loaded GPT-2 or Llama-shaped causal LM (runners.families.FAMILIES;
+        shared, not copied, when device and dtype already match). ValueError for other
+        architectures, and for a config asking what the block does not do, naming it."""
         cfg = model.config
         device = torch.device(device)
         if dtype is None:
@@ -170,6 +176,9 @@ class Transformer:
 
         def conv(m) -> FloatLinear:  # GPT-2 Conv1D: weight already [in, out]
             return FloatLinear(t(m.weight), t(m.bias))
+
+        def scaled(p: FloatLinear, s: float) -> FloatLinear:  # y * s, folded into the weights (new tensors)
+            return p if s == 1.0 else FloatLinear(p.w * s, None if p.b is None else p.b * s)
 
         layers = []
         if spec.architecture == "gpt2":
@@ -190,25 +199,43 @@ class Transformer:
             wte, wpe = t(tr.wte.weight), t(tr.wpe.weight)  # [V, C], [P, C]
             ln_f = Norm(t(tr.ln_f.weight), t(tr.ln_f.bias), eps, rms=False)
             act, inv_freq, scaling, max_positions = activation(cfg.activation_function), None, 1.0, spec.max_positions
+            mult = Multipliers()
         else:
+            check_config(cfg)  # ValueError naming the family and what it asks for that is not done
             base, eps = model.model, cfg.rms_norm_eps
-            for blk in base.layers:
+            mult = multipliers(cfg)  # Granite's scalars, folded into the weights below (1.0 elsewhere)
+            attn_scale = spec.head_dim**-0.5 if mult.attention is None else mult.attention
+            for blk, block in zip(base.layers, block_specs(cfg)):
                 at, mlp = blk.self_attn, blk.mlp
+                # Phi-3 ships q/k/v and gate/up fused already, in the order the fused layout wants
+                qkv = lin(at.qkv_proj) if hasattr(at, "qkv_proj") else lin(at.q_proj, at.k_proj, at.v_proj)
+                gate_up = lin(mlp.gate_up_proj) if hasattr(mlp, "gate_up_proj") else lin(mlp.gate_proj, mlp.up_proj)
+                qk = {}
+                if block.qk_norm != "none":  # weights [D] (per head) or [H*D] / [Hkv*D] (whole)
+                    qk = dict(q_norm=Norm(t(at.q_norm.weight), None, at.q_norm.variance_epsilon, rms=True),
+                              k_norm=Norm(t(at.k_norm.weight), None, at.k_norm.variance_epsilon, rms=True))
+                # the norm of each block: on its input (pre), or on its output (OLMo 2's post)
+                attn_norm, mlp_norm = ((blk.post_attention_layernorm, blk.post_feedforward_layernorm)
+                                       if block.norm == "post" else (blk.input_layernorm, blk.post_attention_layernorm))
                 layers.append(Layer(
-                    ln_attn=Norm(t(blk.input_layernorm.weight), None, eps, rms=True),
-                    ln_mlp=Norm(t(blk.post_attention_layernorm.weight), None, eps, rms=True),
-                    qkv=lin(at.q_proj, at.k_proj, at.v_proj), o=lin(at.o_proj),  # one matmul for q, k and v
-                    gate_up=lin(mlp.gate_proj, mlp.up_proj), down=lin(mlp.down_proj),
-                    attn_scale=spec.head_dim**-0.5,
+                    ln_attn=Norm(t(attn_norm.weight), None, eps, rms=True),
+                    ln_mlp=Norm(t(mlp_norm.weight), None, eps, rms=True),
+                    qkv=qkv, o=scaled(lin(at.o_proj), mult.residual),  # one matmul for q, k and v
+                    gate_up=gate_up, down=scaled(lin(mlp.down_proj), mult.residual),
+                    attn_scale=attn_scale, block=block, **qk,
                 ))
             wte, wpe = t(base.embed_tokens.weight), None
             ln_f = Norm(t(base.norm.weight), None, eps, rms=True)
             inv_freq, scaling = rope_inv_freq(cfg, spec.head_dim)
             act, inv_freq, max_positions = activation(cfg.hidden_act), inv_freq.to(device), None
+        # the LM head stays a view [C, V] of whatever lm_head holds (of wte when tied): no second copy
+        lm_head = FloatLinear(t(model.lm_head.weight).t(), t(model.lm_head.bias))
+        if mult != Multipliers():
+            # Granite: a new embedding table and LM head (the model's own stay as they are)
+            wte = wte * mult.embedding  # [V, C]: the same products transformers' embed * multiplier makes
+            lm_head = FloatLinear(lm_head.w / mult.logits, None if lm_head.b is None else lm_head.b / mult.logits)
         return Transformer(
-            spec=spec, layers=layers, wte=wte, wpe=wpe, ln_f=ln_f,
-            # the LM head stays a view [C, V] of whatever lm_head holds (of wte when tied): no second copy
-            lm_head=FloatLinear(t(model.lm_head.weight).t(), t(model.lm_head.bias)),
+            spec=spec, layers=layers, wte=wte, wpe=wpe, ln_f=ln_f, lm_head=lm_head,
             act=act, inv_freq=inv_freq, rope_scaling=scaling, max_positions=max_positions,
             device=device, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
         )
@@ -301,8 +328,17 @@ class Transformer:
                 p.fused_op = self.paged_kernel
             elif isinstance(p, WeightOnlyInt8Linear):
                 p.native = self.paged_kernel
-        self.decoder_stack = build_decoder_stack(self) if self.paged_kernel else None
-        return self.paged_kernel, why
+        paths = self.fast_paths()
+        self.attention_kernel = paths.attention_kernel
+        self.decoder_stack = build_decoder_stack(self) if self.paged_kernel and paths.decoder_stack else None
+        if self.paged_kernel and paths.why:
+            why = f"{why}; {self.spec.family}: {paths.why}"
+        return self.paged_kernel and paths.attention_kernel, why
+
+    def fast_paths(self) -> FastPaths:
+        """Which fast paths these layers' BlockSpecs allow (families.fast_paths): the one place
+        a family's features switch the C++ / Triton paths off, at load."""
+        return fast_paths([L.block for L in self.layers])
 
     def use_decode_kernel(self) -> tuple[bool, str]:
         """Turn on the Triton paged decode kernel where it runs: a CUDA device with the
@@ -311,6 +347,9 @@ class Transformer:
         from tritonlm.engine.kernels.paged_decode import available
 
         self.decode_kernel, why = available(self.device)
+        paths = self.fast_paths()
+        if self.decode_kernel and not paths.attention_kernel:
+            self.decode_kernel, why = False, f"{self.spec.family}: {paths.why}"
         return self.decode_kernel, why
 
     def _context(self, plan: ForwardBatch, pool: KVPool) -> StepContext:
@@ -319,13 +358,16 @@ class Transformer:
             rope = rope_cos_sin(plan.positions, self.inv_freq, self.rope_scaling, self.dtype)
         if self.decode_kernel and plan.width == 1 and plan.block_table is not None:
             return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, triton=True)
-        if self.paged_kernel and plan.width <= PAGED_KERNEL_MAX_WIDTH and pool.k[0].dtype == torch.float32:
+        if (self.paged_kernel and self.attention_kernel and plan.width <= PAGED_KERNEL_MAX_WIDTH
+                and pool.k[0].dtype == torch.float32):
             return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, kernel=True,
                                slot_table=plan.slot_table.contiguous())
         shape = (plan.batch_size, self.kv_heads, plan.max_total, self.spec.head_dim)  # [B, Hkv, L, D]
+        mask = plan.key_mask().unsqueeze(1)  # [B, 1, T, L]
         return StepContext(
             plan=plan,
-            mask=plan.key_mask().unsqueeze(1),
+            mask=mask,
+            window_masks=self._window_masks(plan, mask),
             rows=kv_rows(plan.slot_table, self.kv_heads),
             k_buf=self.workspace.take("k", shape, pool.k[0].dtype, self.device),
             v_buf=self.workspace.take("v", shape, pool.v[0].dtype, self.device),
@@ -333,13 +375,24 @@ class Transformer:
             packed=plan.packed,
         )
 
+    def _window_masks(self, plan: ForwardBatch, mask: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{window: mask [B, 1, T, L] and keys at positions p - window < j <= p} for the windows
+        the layers use; each query's own position always stays visible, so no row is empty."""
+        windows = {L.block.sliding_window for L in self.layers} - {None}
+        j = torch.arange(plan.max_total, device=mask.device)  # [L]
+        start = plan.positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, 1]
+        return {w: mask & (j > start - w) for w in sorted(windows)}
+
     def self_attention(self, x: torch.Tensor, layer: Layer, li: int, ctx: StepContext, pool: KVPool) -> torch.Tensor:
         """x [B, T, C] -> [B, T, heads*D], before the out-projection; packed (ctx.packed):
         x [N, C] -> [N, heads*D], only attention itself sees the padded [B, T] layout."""
         d = self.spec.head_dim
         qkv = layer.qkv(x)  # [B, T, (H + 2 Hkv) D] or [N, (H + 2 Hkv) D]
+        if layer.q_norm is not None:
+            qkv = self.qk_norm(qkv, layer)
+        rope = ctx.rope if layer.block.rope else None  # a NoPE layer: no rotation
         if ctx.kernel:  # RoPE, the K/V write and attention read in place through the slot table: one op
-            cos, sin = ctx.rope if ctx.rope is not None else (None, None)
+            cos, sin = rope if rope is not None else (None, None)
             return torch.ops.tritonlm.paged_attention_qkv(
                 qkv.contiguous(), pool.k[li], pool.v[li], ctx.plan.write_slots, ctx.slot_table, ctx.plan.positions,
                 cos, sin, self.heads, layer.attn_scale)
@@ -349,16 +402,29 @@ class Transformer:
         qkv = qkv.view(bsz, width, -1)
         qk_width = (self.heads + self.kv_heads) * d
         qk = qkv[..., :qk_width].view(bsz, width, self.heads + self.kv_heads, d)  # [B, T, H + Hkv, D]
-        if ctx.rope is not None:  # q and k rotated in one pass (half the small ops of two)
-            qk = apply_rope(qk, *ctx.rope)
+        if rope is not None:  # q and k rotated in one pass (half the small ops of two)
+            qk = apply_rope(qk, *rope)
         q, k = qk.split([self.heads, self.kv_heads], dim=2)  # [B, T, H, D], [B, T, Hkv, D]
         v = qkv[..., qk_width:].view(bsz, width, self.kv_heads, d)  # [B, T, Hkv, D]
         if ctx.triton:
             return decode_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)  # [B, 1, H*D]
-        out = paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)  # [B, T, H*D]
+        window = layer.block.sliding_window
+        mask = None if window is None else ctx.window_masks[window]
+        out = paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale, mask)  # [B, T, H*D]
         if ctx.packed is None:
             return out
         return out.view(bsz * width, -1).index_select(0, ctx.packed)  # [N, H*D]
+
+    def qk_norm(self, qkv: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """[..., (H + 2 Hkv) D] with q and k RMS-normed before RoPE, v as it was: per head
+        (Qwen3) or over the whole projection (OLMo 2)."""
+        d = self.spec.head_dim
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        if layer.block.qk_norm == "whole":
+            return torch.cat([self.norm(layer.q_norm, q), self.norm(layer.k_norm, k), v], dim=-1)
+        q = self.norm(layer.q_norm, q.unflatten(-1, (self.heads, d))).flatten(-2)  # [..., H*D]
+        k = self.norm(layer.k_norm, k.unflatten(-1, (self.kv_heads, d))).flatten(-2)  # [..., Hkv*D]
+        return torch.cat([q, k, v], dim=-1)
 
     def mlp_inner(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
         """x [..., C] -> [..., F] ([B, T] or packed [N] rows), everything before the down projection."""
@@ -399,6 +465,11 @@ class Transformer:
             x = x.reshape(-1, shape[-1]).index_select(0, ctx.packed)
         delta = None  # what the last block adds to the residual stream, added with the next norm
         for li, layer in enumerate(self.layers):
+            if layer.block.norm == "post":  # OLMo 2: the blocks see x itself, their outputs are normed
+                x = x if delta is None else x + delta
+                x = x + self.norm(layer.ln_attn, row_parallel(layer.o, self.self_attention(x, layer, li, ctx, pool), comm))
+                delta = self.norm(layer.ln_mlp, row_parallel(layer.down, self.mlp_inner(x, layer), comm))
+                continue
             x, h = (x, self.norm(layer.ln_attn, x)) if delta is None else self.add_norm(x, delta, layer.ln_attn)
             delta = row_parallel(layer.o, self.self_attention(h, layer, li, ctx, pool), comm)
             x, h = self.add_norm(x, delta, layer.ln_mlp)

@@ -143,8 +143,10 @@ def quantize_int8(model: Transformer, alpha: float = 0.3, keep_float: Callable[[
     for i, layer in enumerate(model.layers):
         s = {name: smoothing_factor(getattr(layer, name), alpha) for name in PROJECTION_NAMES
              if getattr(layer, name) is not None}  # all from the float weights, before any fold
-        _fold_into_norm(layer.ln_attn, s["qkv"])
-        _fold_into_norm(layer.ln_mlp, s.get("fc", s.get("gate_up")))
+        pre = layer.block.norm == "pre"  # post-norm blocks (OLMo 2): no norm makes qkv's or the MLP's input
+        if pre:
+            _fold_into_norm(layer.ln_attn, s["qkv"])
+            _fold_into_norm(layer.ln_mlp, s.get("fc", s.get("gate_up")))
         down_folded = layer.gate_up is not None and s["down"] is not None
         if down_folded:  # up's output channels feed down's input channels one to one
             gate_up = layer.gate_up.plain()
@@ -153,7 +155,7 @@ def quantize_int8(model: Transformer, alpha: float = 0.3, keep_float: Callable[[
             if gate_up.b is not None:
                 gate_up.b[inner:] /= s["down"]
         for name, factor in s.items():
-            folded = name in ("qkv", "fc", "gate_up") or (name == "down" and down_folded)
+            folded = (pre and name in ("qkv", "fc", "gate_up")) or (name == "down" and down_folded)
             setattr(layer, name, convert(f"layers.{i}.{name}", getattr(layer, name), factor, folded))
     if model.lm_head is not None:
         s_head = smoothing_factor(model.lm_head, alpha) if model.ln_f is not None else None
@@ -182,6 +184,8 @@ def rotate_residual(model: Transformer, seed: int = 0) -> bool:
     whole = model.wte is not None and model.ln_f is not None and model.lm_head is not None and not model.vocab_parallel
     if not (whole and model.wpe is None and model.layers and all(n is not None and n.rms for n in norms)):
         return False
+    if any(L.block.norm != "pre" for L in model.layers):
+        return False  # a norm on a block's output has its weight on the stream's side: no reader to fold it into
     for p in model.projections():
         p.plain()  # int8 or blocked weights: refused, saying which
     width = model.hidden

@@ -1,0 +1,271 @@
+"""The Llama-shaped families (runners.families) served exactly: each tiny seeded model of
+tests.helpers.models.tiny_family against transformers' own forward pass and generate(),
+on the paths its features allow (families.fast_paths), and the families still refused.
+
+Per family: every prefill-chunk and decode step's logits within ATOL of transformers' on the
+kernel-or-default path and on the gather path, a mixed batch in one call; greedy answers
+of an Engine (chunked prefill, rows batched together, prefix cache on and off) equal to
+generate()'s; int8 and int8_weight_only load and generate. Sequences run past the tiny
+windowed models' window, so a window off by one shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.models import (
+    FAMILY_NAMES,
+    WINDOW,
+    assert_close,
+    forward_rows,
+    hf_logits,
+    paged_cache,
+    random_tokens,
+    tiny_family,
+)
+from tritonlm.engine.runners.families import REFUSED, fast_paths
+from tritonlm.engine.runners.torch_runner import TorchRunner
+
+NEAR_TIE = 1e-5  # transformers' own top-1 / top-2 margin below which either token is greedy's answer
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def family(request):
+    return request.param, tiny_family(request.param)
+
+
+# what each family's layers allow: (the paged-attention kernel, the one-call decoder stack)
+EXPECTED_PATHS = {
+    "llama": (True, True), "qwen2": (True, True), "granite": (True, True), "phi3": (False, False),
+    "qwen3": (True, False), "mistral": (False, False), "smollm3": (True, False), "olmo2": (True, False),
+}
+
+
+@pytest.mark.parametrize("attention", ["auto", "gather"])
+def test_steps_match_transformers_logits(family, attention):
+    """A 12-token prefill chunk, a 3-token step (the kernel's width) and single-token decode
+    steps up to 28 tokens, each step's logits against transformers' over the whole sequence;
+    the fast paths taken are the ones the family's features allow, and say why."""
+    name, model = family
+    runner = TorchRunner(model, attention=attention)
+    kernel, stack = EXPECTED_PATHS[name]
+    if attention == "auto":
+        assert runner.attention == ("paged" if kernel else "gather"), runner.attention_why
+        assert (runner.transformer.decoder_stack is not None) == stack
+        assert (name in runner.attention_why) == (not stack), runner.attention_why
+    seq = random_tokens(28, seed=1)
+    ref = hf_logits(model, seq)
+    mgr = paged_cache(runner)
+    mgr.allocate(1, len(seq))
+    assert_close(forward_rows(runner, mgr, [(1, 0, seq[:12])], all_logits=True)[0], ref[:12])
+    assert_close(forward_rows(runner, mgr, [(1, 12, seq[12:15])], all_logits=True)[0], ref[12:15])
+    for p in range(15, len(seq)):
+        assert_close(forward_rows(runner, mgr, [(1, p, [seq[p]])])[0], ref[p])
+
+
+def test_mixed_batch_matches_each_alone(family):
+    """One call: a prefill chunk, a decode and a 3-token step of rows with different pasts."""
+    _, model = family
+    runner = TorchRunner(model)
+    mgr = paged_cache(runner, blocks=60)
+    a, b, c = random_tokens(20, seed=2), random_tokens(14, seed=3), random_tokens(17, seed=4)
+    for sid, seq, past in ((1, a, 11), (2, b, 13), (3, c, 14)):
+        mgr.allocate(sid, len(seq))
+        forward_rows(runner, mgr, [(sid, 0, seq[:past])])
+    out = forward_rows(runner, mgr, [(1, 11, a[11:20]), (2, 13, b[13:14]), (3, 14, c[14:17])], all_logits=True)
+    assert_close(out[0, :9], hf_logits(model, a)[11:20])
+    assert_close(out[1, :1], hf_logits(model, b)[13:14])
+    assert_close(out[2, :3], hf_logits(model, c)[14:17])
+
+
+def test_the_window_is_exercised():
+    """The windowed tiny models' logits past the window differ from the same weights without
+    one (so the tests above would see a window off by one), and agree inside it."""
+    seq = random_tokens(20, seed=1)
+    windowed, whole = tiny_family("mistral"), tiny_family("mistral", sliding_window=None)
+    a, b = hf_logits(windowed, seq), hf_logits(whole, seq)
+    assert_close(a[:WINDOW], b[:WINDOW])
+    assert (a[WINDOW:] - b[WINDOW:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("attention", ["auto", "gather"])
+def test_windowed_and_full_layers_in_one_model(attention):
+    """Qwen2 with use_sliding_window: layers from max_window_layers on are windowed, the others
+    not; each layer reads its own mask, past the window."""
+    from tritonlm.engine.runners.families import block_specs
+
+    model = tiny_family("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    assert [b.sliding_window for b in block_specs(model.config)] == [None, WINDOW]
+    runner = TorchRunner(model, attention=attention)
+    assert runner.attention == "gather"
+    seq = random_tokens(24, seed=6)
+    ref = hf_logits(model, seq)
+    mgr = paged_cache(runner)
+    mgr.allocate(1, len(seq))
+    assert_close(forward_rows(runner, mgr, [(1, 0, seq[:10])], all_logits=True)[0], ref[:10])
+    for p in range(10, len(seq)):
+        assert_close(forward_rows(runner, mgr, [(1, p, [seq[p]])])[0], ref[p])
+    whole = hf_logits(tiny_family("qwen2"), seq)
+    assert (whole[WINDOW:] - ref[WINDOW:]).abs().max() > 1e-2  # the window changed the answer
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3"])
+def test_without_a_window_every_fast_path_runs(name):
+    """Mistral v0.2+ and Phi-3 configs without a window are Llama's block: the paged kernel
+    and the one-call decode step run them, and their logits are transformers'."""
+    model = tiny_family(name, sliding_window=None)
+    runner = TorchRunner(model)
+    assert runner.attention == "paged" and runner.transformer.decode_step_ready, runner.attention_why
+    seq = random_tokens(16, seed=7)
+    ref = hf_logits(model, seq)
+    mgr = paged_cache(runner)
+    mgr.allocate(1, len(seq))
+    assert_close(forward_rows(runner, mgr, [(1, 0, seq[:10])], all_logits=True)[0], ref[:10])
+    for p in range(10, len(seq)):
+        assert_close(forward_rows(runner, mgr, [(1, p, [seq[p]])])[0], ref[p])
+
+
+def _generate(model, prompt: list[int], new: int) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    return out[0, len(prompt):]
+
+
+def assert_greedy_equal(model, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """Equal token for token, up to the first position where transformers' own top-1 / top-2
+    margin is below NEAR_TIE: there either token is greedy's, and the answers may part."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            top2 = hf_logits(model, prompt + want[:i])[-1].topk(2).values
+            assert float(top2[0] - top2[1]) < NEAR_TIE, f"token {i}: {g} != {w} (margin {float(top2[0] - top2[1]):.3g})"
+            return
+    assert len(got) == len(want)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_engine_greedy_equals_generate(family, prefix_caching):
+    """An Engine over the family: prompts prefilled in 5-token chunks, batched with each
+    other's decode steps, every answer equal to transformers' generate(); with the prefix
+    cache on, the second round's shared prompt comes from the cache."""
+    from tritonlm.engine.engine import Engine
+    from tritonlm.engine.kv_cache import KVCacheManager
+    from tritonlm.engine.request import GenerationRequest, SamplingParams
+    from tritonlm.engine.scheduler import SchedulerConfig
+    from tritonlm.models.builtin import tiny_tokenizer
+
+    from tests.helpers.models import Collector, drain
+
+    _, model = family
+    runner = TorchRunner(model)
+    cache = KVCacheManager(runner.spec, 64 * 4 * runner.spec.bytes_per_token, 4, allocate_kv=runner.allocate_kv,
+                           prefix_caching=prefix_caching)
+    engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(max_num_batched_tokens=5), max_context=128)
+    shared = random_tokens(13, seed=11)
+    prompts = [shared, random_tokens(6, seed=12), shared + random_tokens(3, seed=13)]
+    new = 12
+    col = Collector()
+    for round_ in range(2):
+        ids = []
+        for prompt in prompts:
+            req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
+            col.events[req.request_id] = []
+            engine.submit(req)
+            ids.append(req.request_id)
+        drain(engine)
+        for prompt, rid in zip(prompts, ids):
+            assert_greedy_equal(model, prompt, col.ids(rid), _generate(model, prompt, new).tolist())
+        if round_ == 1 and prefix_caching:
+            assert col.final(ids[0]).num_cached_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int8_weight_only", "bfloat16"])
+def test_other_precisions_load_and_generate(family, dtype):
+    """int8 (x int8), int8 weights only (the same projections as float32's) and bfloat16: the
+    family loads, and a prefill plus decode steps give finite logits that mostly agree with
+    float32's choice."""
+    _, model = family
+    runner = TorchRunner(model, int8=dtype == "int8", int8_weight_only=dtype == "int8_weight_only",
+                         dtype=torch.bfloat16 if dtype == "bfloat16" else None)
+    seq = random_tokens(24, seed=5)
+    ref = hf_logits(model, seq)
+    mgr = paged_cache(runner)
+    mgr.allocate(1, len(seq))
+    out = [forward_rows(runner, mgr, [(1, 0, seq[:12])], all_logits=True)[0]]
+    out += [forward_rows(runner, mgr, [(1, p, [seq[p]])]) for p in range(12, len(seq))]
+    logits = torch.cat(out)  # [24, V]
+    assert torch.isfinite(logits).all()
+    agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.5, f"top-1 agreement with float32 {agree:.2f}"
+
+
+def test_fast_paths_name_what_switches_them_off():
+    from tritonlm.engine.runners.families import BlockSpec
+
+    assert fast_paths([BlockSpec()] * 2).why == ""
+    windowed = fast_paths([BlockSpec(), BlockSpec(sliding_window=8)])
+    assert not windowed.attention_kernel and not windowed.decoder_stack and "sliding-window" in windowed.why
+    normed = fast_paths([BlockSpec(qk_norm="per_head")])
+    assert normed.attention_kernel and not normed.decoder_stack and "q/k norm" in normed.why
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_families_are_named_with_the_supported_list(model_type):
+    from tritonlm.engine.model_shape import ModelShape
+    from tritonlm.engine.runners.families import FAMILIES
+
+    config = type("Config", (), {"model_type": model_type})()
+    with pytest.raises(ValueError) as e:
+        ModelShape.from_hf_config(config)
+    message = str(e.value)
+    assert f"architecture {model_type!r}" in message and REFUSED[model_type] in message
+    assert all(k in message for k in FAMILIES)
+
+
+def test_partial_rotary_phi3_is_refused_by_name():
+    """Phi-4-mini's partial rotary is not done: refused naming the family and the feature."""
+    from tritonlm.engine.runners.families import check_config
+
+    config = tiny_family("phi3").config
+    config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 0.75}
+    with pytest.raises(ValueError, match=r"Phi-3: rope partial_rotary_factor=0.75 is not supported"):
+        check_config(config)
+
+
+def _golden_maker():
+    """make_golden_logits.py beside this file (its tensor-parallel and pipeline harness)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "make_golden_logits.py"
+    spec = importlib.util.spec_from_file_location("make_golden_logits", path)
+    if spec.name in sys.modules:
+        return sys.modules[spec.name]
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "granite", "smollm3", "olmo2"])
+def test_parallel_shares_keep_the_family_features(name):
+    """Two tensor-parallel ranks and two pipeline stages of the family (the shares carry each
+    layer's BlockSpec and q/k norms) give the whole model's logits; OLMo 2's whole-projection
+    q/k norm, whose RMS spans every rank's heads, is refused by tensor slicing, naming it."""
+    from tritonlm.engine.parallel.shard import tensor_slice
+    from tritonlm.engine.runners.model import Transformer
+
+    maker = _golden_maker()
+    model = tiny_family(name)
+    batches = maker.step_batches(model.config.vocab_size)
+    whole = maker.run_whole(Transformer.from_hf(model), batches)
+    modes = ["layer"] if name == "olmo2" else ["tensor", "layer"]
+    for mode in modes:
+        run = maker.run_ranks if mode == "tensor" else maker.run_stages
+        for a, b in zip(whole, run(maker._ranks(model, mode), batches)):
+            assert_close(a, b)
+    if name == "olmo2":
+        with pytest.raises(ValueError, match="olmo2: q/k norm over the whole projection is not split"):
+            tensor_slice(Transformer.from_hf(model), 0, 2)
