@@ -13,7 +13,11 @@ beside, then renamed: a reader never sees half a beat):
   step_at   when its engine last made progress: a step finished, or the engine woke with
             new work (wall clock; absent for a model without an engine loop)
   waiting   requests the engine owes a step (queued or running; absent as step_at)
-  longest_step  the longest step the engine has finished, seconds (absent as step_at)
+  step_tokens    the tokens the current step runs (0 until it is scheduled)
+  sec_per_token  the slowest pace, seconds per token, of any step the engine has finished
+  longest_step   the longest step the engine has finished, seconds
+  steps_done     how many steps that ran tokens the engine has finished
+                 (these four are absent as step_at)
 """
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    f"(default {DEFAULT_HEALTH_PORT}; 0: off)")
     p.add_argument("--health-deadline", type=_seconds("--health-deadline", 1, 600), default=DEFAULT_DEADLINE_S,
                    metavar="S", help="a model process stopped, silent (no heartbeat), or with its engine in one step "
-                   "while requests wait, this long (a step: or 4x the longest step finished, if longer) is wedged and the "
-                   "server restarts; keep it above the longest first step (a long prefill) the host takes"
+                   "while requests wait, this long is wedged and the server restarts (a step is given longer where the "
+                   "engine's finished steps say it is normal, and its first steps 60 s)"
                    f" (default {DEFAULT_DEADLINE_S:g})")
     p.add_argument("--max-restarts", type=_count("--max-restarts"), default=DEFAULT_MAX_RESTARTS, metavar="N",
                    help="after a model's process dies or hangs, tritonserver restarts; more than N restarts within "

@@ -91,7 +91,13 @@ class Engine:
         self._guides_lock = threading.Lock()
         self._step_at = time.time()  # when the last step began (wall clock): the heartbeat's step watchdog
         self._idle = False  # the loop waits for work (under _cond)
-        self._longest_step_s = 0.0  # the longest step finished so far: the watchdog's yardstick
+        # the watchdog's yardsticks (tritonlm/supervise/watch.py step_limit), from the steps
+        # that ran tokens: how many the current one runs (0 until scheduled), the slowest
+        # pace per token, the longest, and how many have finished
+        self._step_tokens = 0
+        self._sec_per_token = 0.0
+        self._longest_step_s = 0.0
+        self._steps_done = 0
         self._stall_file = os.environ.get(STALL_FILE_ENV) or None
 
     @property
@@ -168,9 +174,9 @@ class Engine:
             if self._stop:
                 raise ServerBusyError("the model is shutting down; retry on another instance")
             self.scheduler.check_room(self.scheduler.num_waiting + len(self._inbox))
-            self._inbox.append(seq)
             if self._idle:  # owed a step from now, not from the last step before the idle time
-                self._step_at = time.time()
+                self._step_at = time.time()  # before the append: a beat never pairs the request with the old mark
+            self._inbox.append(seq)
             self._cond.notify()
 
     def cancel(self, request_id: int) -> None:
@@ -204,13 +210,16 @@ class Engine:
             return "the engine thread stopped"
         return None
 
-    def progress(self) -> tuple[float, int, float]:
-        """(when the last step began, wall clock; requests owed a step: queued or running;
-        the longest step finished so far, seconds), read by the heartbeat thread. A step
-        begins as soon as the one before ends (or the loop wakes with new work), so while
-        requests are owed, now minus the first is how long the current step has run."""
+    def progress(self) -> dict:
+        """What the step watchdog needs, read by the heartbeat thread (health_beat.py names
+        the fields): when the current step began (wall clock), the requests owed a step
+        (queued or running), the tokens the step runs, and the yardsticks of the steps done.
+        A step begins as soon as the one before ends (or the loop wakes with new work), so
+        while requests are owed, now minus step_at is how long the current step has run."""
         owed = len(self._inbox) + self.scheduler.num_waiting + len(self.scheduler.running)
-        return self._step_at, owed, self._longest_step_s
+        return {"step_at": self._step_at, "waiting": owed, "step_tokens": self._step_tokens,
+                "sec_per_token": self._sec_per_token, "longest_step": self._longest_step_s,
+                "steps_done": self._steps_done}
 
     def _live(self) -> tuple[list[Sequence], list[Sequence]]:
         # list() of a list or deque copies in one C call: safe beside the engine thread
@@ -272,10 +281,17 @@ class Engine:
                     self.threads.tick(idle_s=time.monotonic() - idle_since if idle_since else 0.0)
                 self._step_at = time.time()
                 self.step()
-                self._longest_step_s = max(self._longest_step_s, time.time() - self._step_at)
+                self._step_done(time.time() - self._step_at)
             except Exception:  # the loop must survive anything one step does
                 log.exception("engine step failed")
         self._fail_pending()
+
+    def _step_done(self, seconds: float) -> None:
+        tokens, self._step_tokens = self._step_tokens, 0
+        if tokens:
+            self._sec_per_token = max(self._sec_per_token, seconds / tokens)
+            self._longest_step_s = max(self._longest_step_s, seconds)
+            self._steps_done += 1
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -290,6 +306,7 @@ class Engine:
         if not plan:
             self._complete_deferred()
             return
+        self._step_tokens = sum(n for _, n in plan)
         if self._stall_file is not None:
             _stall_while(self._stall_file)
         try:

@@ -28,9 +28,8 @@ log = logging.getLogger(__name__)
 
 BEAT_INTERVAL_S = 0.5  # the supervisor's wedge deadline is several beats long
 
-# (when the engine's current step began: wall-clock seconds, requests it owes a step,
-# the longest step it has finished: seconds)
-Progress = Callable[[], tuple[float, int, float]]
+# Engine.progress: the step watchdog's fields of the beat (tritonlm/health_beat.py)
+Progress = Callable[[], dict]
 
 
 class Heartbeat:
@@ -65,7 +64,7 @@ class Heartbeat:
         body = {"pid": os.getpid(), "model": self.model, "instance": self.instance, "time": time.time(), "fault": fault}
         if self.progress is not None:
             try:
-                body["step_at"], body["waiting"], body["longest_step"] = self.progress()
+                body.update(self.progress())
             except Exception as e:  # noqa: BLE001 - as above
                 body["fault"] = fault or f"the progress check failed: {type(e).__name__}: {e}"
         try:

@@ -39,11 +39,12 @@ from tritonlm.supervise.served import READY
 
 WORKER_MODULE = "tritonlm.engine.parallel.worker"
 # a stopped, silent or stuck model is wedged after this long (detected within a beat and a
-# check more). A step is given longer once the engine has shown longer steps (step_limit);
-# its very first long step (a large model's first prefill chunk on a CPU, a GPU kernel's
-# first compile) is not: --health-deadline must exceed it.
+# check more). A step is given longer where the engine's finished steps say it is normal,
+# and its first steps FIRST_STEPS_S (step_limit).
 DEFAULT_DEADLINE_S = 4.0
-STEP_MARGIN = 4.0  # a step counts as stuck past this many times the longest one finished
+STEP_MARGIN = 4.0  # a step counts as stuck past this many times what the finished ones say is normal
+WARM_STEPS = 4  # steps (that ran tokens) before the finished ones are a yardstick
+FIRST_STEPS_S = 60.0  # the limit of a step before that
 SERVER = "tritonserver"  # Fault.model when the fault is the server process's own
 
 
@@ -197,21 +198,25 @@ class ModelWatch:
         """A dead stub is a fault only if Triton still serves its model (asked again now,
         not at the start of this check) and no live stub replaces it (the process table
         read again: a replacement may have started since)."""
-        if is_config_stub(w.stub):
-            return self._settle(pid)
+        if is_config_stub(w.stub) or self._unloading(pid, w):
+            return self._settle(pid)  # ended on its own, its model unloaded cleanly
         states = self._read_index()
-        if states is None:  # the server cannot say now: not a verdict either way, for a while
-            w.unknown_since = w.unknown_since if w.unknown_since is not None else self.clock()
-            return fault if self.clock() - w.unknown_since >= self.deadline_s else None
-        if states.get(w.stub.model) != READY:
+        if states is not None and states.get(w.stub.model) != READY:
             return self._settle(pid)  # unloaded, or being (re)loaded: Triton ended it
-        self._scan()
-        newer = [s for s in self._live_stubs(w.stub.model) if s.pid != pid and s.started > w.stub.started]
-        if any(s.instance == w.stub.instance for s in newer):
-            return self._settle(pid)  # a reload's stub of the same instance took its place
-        if newer and len(newer) >= self._stubs_asked(w.stub.model, self._live_stubs(w.stub.model)):
-            return self._settle(pid)  # a reload's whole new set of instances serves
-        return fault
+        asked = None
+        if states is not None:
+            self._scan()
+            live = [s for s in self._live_stubs(w.stub.model) if s.pid != pid]
+            if any(s.instance == w.stub.instance and s.started > w.stub.started for s in live):
+                return self._settle(pid)  # a reload's stub of the same instance took its place
+            asked = self.served.stubs_asked(w.stub.model)  # read now: a reload may have changed it
+            if asked is not None and len(live) >= asked:
+                return self._settle(pid)  # a reload's new set, or fewer instances, serves
+            if asked is not None:
+                return fault
+        # the server cannot say now: not a verdict either way, for a while
+        w.unknown_since = w.unknown_since if w.unknown_since is not None else self.clock()
+        return fault if self.clock() - w.unknown_since >= self.deadline_s else None
 
     def _settle(self, pid: int) -> None:
         """No fault: forget the stub (its zombie, while it lasts, is not judged again)."""
@@ -240,6 +245,7 @@ class ModelWatch:
             live = self._live_stubs(model)
             if len(live) < self._stubs_asked(model, live):
                 return Fault(model, "died", f"its process (pid {pid}) died")
+        self._settled.add(pid)  # no model misses it: not charged later to a model that loads
         return None
 
     @staticmethod
@@ -281,17 +287,25 @@ class ModelWatch:
         if not waiting or step_at is None:
             return None
         in_step = beat_time - float(step_at)
-        limit = step_limit(self.deadline_s, float(beat.get("longest_step") or 0.0))
+        limit = step_limit(self.deadline_s, beat)
         if in_step >= limit:
             return Fault(model, "wedged", f"its engine (pid {pid}) has been in one step for {in_step:.1f} s "
                          f"(limit {limit:.1f} s) while {waiting} request(s) wait")
         return None
 
 
-def step_limit(deadline_s: float, longest_step_s: float) -> float:
-    """How long one step may run while requests wait before the model counts as wedged:
-    the deadline, or STEP_MARGIN times the longest step the engine has finished, whichever
-    is longer, so that a model whose steps are long by nature (a large model's prefill
-    chunk on a CPU) is not restarted for them, while a hang in a fast model is caught
-    within the deadline."""
-    return max(deadline_s, STEP_MARGIN * longest_step_s)
+def step_limit(deadline_s: float, beat: dict) -> float:
+    """How long one step may run while requests wait before the model counts as wedged.
+
+    The deadline, or longer where the engine's own steps say a step this long is normal:
+    STEP_MARGIN times the longest step it has finished, or times its slowest pace per
+    token over the tokens of this step (a first full prefill chunk after short prompts
+    and decode steps; a one-row decode step reads every weight for one token, so no step
+    is slower per token than the slowest seen, short of a stall). Until WARM_STEPS steps
+    have finished there is no yardstick, and a first step may compile kernels (a GPU's
+    first pass) or be a large model's first prefill chunk on a CPU: FIRST_STEPS_S then.
+    A hang in a model whose steps are fast is caught within the deadline."""
+    if int(beat.get("steps_done") or 0) < WARM_STEPS:
+        return max(deadline_s, FIRST_STEPS_S)
+    pace = float(beat.get("sec_per_token") or 0.0) * int(beat.get("step_tokens") or 0)
+    return max(deadline_s, STEP_MARGIN * float(beat.get("longest_step") or 0.0), STEP_MARGIN * pace)

@@ -47,15 +47,17 @@ def test_without_a_health_folder_nothing_is_written(tmp_path, monkeypatch):
 
 
 def test_beats_carry_the_engines_progress(tmp_path):
-    progress = [(1000.0, 0, 0.0)]
+    fields = {"step_at": 1000.0, "waiting": 0, "step_tokens": 0, "sec_per_token": 0.0, "longest_step": 0.0,
+              "steps_done": 0}
+    progress = [fields]
     hb = Heartbeat("m", "m_0_0", lambda: None, directory=tmp_path, progress=lambda: progress[0])
     hb.beat()
     beat = read_beat(hb.path)
-    assert (beat["step_at"], beat["waiting"], beat["longest_step"]) == (1000.0, 0, 0.0)
-    progress[0] = (1001.5, 3, 0.25)
+    assert {k: beat[k] for k in fields} == fields
+    progress[0] = {**fields, "step_at": 1001.5, "waiting": 3, "longest_step": 0.25, "steps_done": 2}
     hb.beat()
     beat = read_beat(hb.path)
-    assert (beat["step_at"], beat["waiting"], beat["longest_step"]) == (1001.5, 3, 0.25)
+    assert {k: beat[k] for k in fields} == progress[0]
     without = Heartbeat("f", "", lambda: None, directory=tmp_path / "f")
     (tmp_path / "f").mkdir()
     without.beat()  # a model with no engine loop (a forward-pass model): no progress to tell
@@ -76,22 +78,29 @@ def test_an_engine_owes_a_step_from_when_work_came_and_a_stalled_step_shows(tmp_
     monkeypatch.setenv(STALL_FILE_ENV, str(stall))
     engine = make_engine().start()
     try:
-        idle_since, owed, _ = engine.progress()
-        assert owed == 0
+        idle = engine.progress()
+        idle_since = idle["step_at"]
+        assert idle["waiting"] == 0 and idle["steps_done"] == 0
         assert wait_until(lambda: time.time() > idle_since, HANG_GUARD_S)  # the clock moves past the idle mark
         submitted = time.time()
         collector = Collector()
         rid = collector.request(engine, "The lighthouse keeper wrote", max_tokens=4)
         assert wait_until(lambda: in_function(engine._thread, "_stall_while"), HANG_GUARD_S)
-        began, owed, _ = engine.progress()
-        assert began >= submitted and owed == 1
+        stalled = engine.progress()
+        began = stalled["step_at"]
+        assert began >= submitted and stalled["waiting"] == 1
+        prompt_tokens = len(engine.encode("The lighthouse keeper wrote"))
+        assert stalled["step_tokens"] == prompt_tokens  # the prefill, scheduled before the stall
         assert wait_until(lambda: time.time() > began + 0.2, HANG_GUARD_S)
-        assert engine.progress()[:2] == (began, 1)  # stalled: the same step, the request still owed
+        again = engine.progress()
+        assert (again["step_at"], again["waiting"]) == (began, 1)  # stalled: the same step, the request still owed
         assert engine.fault() is None  # the engine thread lives: only the step watchdog sees this
         stall.unlink()
         assert wait_until(lambda: collector.events[rid] and collector.events[rid][-1].finished, HANG_GUARD_S)
-        assert wait_until(lambda: engine.progress()[1] == 0, HANG_GUARD_S)
-        assert engine.progress()[2] >= 0.2  # the stalled step is the longest finished
+        assert wait_until(lambda: engine.progress()["waiting"] == 0, HANG_GUARD_S)
+        done = engine.progress()
+        assert done["longest_step"] >= 0.2 and done["steps_done"] >= 1  # the stalled step is the longest finished
+        assert done["sec_per_token"] >= 0.2 / prompt_tokens and done["step_tokens"] == 0
     finally:
         stall.unlink(missing_ok=True)
         engine.shutdown()

@@ -17,7 +17,7 @@ from tritonlm.glue.heartbeat import Heartbeat
 from tritonlm.health_beat import beat_path, write_beat
 from tritonlm.supervise.procs import STOPPED, STUB_BINARY, find_stubs, process_state, start_time
 from tritonlm.supervise.served import READY, UNAVAILABLE, UNLOADING
-from tritonlm.supervise.watch import STEP_MARGIN, WORKER_MODULE, ModelWatch, step_limit
+from tritonlm.supervise.watch import FIRST_STEPS_S, STEP_MARGIN, WARM_STEPS, WORKER_MODULE, ModelWatch, step_limit
 
 
 def start_stub(tmp_path: Path, model: str, worker: bool = False, instance: str | None = None,
@@ -301,6 +301,10 @@ def find_stubs_now():
     return find_stubs(os.getpid())
 
 
+# the step watchdog's fields of an engine warmed up on fast steps (one token each)
+WARM_FAST = {"step_tokens": 1, "sec_per_token": 0.01, "longest_step": 0.01, "steps_done": WARM_STEPS}
+
+
 def test_a_step_stuck_while_requests_wait_is_wedged(tmp_path, stubs):
     """The heartbeat still beats (the hang frees the GIL) but the engine has been in one step
     for the deadline while requests wait; the same step with nothing owed is idleness."""
@@ -310,9 +314,9 @@ def test_a_step_stuck_while_requests_wait_is_wedged(tmp_path, stubs):
     assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
     path = beat_path(tmp_path / "beats", stubs[0].pid)
 
-    def beat(step_at: float, waiting: int, longest_step: float = 0.01) -> None:
+    def beat(step_at: float, waiting: int) -> None:
         write_beat(path, {"pid": stubs[0].pid, "model": "m", "instance": "m_0_0", "time": wall.now, "fault": None,
-                          "step_at": step_at, "waiting": waiting, "longest_step": longest_step})
+                          "step_at": step_at, "waiting": waiting, **WARM_FAST})
 
     beat(step_at=wall.now - 3.9, waiting=2)  # a long step, not yet the deadline's length
     assert watch.check() is None
@@ -324,7 +328,7 @@ def test_a_step_stuck_while_requests_wait_is_wedged(tmp_path, stubs):
 
 
 def test_a_model_whose_steps_are_long_by_nature_gets_longer(tmp_path, stubs):
-    """A step of 3 s finished before: one of 10 s is within STEP_MARGIN of it; 12 s is not."""
+    """A step of 3 s finished before: one of 10 s is within STEP_MARGIN of it; 12.5 s is not."""
     stubs.append(start_stub(tmp_path, "m"))
     wall = FakeClock(5000.0)
     watch = watch_for(tmp_path, {"m"}, wall=wall)
@@ -333,7 +337,7 @@ def test_a_model_whose_steps_are_long_by_nature_gets_longer(tmp_path, stubs):
 
     def beat(in_step: float) -> None:
         write_beat(path, {"pid": stubs[0].pid, "model": "m", "instance": "m_0_0", "time": wall.now, "fault": None,
-                          "step_at": wall.now - in_step, "waiting": 1, "longest_step": 3.0})
+                          "step_at": wall.now - in_step, "waiting": 1, **WARM_FAST, "longest_step": 3.0})
 
     beat(10.0)
     assert watch.check() is None
@@ -342,10 +346,14 @@ def test_a_model_whose_steps_are_long_by_nature_gets_longer(tmp_path, stubs):
     assert fault.kind == "wedged" and "(limit 12.0 s)" in fault.cause
 
 
-def test_step_limit_is_the_deadline_or_a_margin_over_the_longest_step():
-    assert step_limit(4.0, 0.0) == 4.0
-    assert step_limit(4.0, 0.5) == 4.0
-    assert step_limit(4.0, 2.0) == 2.0 * STEP_MARGIN
+def test_step_limit_follows_what_the_finished_steps_say_is_normal():
+    assert step_limit(4.0, WARM_FAST) == 4.0  # fast steps: the deadline
+    assert step_limit(4.0, {**WARM_FAST, "longest_step": 2.0}) == 2.0 * STEP_MARGIN
+    # a first full prefill chunk after decode steps of 0.1 s a token: 512 tokens' worth
+    assert step_limit(4.0, {**WARM_FAST, "sec_per_token": 0.1, "step_tokens": 512}) == 0.1 * 512 * STEP_MARGIN
+    for done in range(WARM_STEPS):  # no yardstick yet (a first prefill, a first kernel compile)
+        assert step_limit(4.0, {**WARM_FAST, "steps_done": done}) == FIRST_STEPS_S
+    assert step_limit(4.0, {}) == FIRST_STEPS_S  # a beat from an engine that has not stepped
 
 
 def test_a_worker_ended_by_its_models_unload_is_no_fault(tmp_path, stubs):
@@ -368,3 +376,35 @@ def test_a_worker_ended_by_its_models_unload_is_no_fault(tmp_path, stubs):
     os.kill(worker, signal.SIGKILL)
     assert wait_until(lambda: process_state(worker) in ("zombie", "gone"), HANG_GUARD_S)
     assert watch.check() is None
+
+
+def test_an_instance_removed_by_a_reload_is_no_fault(tmp_path, stubs):
+    """A reload that lowers instance_group's count ends a stub and starts none: the live
+    stubs are as many as the configuration now asks for."""
+    stubs.append(start_stub(tmp_path, "m", instance="m_0_0"))
+    stubs.append(start_later(tmp_path, stubs[-1], "m", instance="m_0_1"))
+    triton = StandInTriton({"m": READY}, {"m": 2})
+    watch = watch_for(tmp_path, triton)
+    assert wait_until(lambda: watch.check() is None and len(watch.watched) == 2, HANG_GUARD_S)
+    triton.asked = {"m": 1}
+    stubs[1].kill()
+    assert wait_until(lambda: process_state(stubs[1].pid) in ("zombie", "gone"), HANG_GUARD_S)
+    assert watch.check() is None and [w.stub.instance for w in watch.watched.values()] == ["m_0_0"]
+
+
+def test_a_stub_that_unloaded_cleanly_is_no_fault_while_triton_cannot_answer(tmp_path, stubs):
+    """finalize removed its heartbeat file and its last beat named no fault: an unload,
+    whatever the index says (a server too busy to answer in time)."""
+    stubs.append(start_stub(tmp_path, "m"))
+    triton = StandInTriton({"m": READY})
+    clock = FakeClock()
+    watch = watch_for(tmp_path, triton, clock=clock, wall=FakeClock(5000.0))
+    path = beat_path(tmp_path / "beats", stubs[0].pid)
+    write_beat(path, {"pid": stubs[0].pid, "model": "m", "instance": "m_0_0", "time": 5000.0, "fault": None})
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    triton.states = None
+    path.unlink()
+    stubs[0].kill()
+    assert wait_until(lambda: process_state(stubs[0].pid) in ("zombie", "gone"), HANG_GUARD_S)
+    clock.now += 10.0
+    assert watch.check() is None and watch.models() == []

@@ -164,6 +164,9 @@ def rope_parameters(config) -> tuple[str, float, dict]:
     legacy = getattr(config, "rope_scaling", None)
     if not params and isinstance(legacy, dict):
         params = dict(legacy)
+    nested = sorted(k for k, v in params.items() if isinstance(v, dict))
+    if nested:  # RoPE per layer type ({"full_attention": {...}, ...}): not one frequency table
+        raise ValueError(f"rope parameters per layer type ({', '.join(nested)}) are not supported (one RoPE for every layer)")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0

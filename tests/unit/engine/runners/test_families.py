@@ -233,6 +233,18 @@ def test_partial_rotary_phi3_is_refused_by_name():
         check_config(config)
 
 
+def test_rope_per_layer_type_is_refused_by_name():
+    """RoPE parameters per layer type (a nested dict) are not one frequency table: refused,
+    not read as the default."""
+    from tritonlm.engine.runners.families import check_config
+
+    config = tiny_family("qwen3").config
+    config.rope_parameters = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match=r"Qwen3 dense: rope parameters per layer type \(full_attention, sliding_attention\)"):
+        check_config(config)
+
+
 def _golden_maker():
     """make_golden_logits.py beside this file (its tensor-parallel and pipeline harness)."""
     import importlib.util
