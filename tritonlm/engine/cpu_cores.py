@@ -80,6 +80,28 @@ def usable_cores(cpus: list[int] | None = None, quota: float | None = None, read
 # ---------------------------------------------------------------------------- while serving
 
 LOST_FROM = 0.5  # share of a core the team must lose before that core counts as gone
+PROC_STAT = Path("/proc/stat")
+# /proc/stat's per-CPU fields: user nice system idle iowait irq softirq steal guest guest_nice
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+_IDLE_FIELDS = (3, 4)
+
+
+def read_cpu_times(cpus: list[int], stat: Path = PROC_STAT) -> tuple[float, float] | None:
+    """(busy, idle) seconds summed over `cpus` since boot; None where it cannot be read."""
+    try:
+        text = stat.read_text()
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    wanted = {f"cpu{c}" for c in cpus}
+    busy = idle = 0
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        if name in wanted:
+            ticks = [int(v) for v in rest.split()]
+            busy += sum(ticks[i] for i in _BUSY_FIELDS if i < len(ticks))
+            idle += sum(ticks[i] for i in _IDLE_FIELDS if i < len(ticks))
+    return busy / hz, idle / hz
 
 
 @dataclass(frozen=True)
@@ -89,12 +111,21 @@ class CoreReading:
     window_s: float
     waiting: float  # the compute threads' run-queue wait
     throttled: float  # the most any group with a quota on our path stood throttled
+    foreign: float = 0.0  # other processes' CPU time on our CPUs (only where the mask binds)
+    cpus: int = 0  # the CPUs of that mask (0: foreign not read)
+
+    def lost_for(self, team: int) -> float:
+        """Cores a team of `team` threads did not get. The largest of the three, not their
+        sum: where the kernel keeps a throttled thread on its run queue, its throttled time
+        is wait as well, and a neighbour's CPU time is what the team waited for. Other
+        processes count only on the CPUs the team would use: those beyond it are free."""
+        crowded = self.foreign - max(0, self.cpus - team) if self.cpus else 0.0
+        return max(self.waiting, self.throttled, crowded)
 
     @property
     def lost(self) -> float:
-        """Cores the team did not get. The larger of the two, not their sum: where the kernel
-        keeps a throttled thread on its run queue, its throttled time is wait as well."""
-        return max(self.waiting, self.throttled)
+        """lost_for a team that fills the CPUs."""
+        return self.lost_for(self.cpus)
 
 
 class CoreWatch:
@@ -103,15 +134,35 @@ class CoreWatch:
 
     thread_name: the OS name of the threads whose waits count (the compute thread and the
     OpenMP workers it started); None counts every thread of the process. quotas: the
-    groups whose throttling counts (read from /proc/self/cgroup when None)."""
+    groups whose throttling counts (read from /proc/self/cgroup when None).
+
+    Where the affinity mask, not a quota, is the binding limit (a cpuset, taskset), the
+    mask's CPUs are this process's to use, and the CPU time other processes took on them
+    (`stat`, /proc/stat, less this process's own) is read too: a team the scheduler crowds
+    onto fewer cores than it has threads stalls at every op while its workers, asleep at
+    the barriers, hardly wait on a run queue. Under a quota on a larger node the mask is
+    the node's, not ours, and only the wait and the throttling count. stat None: off."""
 
     def __init__(self, quotas: list[Quota] | None = None, thread_name: str | None = COMPUTE_THREAD,
-                 tasks: Path = TASKS, clock=time.monotonic):
+                 tasks: Path = TASKS, clock=time.monotonic, cpus: list[int] | None = None,
+                 stat: Path | None = PROC_STAT, own_cpu=time.process_time):
         self.quotas = cgroup_quotas() if quotas is None else quotas
         self.thread_name, self.tasks, self._clock = thread_name, tasks, clock
+        self.cpus = affinity_cpus() if cpus is None else cpus
+        quota = min((q.cores for q in self.quotas), default=None)
+        self.stat = stat if quota is None or quota >= len(self.cpus) else None
+        self._own = own_cpu
         self._t = clock()
         self._waits = self._read_waits()
         self._throttled = [throttled_s(q.stat) for q in self.quotas]
+        self._busy = self._read_busy()
+
+    def _read_busy(self) -> tuple[float, float] | None:
+        """(busy seconds on our CPUs since boot, this process's CPU seconds); None: not read."""
+        if self.stat is None:
+            return None
+        times = read_cpu_times(self.cpus, self.stat)
+        return None if times is None else (times[0], self._own())
 
     def _read_waits(self) -> dict[int, int]:
         return {tid: s.waiting_ns for tid, s in threads_named(self.thread_name, self.tasks).items()}
@@ -120,16 +171,21 @@ class CoreWatch:
         """Since the last call (or since it was made); None when no time has passed."""
         now, waits = self._clock(), self._read_waits()
         throttled = [throttled_s(q.stat) for q in self.quotas]
-        last_t, last_waits, last_throttled = self._t, self._waits, self._throttled
-        self._t, self._waits, self._throttled = now, waits, throttled
+        busy = self._read_busy()
+        last_t, last_waits, last_throttled, last_busy = self._t, self._waits, self._throttled, self._busy
+        self._t, self._waits, self._throttled, self._busy = now, waits, throttled, busy
         wall = now - last_t
         if wall <= 0:
             return None
+        foreign, cpus = 0.0, 0
+        if busy is not None and last_busy is not None:
+            others = (busy[0] - last_busy[0]) - (busy[1] - last_busy[1])
+            foreign, cpus = min(float(len(self.cpus)), max(0.0, others / wall)), len(self.cpus)
         # a thread first seen now started during the window (a team grows by new workers);
         # one that ended took its counters with it and is left out
         waited_ns = sum(max(0, ns - last_waits.get(tid, 0)) for tid, ns in waits.items())
         over = [max(0.0, b - a) for a, b in zip(last_throttled, throttled) if a is not None and b is not None]
-        return CoreReading(wall, waited_ns / 1e9 / wall, max(over, default=0.0) / wall)
+        return CoreReading(wall, waited_ns / 1e9 / wall, max(over, default=0.0) / wall, foreign, cpus)
 
     def lost_cores(self) -> float | None:
         """The cores lost since the last call as one number (CoreReading.lost)."""
@@ -200,14 +256,16 @@ class ThreadGovernor:
         reading = self.watch.reading()
         if reading is None:
             return
-        if cores_lost(reading.lost):
+        lost = reading.lost_for(self.current)
+        if cores_lost(lost):
             if self._trial:  # the probe found the cores still taken: wait longer for the next
                 self._needed = min(self._needed * 2, self.most_calm)
             self._trial = self._calm = 0
-            want = thread_count(self.current, reading.lost, self.most)
+            want = thread_count(self.current, lost, self.most)
             if want < self.current:
-                self._apply(want, f"lost {reading.lost:.2f} cores' worth over {reading.window_s:.2f} s "
-                                  f"(run-queue wait {reading.waiting:.2f}, cgroup throttled {reading.throttled:.2f})")
+                self._apply(want, f"lost {lost:.2f} cores' worth over {reading.window_s:.2f} s "
+                                  f"(run-queue wait {reading.waiting:.2f}, cgroup throttled {reading.throttled:.2f}, "
+                                  f"other processes on our CPUs {reading.foreign:.2f})")
             return
         if self._trial:
             self._trial -= 1

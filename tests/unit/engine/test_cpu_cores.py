@@ -190,7 +190,7 @@ class FakeProc:
         self._write()
 
     def watch(self) -> CoreWatch:
-        return CoreWatch(self.quotas, tasks=self.tasks, clock=lambda: self.now)
+        return CoreWatch(self.quotas, tasks=self.tasks, clock=lambda: self.now, stat=None)  # no /proc/stat here
 
 
 def test_core_watch_counts_the_compute_threads_wait_and_the_cgroups_throttling(tmp_path):
@@ -205,6 +205,32 @@ def test_core_watch_counts_the_compute_threads_wait_and_the_cgroups_throttling(t
     proc.advance(1.0, waiting=0.5, throttled=0.5)  # a throttled thread's wait may be the same time
     assert watch.lost_cores() == pytest.approx(0.5)
     assert watch.reading() is None  # no time passed
+
+
+def test_where_the_mask_binds_other_processes_on_our_cpus_count(tmp_path):
+    """Two CPUs of our own (no quota): a neighbour busy on one of them is a core lost to a
+    team of two, and nothing to a team of one (the other CPU is free for it); the team's
+    own CPU time is not a neighbour's. Under a quota smaller than the mask the node's CPUs
+    are not ours, and /proc/stat is not read."""
+    hz = os.sysconf("SC_CLK_TCK")
+    clock, own = [0.0], [0.0]
+    stat = tmp_path / "stat"
+
+    def write_stat(busy0: float, busy1: float) -> None:  # seconds busy on cpu0, cpu1 since boot
+        line = lambda n, busy: f"cpu{n} {round(busy * hz)} 0 0 {round((100 - busy) * hz)} 0 0 0 0 0 0"
+        stat.write_text("cpu 0 0 0 0 0 0 0 0 0 0\n" + line(0, busy0) + "\n" + line(1, busy1) + "\n")
+
+    write_stat(0.0, 0.0)
+    watch = CoreWatch([], tasks=tmp_path / "no-tasks", clock=lambda: clock[0], cpus=[0, 1], stat=stat,
+                      own_cpu=lambda: own[0])
+    clock[0], own[0] = 1.0, 1.0
+    write_stat(1.0, 1.0)  # ours on cpu0 (1 s), a neighbour's on cpu1 (1 s)
+    r = watch.reading()
+    assert (r.foreign, r.cpus) == pytest.approx((1.0, 2))
+    assert r.lost_for(2) == pytest.approx(1.0) and r.lost_for(1) == pytest.approx(0.0)
+    assert thread_count(2, r.lost_for(2), 2) == 1
+    quota = Quota(1.0, tmp_path / "q" / "cpu.stat")
+    assert CoreWatch([quota], tasks=tmp_path / "no-tasks", cpus=[0, 1], stat=stat).stat is None
 
 
 def test_a_thread_that_starts_or_ends_in_the_window(tmp_path):
