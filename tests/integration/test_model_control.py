@@ -155,6 +155,15 @@ def assert_no_fault(serve: Serve, streamer: Streamer, answers: list[tuple[int, d
             assert "loading" in states and "recovering" not in states, body
 
 
+def finish_without_fault(serve: Serve, streamer: Streamer, readiness: Readiness) -> None:
+    """The other model still streams; stop both watchers: no fault, and ready at the end."""
+    streamer.wait_streaming()
+    streamer.stop()
+    answers = readiness.stop()
+    assert_no_fault(serve, streamer, answers)
+    assert answers[-1][0] == 200
+
+
 def test_unload_load_and_reload_while_another_model_streams(two_models):
     serve = Serve(two_models, "--model-control", "explicit", "--restrict-model-control", f"{ADMIN_HEADER}={ADMIN_KEY}")
     try:
@@ -188,11 +197,7 @@ def test_unload_load_and_reload_while_another_model_streams(two_models):
         assert wait_until(lambda: ready_with(serve, ["slow", "tiny"]), HANG_GUARD_S), board_models(serve)
         assert greedy(serve, "tiny") == reference
 
-        streamer.wait_streaming()
-        streamer.stop()
-        answers = readiness.stop()
-        assert_no_fault(serve, streamer, answers)
-        assert answers[-1][0] == 200
+        finish_without_fault(serve, streamer, readiness)
     finally:
         serve.kill()
 
@@ -211,11 +216,7 @@ def test_poll_mode_reloads_a_changed_model_without_a_fault(two_models):
         assert wait_until(lambda: replaced(serve, "tiny", old), HANG_GUARD_S)
         assert wait_until(lambda: ready_with(serve, ["slow", "tiny"]), HANG_GUARD_S), board_models(serve)
         assert greedy(serve, "tiny") == reference
-        streamer.wait_streaming()
-        streamer.stop()
-        answers = readiness.stop()
-        assert_no_fault(serve, streamer, answers)
-        assert answers[-1][0] == 200
+        finish_without_fault(serve, streamer, readiness)
     finally:
         serve.kill()
 
