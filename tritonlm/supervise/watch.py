@@ -21,11 +21,14 @@ named by its heartbeat file, or else charged to the served model that lacks a st
 check() is cheap (a /proc scan, one index request to Triton, one file read per stub): the
 supervisor calls it a few times a second. After each, views() says what each served model
 has: its stubs, their workers, and how many stubs its configuration asks for, which the
-health board turns into readiness.
+health board turns into readiness. An index that has never been readable for the deadline
+(an endpoint refused, a proxy in the way) is logged, and the models whose stubs run stand in
+for it until it can be read: readiness must not stay off for good over it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +49,8 @@ STEP_MARGIN = 4.0  # a step counts as stuck past this many times what the finish
 WARM_STEPS = 4  # steps (that ran tokens) before the finished ones are a yardstick
 FIRST_STEPS_S = 60.0  # the limit of a step before that
 SERVER = "tritonserver"  # Fault.model when the fault is the server process's own
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,9 @@ class ModelWatch:
         self._settled: set[int] = set()  # dead stubs judged no fault (their zombies may linger)
         self._states: dict[str, str] | None = None  # the last index read: model -> state
         self._asked: dict[str, tuple[frozenset[int], int]] = {}  # model -> (its live stubs then, stubs asked)
+        self._began = clock()
+        # the index has never been readable for deadline_s: the models with stubs stand in for it
+        self._index_fallback = False
 
     # --- the process table -----------------------------------------------------------------
     def _scan(self) -> list[int]:
@@ -134,8 +142,22 @@ class ModelWatch:
     def _read_index(self) -> dict[str, str] | None:
         states = self.served.index()
         if states is not None:
-            self._states = states
+            if self._index_fallback:
+                log.info("tritonserver's repository index is readable again: readiness follows it")
+            self._states, self._index_fallback = states, False
+        elif self._states is None and not self._index_fallback and self.clock() - self._began >= self.deadline_s:
+            # never read (an endpoint refused, a proxy in the way): readiness must not stay off for
+            # good over it, so the models whose stubs run count as served until it can be read
+            self._index_fallback = True
+            log.warning("tritonserver's repository index (POST /v2/repository/index) has not been readable for "
+                        "%.1f s: readiness follows the model processes alone until it is", self.deadline_s)
         return states
+
+    def _served_states(self) -> dict[str, str] | None:
+        """model -> state at the last readable index; in the fallback, every model with stubs."""
+        if self._states is None and self._index_fallback:
+            return {m: READY for m in self.models()}
+        return self._states
 
     def _stubs_asked(self, model: str, live: list[Stub]) -> int:
         """Asked again whenever the model's stubs change (a reload may change its count)."""
@@ -151,10 +173,11 @@ class ModelWatch:
 
     def views(self) -> dict[str, ModelView]:
         """The models Triton served at the last readable index, each with its processes."""
-        if self._states is None:
+        states = self._served_states()
+        if states is None:
             return {}
         out = {}
-        for name in sorted(m for m, state in self._states.items() if state == READY):
+        for name in sorted(m for m, state in states.items() if state == READY):
             mine = [(pid, w) for pid, w in self.watched.items() if w.stub.model == name and not is_config_stub(w.stub)]
             out[name] = ModelView(name, tuple(pid for pid, _ in mine), tuple(p for _, w in mine for p in w.workers),
                                   self._stubs_asked(name, self._live_stubs(name)))
@@ -239,7 +262,7 @@ class ModelWatch:
             w = self._watch(Stub(pid, beat["model"], str(beat.get("instance", "")), start_time(pid)))
             w.last_beat = beat
             return self._judge_death(pid, w, self._died(pid, w.stub))
-        for model, state in sorted((self._states or {}).items()):
+        for model, state in sorted((self._served_states() or {}).items()):
             if state != READY:
                 continue
             live = self._live_stubs(model)

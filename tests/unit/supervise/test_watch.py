@@ -279,6 +279,25 @@ def test_a_death_is_judged_only_once_triton_can_say(tmp_path, stubs):
     assert (fault.model, fault.kind) == ("m", "died")
 
 
+def test_an_index_never_readable_falls_back_to_the_model_processes(tmp_path, stubs, caplog):
+    """Readiness must not stay off for good when the index cannot be read at all: after the
+    deadline, the models whose stubs run count as served (logged once), until it can be read."""
+    stubs.append(start_stub(tmp_path, "m"))
+    triton = StandInTriton(None)
+    clock = FakeClock()
+    watch = watch_for(tmp_path, triton, clock=clock)
+    assert wait_until(lambda: watch.check() is None and watch.models() == ["m"], HANG_GUARD_S)
+    assert watch.views() == {}  # not yet: a server still starting may answer in a moment
+    clock.now += 4.0
+    with caplog.at_level("WARNING", logger="tritonlm.supervise.watch"):
+        assert watch.check() is None
+    assert [r for r in caplog.records if "repository index" in r.getMessage()]
+    view = watch.views()["m"]
+    assert view.stubs == (stubs[0].pid,) and view.asked == 1
+    triton.states = {"m": UNAVAILABLE}  # readable again: the index rules
+    assert watch.check() is None and watch.views() == {}
+
+
 def test_a_stub_that_died_before_the_first_scan_is_caught(tmp_path, stubs):
     """Its zombie's command line is empty: the heartbeat file names it; without one, the
     served model that lacks a stub is charged; a lone zombie no model misses is no fault."""
