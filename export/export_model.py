@@ -6,7 +6,7 @@
 
 import sys
 
-from tritonlm.export.cli import main
+from tritonlm.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["export", *sys.argv[1:]]))

@@ -7,7 +7,7 @@ the same as `tritonlm serve-default ...` (what `make serve` runs).
 
 import sys
 
-from tritonlm.export.cli import main
+from tritonlm.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve-default", *sys.argv[1:]]))

@@ -18,7 +18,7 @@ and at the end, and how often the governor changed it. Conditions take turns (A 
 B A with --rounds 2): a shared host drifts over minutes. The model is a seeded GPT-2 of
 --width / --layers (no download) or --hf-dir.
 
-Needs root on a writable cgroup file system (tritonlm/perf/quota_group.py); prints why not
+Needs root on a writable cgroup file system (perf/tritonlm_bench/quota_group.py); prints why not
 and stops elsewhere.
 
     .venv/bin/python perf/bench_cpu_quota.py [--clients 8] [--max-tokens 64] [--rounds 2]
@@ -38,8 +38,8 @@ from pathlib import Path
 
 from tritonlm.paths import REPO_ROOT
 from tritonlm.perf.machine import describe_cpu
-from tritonlm.perf.quota_group import NoQuotaGroup, join_line, quota_group
 from tritonlm.perf.report import table
+from tritonlm_bench.quota_group import NoQuotaGroup, join_line, quota_group
 
 CHILD = """
     import json, sys, threading, time

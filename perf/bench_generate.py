@@ -23,11 +23,11 @@ from pathlib import Path
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.export.repository import default_kv_cache_bytes
 from tritonlm.paths import REPO_ROOT
-from tritonlm.perf.benchrepo import link_generation_model, save_weights_once
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, style_axes
-from tritonlm.perf.streaming import closed_loop, grpc_stream, summarize_streams
 from tritonlm.server import TritonServer, free_ports
+from tritonlm_bench.benchrepo import link_generation_model, save_weights_once
+from tritonlm_bench.streaming import closed_loop, grpc_stream, summarize_streams
 
 PROMPTS = [
     "The history of the city begins",

@@ -34,10 +34,10 @@ from pathlib import Path
 
 from tritonlm.commands.instances import set_instances
 from tritonlm.paths import REPO_ROOT
-from tritonlm.perf.benchrepo import link_generation_model
 from tritonlm.perf.machine import describe_cpu
-from tritonlm.perf.streaming import closed_loop, grpc_stream, summarize_streams
 from tritonlm.server import TritonServer, free_ports
+from tritonlm_bench.benchrepo import link_generation_model
+from tritonlm_bench.streaming import closed_loop, grpc_stream, summarize_streams
 
 LAYOUTS = {
     # name -> (label, extra parameters, instances, instance kind)

@@ -30,17 +30,17 @@ script's session would compete with everything else in it (docs/benchmarks.md).
 
 Reported: output tok/s (generated tokens / wall time of the phase), TTFT p50/p99,
 inter-token latency p50 (per request: (last token - first token) / (tokens - 1); every
-engine timed alike, tritonlm/perf/streaming.py),
+engine timed alike, perf/tritonlm_bench/streaming.py),
 tritonlm / llama-server ratios. CSV and PNG under results/bench_peer/. For every run at the
 top concurrency (tritonlm served and in-process, llama-server), where the CPU went, read
-from /proc (tritonlm/perf/cpusplit.py): the cores tritonlm's compute threads got and how
+from /proc (perf/tritonlm_bench/cpusplit.py): the cores tritonlm's compute threads got and how
 often they were preempted, the response thread, the rest of the model's process, the
 server, the clients, the machine and its context switches (bench_peer_cpu.csv).
 
 Long prompts, per pair, on servers started again with room for them (tritonlm max_context
 2048 and KV for 8 of them, chunked prefill at its default max_num_batched_tokens;
 llama-server --parallel 8 -c 16384), prefix / prompt caching still off: distinct prompts of
---long-tokens tokens (tritonlm/perf/long_prompt.py, seeded text from the prompts' words),
+--long-tokens tokens (perf/tritonlm_bench/long_prompt.py, seeded text from the prompts' words),
 TTFT mean / p50 / p99 of one client sending them one after another and of --long-clients
 clients at once; and the inter-token latency of a running stream while another client's
 long prompts are prefilled one after another (max and p99 of the gaps that overlap a
@@ -70,10 +70,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tritonlm.paths import REPO_ROOT
-from tritonlm.perf.benchrepo import link_generation_model
-from tritonlm.perf.cpusplit import FIELDS as CPU_FIELDS
-from tritonlm.perf.cpusplit import CpuSplit
-from tritonlm.perf.llamacpp import (
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.report import add_out_arg, pyplot, save_figure, style_axes, table, write_csv
+from tritonlm_bench.benchrepo import link_generation_model
+from tritonlm_bench.cpusplit import FIELDS as CPU_FIELDS
+from tritonlm_bench.cpusplit import CpuSplit
+from tritonlm_bench.llamacpp import (
     PEER_SLOTS,
     PROMPTS,
     SLOT_CONTEXT,
@@ -84,10 +86,8 @@ from tritonlm.perf.llamacpp import (
     llama_stream,
     prompt_index,
 )
-from tritonlm.perf.long_prompt import itl_during_prefill, long_prompts, ttft_summary
-from tritonlm.perf.machine import describe_cpu
-from tritonlm.perf.report import add_out_arg, pyplot, save_figure, style_axes, table, write_csv
-from tritonlm.perf.streaming import (
+from tritonlm_bench.long_prompt import itl_during_prefill, long_prompts, ttft_summary
+from tritonlm_bench.streaming import (
     StreamClock,
     StreamRecord,
     closed_loop,

@@ -11,7 +11,7 @@ runs a decode step's layers in one C++ call, the DecoderStack), to show what tho
     tok_s     B / step_ms
     vs_fp32   float32's step time / this one's (higher is faster)
     agree     teacher-forced greedy agreement with transformers' float32 generate() on
-              --prompts prompts x --tokens tokens (tritonlm.perf.agreement)
+              --prompts prompts x --tokens tokens (tritonlm_bench.agreement)
 
     .venv/bin/python perf/bench_precision.py                 # 32 prompts x 128 tokens
     .venv/bin/python perf/bench_precision.py --quick         # 8 x 32, batches 1 and 32
@@ -31,10 +31,10 @@ from tritonlm.engine.precision import resolve_precision
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.engine.runners.weight_only import calibration_ids, quantize_weight_only
-from tritonlm.perf.agreement import smollm2_reference, teacher_forced_agreement
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, write_csv
-from tritonlm.perf.steptime import decode_step_ms
+from tritonlm_bench.agreement import smollm2_reference, teacher_forced_agreement
+from tritonlm_bench.steptime import decode_step_ms
 
 
 def main() -> int:

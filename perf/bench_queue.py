@@ -34,13 +34,13 @@ from pathlib import Path
 import grpc
 from tritonclient.grpc import service_pb2_grpc
 
-from tritonlm.perf.benchrepo import tiny_model_repo
 from tritonlm.perf.machine import describe_cpu
-from tritonlm.perf.rawgrpc import infer_request, output_int, raw_tensor
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, style_axes
 from tritonlm.perf.serverstats import engine_gauges, is_idle, wait_idle
 from tritonlm.perf.stats import percentile
 from tritonlm.server import TritonServer, free_ports
+from tritonlm_bench.benchrepo import tiny_model_repo
+from tritonlm_bench.rawgrpc import infer_request, output_int, raw_tensor
 
 MODEL = "tiny"
 PROMPTS = [

@@ -42,7 +42,7 @@ from tritonlm.engine.runners import load_runner
 from tritonlm.engine.runners.base import gather_kv, kv_rows
 from tritonlm.paths import REPO_ROOT
 from tritonlm.perf.machine import describe_cpu
-from tritonlm.perf.steptime import time_calls
+from tritonlm_bench.steptime import time_calls
 
 BLOCK = 16
 

@@ -39,8 +39,10 @@ import threading
 from pathlib import Path
 
 from tritonlm.paths import REPO_ROOT
-from tritonlm.perf.benchrepo import link_generation_model
-from tritonlm.perf.llamacpp import (
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.report import add_out_arg, pyplot, save_figure, style_axes, table, write_csv
+from tritonlm_bench.benchrepo import link_generation_model
+from tritonlm_bench.llamacpp import (
     PEER_SLOTS,
     PROMPTS,
     SLOT_CONTEXT,
@@ -50,9 +52,7 @@ from tritonlm.perf.llamacpp import (
     llama_stream,
     prompt_index,
 )
-from tritonlm.perf.machine import describe_cpu
-from tritonlm.perf.report import add_out_arg, pyplot, save_figure, style_axes, table, write_csv
-from tritonlm.perf.streaming import closed_loop, summarize_streams, triton_sse_stream
+from tritonlm_bench.streaming import closed_loop, summarize_streams, triton_sse_stream
 
 MODEL = "smollm2"
 CONDITIONS = ("quiet", "busy", "one-core")

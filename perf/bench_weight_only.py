@@ -24,7 +24,7 @@ from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, table, write_csv
-from tritonlm.perf.steptime import BLOCK, decode_step_ms, time_calls
+from tritonlm_bench.steptime import BLOCK, decode_step_ms, time_calls
 
 DTYPES = {"float32": {}, "int8": {"int8": True}, "int8_weight_only": {"int8_weight_only": True}}
 

@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tritonlm.paths import REPO_ROOT
-from tritonlm.perf.benchrepo import tiny_model_repo
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.serverstats import metric_sum, read_metrics
 from tritonlm.server import free_ports
+from tritonlm_bench.benchrepo import tiny_model_repo
 
 MODEL = "tiny"
 PROMPTS = [

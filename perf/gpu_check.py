@@ -9,6 +9,7 @@ the others, and skipped when the time budget runs out:
 
  1. kernel     the Triton paged decode kernel against a float64 reference (fp32, bf16),
                and its time per call at 1 / 32 / 128 / 256 rows, context 512
+               (perf/bench_paged_decode.py's bench)
  2. graphs     decode logits with CUDA graphs on vs off: bitwise equal (batch 1, 3, 64);
                the CUDA fp32 step (kernel + graphs) against the CPU fp32 runner
  3. exactness  greedy and seeded-sampled tokens of the GPU engine (fp32) against the CPU engine
@@ -17,7 +18,7 @@ the others, and skipped when the time budget runs out:
  5. engine     served tok/s at 1, 32, 128, 256 streams (bf16), graphs on and off; GPU busy
                (NVML) at 64 streams x 256 tokens
  6. reference  the same model through perf's static-cache torch.compile decode loop
-               (tritonlm/perf/static_decode.py) at 64 rows: the served/reference ratio
+               (perf/tritonlm_bench/static_decode.py) at 64 rows: the served/reference ratio
  7. draft      speculative decoding on the GPU with a 4-layer draft of the same shape
                (random weights: acceptance is near zero, so this measures its cost) and
                with the target as its own draft (every guess right: its ceiling)
@@ -156,7 +157,9 @@ def main() -> int:
 
     # ---- 1. the kernel
     def kernel() -> None:
-        from tritonlm.engine.kernels.paged_decode import bench, paged_decode_attention
+        from bench_paged_decode import bench  # beside this script
+
+        from tritonlm.engine.kernels.paged_decode import paged_decode_attention
 
         g = torch.Generator().manual_seed(1)
         bs, heads, kv, d = 16, 9, 3, 64
@@ -332,7 +335,7 @@ def main() -> int:
         if not on_gpu:
             record("reference", "skipped on cpu (torch.compile reduce-overhead needs CUDA)", float("nan"))
             return
-        from tritonlm.perf.static_decode import StaticDecoder
+        from tritonlm_bench.static_decode import StaticDecoder
 
         r = runner_for(full, torch.bfloat16)
         ref = StaticDecoder(r.transformer, 64, 16 + 256 + 8)

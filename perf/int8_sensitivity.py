@@ -5,7 +5,7 @@ per-token int8 activations) is built again with some projections left float32
 (runners.quant.quantize_int8's keep_float), and each variant is measured:
     float_share  of the projections' weights kept float
     agree        teacher-forced greedy agreement with transformers' float32 generate()
-                 (tritonlm.perf.agreement), on bench_precision.py's prompts (tritonlm/perf/agreement.py)
+                 (tritonlm_bench.agreement), on bench_precision.py's prompts (perf/tritonlm_bench/agreement.py)
     step_ms      median decode step at batch --batch, context --context (tok_s = batch / step)
 
 Variants: int8 as served; the LM head kept; every down; every MLP (gate_up and down) and
@@ -30,10 +30,10 @@ import torch
 from tritonlm.engine.runners.layers import Int8Linear
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.torch_runner import TorchRunner
-from tritonlm.perf.agreement import smollm2_reference, teacher_forced_agreement
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, write_csv
-from tritonlm.perf.steptime import decode_step_ms
+from tritonlm_bench.agreement import smollm2_reference, teacher_forced_agreement
+from tritonlm_bench.steptime import decode_step_ms
 
 
 def layer_of(name: str) -> int | None:

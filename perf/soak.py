@@ -34,13 +34,13 @@ from pathlib import Path
 import grpc
 from tritonclient.grpc import service_pb2_grpc
 
-from tritonlm.perf.benchrepo import tiny_model_repo
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure
 from tritonlm.perf.serverstats import process_tree_rss, wait_idle
 from tritonlm.perf.stats import percentile
-from tritonlm.perf.traffic import ClientPool, make_prompts, minute_rows, outcome_counts, print_minutes
 from tritonlm.server import TritonServer, free_ports
+from tritonlm_bench.benchrepo import tiny_model_repo
+from tritonlm_bench.traffic import ClientPool, make_prompts, minute_rows, outcome_counts, print_minutes
 
 MODEL = "tiny"
 # ---- the run ---------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ clients cause, for a long time; the server must not crash once.
 The script starts `tritonlm serve` (one tiny-gpt2 generation model, seeded weights, no
 download; its supervisor restarts tritonserver after any fault, and counts it) and runs
 --max-clients gRPC clients for --duration seconds. Each client sends one request after
-another, each on its own decoupled stream (tritonlm/perf/traffic.py): short prompts and
+another, each on its own decoupled stream (perf/tritonlm_bench/traffic.py): short prompts and
 outputs, half streamed, --cancel-fraction (a third) cancelled by the client mid-stream,
 --bad-fraction refused by name. The number of clients sending changes every --phase
 seconds (1 to 64), and every --disconnect-every seconds a separate client process opens a
@@ -35,13 +35,13 @@ from pathlib import Path
 import grpc
 from tritonclient.grpc import service_pb2_grpc
 
-from tritonlm.perf.benchrepo import tiny_model_repo
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure
-from tritonlm.perf.serve_process import ServeProcess
 from tritonlm.perf.serverstats import process_tree_rss, wait_idle
 from tritonlm.perf.stats import percentile
-from tritonlm.perf.traffic import ClientPool, make_prompts, minute_rows, outcome_counts, print_minutes
+from tritonlm_bench.benchrepo import tiny_model_repo
+from tritonlm_bench.serve_process import ServeProcess
+from tritonlm_bench.traffic import ClientPool, make_prompts, minute_rows, outcome_counts, print_minutes
 
 MODEL = "tiny"
 CONCURRENCY = (1, 8, 64, 16, 32, 4, 64, 2, 48, 24)  # clients sending, phase after phase
@@ -50,7 +50,7 @@ CONCURRENCY = (1, 8, 64, 16, 32, 4, 64, 2, 48, 24)  # clients sending, phase aft
 ABRUPT_CLIENT = """
 import sys, grpc
 from tritonclient.grpc import service_pb2_grpc
-from tritonlm.perf.rawgrpc import infer_request, raw_tensor
+from tritonlm_bench.rawgrpc import infer_request, raw_tensor
 stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(sys.argv[1]))
 tensors = [raw_tensor("text_input", "BYTES", [b"the city at night"]), raw_tensor("max_tokens", "INT32", [200]),
            raw_tensor("min_tokens", "INT32", [200]), raw_tensor("stream", "BOOL", [True])]

@@ -1,4 +1,4 @@
-"""`tritonlm` command line. Each subcommand lives in the module that owns its job;
+"""`tritonlm` command line. Each subcommand lives in its own module under tritonlm/commands;
 this file only wires them into one argparse tree."""
 
 from __future__ import annotations
@@ -10,16 +10,18 @@ import sys
 
 from tritonlm.errors import CliError
 
-# module -> it defines add_parser(subparsers) registering its subcommand(s)
+# module -> it defines add_parser(subparsers) registering its subcommand(s). Only
+# tritonlm/commands registers subcommands: the packages they drive stay plain libraries.
 SUBCOMMAND_MODULES = [
     "tritonlm.commands.serve",
     "tritonlm.commands.doctor",
     "tritonlm.commands.perf_analyzer",
     "tritonlm.commands.instances",
-    "tritonlm.export.cli",
-    "tritonlm.client.cli",
-    "tritonlm.perf.cli",
-    "tritonlm.openai.server",
+    "tritonlm.commands.export",
+    "tritonlm.commands.serve_default",
+    "tritonlm.commands.generate",
+    "tritonlm.commands.perf",
+    "tritonlm.commands.openai",
 ]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.helpers.models import tiny
 from tritonlm.export.repository import write_generation_model
-from tritonlm.perf.serve_process import ServeProcess, http_status  # noqa: F401 - the tests import them from here
+from tritonlm_bench.serve_process import ServeProcess, http_status  # noqa: F401 - the tests import them from here
 
 HANG_GUARD_S = 600.0  # what a wait for something that does happen gives it: reached only by a hang
 

@@ -12,8 +12,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tritonlm.commands.perf_analyzer import read_perf_csv, run_perf_analyzer
 from tritonlm.paths import REPO_ROOT
+from tritonlm.perf.analyzer import read_perf_csv, run_perf_analyzer
 from tritonlm.server import ServerStartError, TritonServer, free_ports
 
 

@@ -22,8 +22,8 @@ import tritonclient.grpc as grpcclient
 
 from tests.helpers.servers import add_generation_model
 from tritonlm.client.generate import _grpc_inputs, generate_grpc
-from tritonlm.perf.cpusplit import CpuSplit
 from tritonlm.perf.serverstats import process_tree_rss
+from tritonlm_bench.cpusplit import CpuSplit
 
 MODEL = "tiny"
 NUM_CLIENTS = 64

@@ -22,6 +22,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
+from tests.helpers.chat_templates import CHATML, TOOLS_TEMPLATE
 from tests.helpers.models import hf_greedy_text, reference_greedy, tiny
 from tests.helpers.servers import (
     HANG_GUARD_S,
@@ -37,24 +38,6 @@ from tritonlm.openai.server import EXIT_DEADLINE_S, OpenAIServer
 from tritonlm.paths import REPO_ROOT
 from tritonlm.server import free_ports
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# a Hermes-style template with tools (the format SmolLM2-Instruct and Qwen templates teach), kept
-# short for the tiny model's 256-token context: each tool as name(parameters) in the system
-# turn, calls as <tool_call> blocks, results as <tool_response>
-TOOLS_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}"
-    "({{ t['function']['parameters']['properties'] | list | join(',') }}){% endfor %}<|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
-    "{%- for c in m['tool_calls'] %}<tool_call>{\"name\": {{ c['function']['name'] | tojson }}, "
-    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>{{ m['content'] }}</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
-)
 PROMPTS = ["The capital of France is", "Once upon a time there was a small robot who wanted", "Hi",
            "Café naïve — 你好，世界 🙂", "def main(): return"]
 LONG_CONTEXT = 8192

@@ -2,7 +2,7 @@
 `tritonlm perf llm --serve` measures the tritonlm generation model on a server of its own.
 
 Models: the `echo` wiring model (batched, Python-based backend), a streaming test
-model with known timing (tritonlm.perf.testmodels: first piece after PREFILL_MS,
+model with known timing (tests.helpers.timed_models: first piece after PREFILL_MS,
 then one every TOKEN_MS) and a token-id model that rejects ids outside its
 vocabulary. Windows are short and request counts small: the machine has 2 cores.
 Every check compares perf_analyzer's figures with the server's own statistics.
@@ -28,7 +28,7 @@ from tritonlm.perf.analyzer import Measure
 from tritonlm.perf.inputs import input_args
 from tritonlm.perf.stats import percentile
 from tritonlm.perf.target import Target
-from tritonlm.perf.testmodels import write_streaming_model, write_token_model
+from tests.helpers.timed_models import write_streaming_model, write_token_model
 from tritonlm.perf.variants import ModelConfig
 
 PREFILL_MS = 40.0

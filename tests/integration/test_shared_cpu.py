@@ -24,8 +24,8 @@ from tests.helpers.models import hf_greedy_text, tiny
 from tests.helpers.servers import HANG_GUARD_S, add_generation_model, wait_until
 from tritonlm.client.generate import generate_grpc
 from tritonlm.paths import REPO_ROOT
-from tritonlm.perf.quota_group import NoQuotaGroup, join_line, quota_group
 from tritonlm.server import TritonServer, free_ports
+from tritonlm_bench.quota_group import NoQuotaGroup, join_line, quota_group
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to cut the affinity to one")
 
@@ -154,7 +154,7 @@ def test_the_engine_lowers_its_team_while_a_neighbour_takes_a_core(tmp_path):
 
 @contextlib.contextmanager
 def cpu_quota_group(quota_us: int):
-    """A child cgroup with a CFS quota (tritonlm/perf/quota_group.py); skips the test with
+    """A child cgroup with a CFS quota (perf/tritonlm_bench/quota_group.py); skips the test with
     the reason where this host does not let the test make one (not root, a read-only or
     delegated cgroup file system, no cpu controller)."""
     try:

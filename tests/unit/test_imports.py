@@ -1,15 +1,19 @@
-"""No import cycles among the modules of the tritonlm package.
+"""Every import of the tritonlm package points down its layers, and no modules import each other.
 
-Every `import` / `from ... import` statement counts, function-level ones included (a
-lazy import hides a cycle, it does not remove it); those under `if TYPE_CHECKING:` do
-not (they never run). An edge goes to the module named: `import tritonlm.a.b` and
-`from tritonlm.a import b` (b a module) -> tritonlm.a.b; `from tritonlm.a import name`
-(name not a module) -> tritonlm.a, a package's __init__ being the module tritonlm.a.
+The layers are the numbered list under "## Layers" in docs/architecture.md, read from there
+(the one place the order is written): a module may import its own layer and the layers
+listed before it. Every `import` / `from ... import` statement counts: function-level ones
+(a lazy import hides a cycle, it does not remove it) and those under `if TYPE_CHECKING:` (a
+type-only import is still a dependency; a circle through one is still a circle). An edge
+goes to the module named: `import tritonlm.a.b` and `from tritonlm.a import b` (b a module)
+-> tritonlm.a.b; `from tritonlm.a import name` (name not a module) -> tritonlm.a, a
+package's __init__ being the module tritonlm.a.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import deque
 from pathlib import Path
 
@@ -17,6 +21,8 @@ import tritonlm
 
 PACKAGE = "tritonlm"
 ROOT = Path(tritonlm.__file__).resolve().parent
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+LAYERS_HEADING = "## Layers"
 
 
 def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
@@ -31,22 +37,12 @@ def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 class _ImportCollector(ast.NodeVisitor):
+    """Every import statement of a module, wherever it stands (top level, in a function, under
+    `if TYPE_CHECKING:`)."""
+
     def __init__(self) -> None:
         self.found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit_If(self, node: ast.If) -> None:
-        if _is_type_checking(node.test):
-            for child in node.orelse:  # `else:` of `if TYPE_CHECKING:` does run
-                self.visit(child)
-        else:
-            self.generic_visit(node)
 
     def visit_Import(self, node: ast.Import) -> None:
         self.found.append(node)
@@ -178,6 +174,86 @@ def describe(graph: dict[str, dict[str, int]], modules: dict[str, Path], cycle: 
     return " -> ".join(cycle) + "\n" + "\n".join(steps)
 
 
+# ---- layers ----------------------------------------------------------------------------------
+
+
+def read_layers(text: str, heading: str = LAYERS_HEADING, package: str = PACKAGE) -> list[list[str]]:
+    """The numbered list under the heading: one layer per item, lowest first, each the names
+    of what it lists before the item's first ': ' (so its description may name other paths):
+    `pkg/a/b.py` -> "pkg.a.b", that module alone; `pkg/a/` -> "pkg.a.*", the folder, every
+    module in it."""
+    section = text.split(f"\n{heading}", 1)[1].split("\n#", 1)[0]
+    layers = []
+    for item in re.findall(r"^\d+\. (.*)$", section, re.M):
+        paths = re.findall(rf"`({package}/[\w/.]*)`", item.split(": ", 1)[0])
+        assert paths, f"{heading}: the item {item!r} names no module or folder"
+        layers.append([layer_name(p) for p in paths])
+    return layers
+
+
+def layer_name(path: str) -> str:
+    """`pkg/a/b.py` -> pkg.a.b, `pkg/__init__.py` -> pkg (modules); `pkg/a/` -> pkg.a.* (a folder)."""
+    if path.endswith("/"):
+        return path.removesuffix("/").replace("/", ".") + ".*"
+    parts = path.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str, layers: list[list[str]]) -> int | None:
+    """The index of the layer that names the module itself, else of the one naming the
+    innermost folder that holds it (None: no layer does)."""
+    best: tuple[int, int] | None = None  # (how specific the name is, layer)
+    for index, names in enumerate(layers):
+        for name in names:
+            folder = name.removesuffix(".*")
+            if name.endswith(".*") and (module == folder or module.startswith(folder + ".")):
+                rank = 2 * len(folder)
+            elif module == name:
+                rank = 2 * len(name) + 1
+            else:
+                continue
+            if best is None or rank > best[0]:
+                best = (rank, index)
+    return None if best is None else best[1]
+
+
+def upward_imports(graph: dict[str, dict[str, int]], layers: list[list[str]]) -> list[tuple[str, str, int]]:
+    """(importer, imported, line) for every import of a module in a later layer than the importer's."""
+    found = []
+    for module, edges in sorted(graph.items()):
+        for target, line in sorted(edges.items()):
+            if layer_of(target, layers) > layer_of(module, layers):
+                found.append((module, target, line))
+    return found
+
+
+def test_the_layers_name_every_module_once_and_nothing_else():
+    layers = read_layers(ARCHITECTURE.read_text())
+    modules = module_files()
+    assert len(layers) > 3
+    names = [n for layer in layers for n in layer]
+    assert len(names) == len(set(names)), f"docs/architecture.md names a module in two layers: {names}"
+    unknown = [n for n in names if n.removesuffix(".*") not in modules]
+    assert not unknown, f"docs/architecture.md's layers name modules or folders that do not exist: {unknown}"
+    homeless = [m for m in modules if layer_of(m, layers) is None]
+    assert not homeless, f"modules in no layer (add them to {LAYERS_HEADING!r} in docs/architecture.md): {homeless}"
+
+
+def test_every_import_points_down_the_layers():
+    layers = read_layers(ARCHITECTURE.read_text())
+    modules = module_files()
+    graph = import_graph(modules)
+    report = [
+        f"  {modules[m].relative_to(ROOT.parent)}:{line}: {m} (layer {layer_of(m, layers) + 1}) imports "
+        f"{t} (layer {layer_of(t, layers) + 1})"
+        for m, t, line in upward_imports(graph, layers)
+    ]
+    assert not report, ("imports that point up the layers of docs/architecture.md (move the shared part down, "
+                        "or the importer up):\n" + "\n".join(report))
+
+
 def test_no_import_cycles():
     modules = module_files()
     graph = import_graph(modules)
@@ -224,11 +300,28 @@ def test_walker_finds_edges_and_cycles(tmp_path):
     assert {m: sorted(e) for m, e in graph.items()} == {
         "pkg": [],
         "pkg.a": ["pkg.b"],  # `from pkg.b import thing`: thing is no module
-        "pkg.b": ["pkg.sub.mod"],  # function-level, relative; the TYPE_CHECKING import is left out
+        "pkg.b": ["pkg.c", "pkg.sub.mod"],  # the TYPE_CHECKING import counts; function-level, relative
         "pkg.c": ["pkg.a"],
         "pkg.sub": ["pkg.sub.mod"],
         "pkg.sub.mod": ["pkg.c"],  # `from .. import c`: c is a module
     }
     cycles = find_cycles(graph)
-    assert cycles == [["pkg.a", "pkg.b", "pkg.sub.mod", "pkg.c", "pkg.a"]]
-    assert "pkg/b.py:7" in describe(graph, modules, cycles[0], pkg)
+    assert cycles == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]  # the shortest, through the type-only import
+    assert "pkg/b.py:3" in describe(graph, modules, cycles[0], pkg)
+
+
+def test_layers_read_from_the_doc_and_an_upward_import_found():
+    doc = (
+        "# Title\n\n## Layers: down\n\nSome words naming `pkg/c.py`.\n\n"
+        "1. `pkg/__init__.py`, `pkg/sub/mod.py`: low, see `pkg/a.py`\n"
+        "2. `pkg/sub/`: the rest of sub\n"
+        "3. `pkg/a.py`, `pkg/b.py`\n\n## Next\n4. `pkg/c.py`\n"
+    )
+    layers = read_layers(doc, package="pkg")
+    assert layers == [["pkg", "pkg.sub.mod"], ["pkg.sub.*"], ["pkg.a", "pkg.b"]]
+    # a module named alone goes by its own name, the others by their innermost folder named;
+    # pkg/__init__.py names that module alone, so pkg.c is in no layer
+    assert [layer_of(m, layers) for m in ("pkg", "pkg.sub.mod", "pkg.sub", "pkg.sub.other", "pkg.a", "pkg.c")] == [
+        0, 0, 1, 1, 2, None]
+    graph = {"pkg.a": {"pkg.b": 1, "pkg.sub": 2}, "pkg.sub": {"pkg.sub.mod": 1, "pkg.a": 5}, "pkg.sub.mod": {"pkg": 3}}
+    assert upward_imports(graph, layers) == [("pkg.sub", "pkg.a", 5)]

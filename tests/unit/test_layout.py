@@ -5,8 +5,11 @@ and README's "Where things live" describe the layout these keep):
 - no module of the package grows past 700 lines (one job per module);
 - one definition of `percentile`, and no class name defined twice;
 - scripts import the installed package: nothing edits sys.path;
+- tritonlm/perf holds only what its subcommands reach; what only the benchmark scripts use is
+  perf/tritonlm_bench (the package tritonlm_bench), which nothing in tritonlm imports;
 - code comments carry no measured figures or history (they go stale; docs/ holds them);
-- tests/unit mirrors the package: each test file is named after the module it tests.
+- tests/unit mirrors the package: each test file is named after the module it tests
+  (tests/unit/tritonlm_bench/ mirrors perf/tritonlm_bench, what the benchmark scripts share).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import tritonlm
+import tritonlm_bench
 
 PACKAGE = Path(tritonlm.__file__).resolve().parent
+BENCH = Path(tritonlm_bench.__file__).resolve().parent
 ROOT = PACKAGE.parent
 CODE_DIRS = ("tritonlm", "backends", "export", "perf", "scripts", "tests")
 MAX_MODULE_LINES = 700
@@ -41,7 +46,11 @@ def test_readme_is_a_front_page():
 
 
 def test_no_module_is_too_long():
-    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := p.read_text().count("\n")) > MAX_MODULE_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (*PACKAGE.rglob("*.py"), *BENCH.rglob("*.py"))
+        if (n := p.read_text().count("\n")) > MAX_MODULE_LINES
+    }
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
 
 
@@ -115,8 +124,11 @@ def test_unit_tests_mirror_the_package():
         rel = test.relative_to(unit)
         if rel.parent == Path(".") and rel.name in REPO_CHECKS:
             continue
-        target = PACKAGE / rel.parent / rel.name.removeprefix("test_")
-        own_package = rel.parent.name == target.with_suffix("").name and (PACKAGE / rel.parent).is_dir()
+        package = PACKAGE
+        if rel.parts[0] == BENCH.name:
+            package, rel = BENCH, rel.relative_to(BENCH.name)
+        target = package / rel.parent / rel.name.removeprefix("test_")
+        own_package = rel.parent.name == target.with_suffix("").name and (package / rel.parent).is_dir()
         native = target.with_suffix(".cpp").is_file()
         if not (target.is_file() or native or target.with_suffix("").is_dir() or own_package):
             orphans.append(str(test.relative_to(ROOT)))
@@ -126,3 +138,44 @@ def test_unit_tests_mirror_the_package():
         path = Path(module)
         test = unit / path.parent / f"test_{path.name}"
         assert test.is_file(), f"tritonlm/{module} has no unit test at {test.relative_to(ROOT)}"
+
+
+def _named_modules(path: Path) -> set[str]:
+    """Dotted names a module imports or names in a string (the CLI imports its subcommands'
+    modules by name), with each name's parents: `from a.b import c` gives a.b.c, a.b and a."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"tritonlm(\.\w+)+", node.value):
+            names.add(node.value)
+    return {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)}
+
+
+def test_perf_holds_only_what_the_cli_uses():
+    """tritonlm/perf keeps what `tritonlm perf` and `tritonlm plan` use; benchmark-only code lives
+    in perf/tritonlm_bench, which tritonlm never imports."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ["tritonlm", *path.relative_to(PACKAGE).with_suffix("").parts]
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    importers = sorted(
+        f"{p.relative_to(ROOT)}" for p in modules.values() if any(n.split(".")[0] == BENCH.name for n in _named_modules(p))
+    )
+    assert not importers, f"tritonlm modules importing {BENCH.name} (benchmark code; tritonlm must not need it): {importers}"
+    reached, todo = set(), ["tritonlm.cli"]
+    while todo:
+        module = todo.pop()
+        if module in reached:
+            continue
+        reached.add(module)
+        todo.extend(n for n in _named_modules(modules[module]) if n in modules)
+    unused = sorted(m for m in modules if m.startswith("tritonlm.perf.") and m not in reached)
+    assert not unused, (
+        f"tritonlm/perf modules no subcommand reaches from tritonlm.cli (move what only perf/*.py "
+        f"uses to perf/tritonlm_bench): {unused}"
+    )

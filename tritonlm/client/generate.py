@@ -98,6 +98,7 @@ def generate_grpc(
 ) -> GenerateResult:
     """One request over a gRPC stream; on_piece gets each piece of text as it arrives."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     own = client is None
     client = client or grpcclient.InferenceServerClient(url)
@@ -105,7 +106,16 @@ def generate_grpc(
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     result = GenerateResult()
     try:
-        client.async_stream_infer(model, _grpc_inputs(prompt, params), enable_empty_final_response=True)
+        try:
+            client.async_stream_infer(model, _grpc_inputs(prompt, params), enable_empty_final_response=True)
+        except InferenceServerException:
+            # the stream broke before the request went out (nothing answers at url): tritonclient
+            # hands why to the callback and raises a generic "not in valid state" here
+            try:
+                _, error = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise GenerateError(f"the gRPC stream to {url} broke before the request was sent") from None
+            raise GenerateError(str(error)) from None
         while True:
             try:
                 response, error = responses.get(timeout=timeout_s)

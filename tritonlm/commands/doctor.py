@@ -56,11 +56,15 @@ def checks() -> list[tuple[str, bool, str]]:
     except ImportError:
         pass
     try:
-        from tritonlm.engine.kernels import kernels_available
+        from tritonlm.engine.kernels import IsaError, kernels_available
 
-        ok, why = kernels_available()
-        rows.append(("C++ kernels (paged attention, fused ops)", ok, why if ok else f"{why}: install g++ (or `make setup`); "
-                     "decode falls back to the slower gather path"))
+        fix = ("`make setup` (or `python -m tritonlm.engine.kernels --prebuild` with g++ installed); "
+               "decode falls back to the slower gather path")
+        try:
+            ok, why = kernels_available()  # names the ISA level loaded and where from
+        except IsaError as e:  # a TRITONLM_KERNEL_ISA this CPU cannot run: a model would not load
+            ok, why, fix = False, str(e), "unset TRITONLM_KERNEL_ISA or name a level this CPU runs"
+        rows.append(("C++ kernels (paged attention, fused ops)", ok, why if ok else f"{why}: {fix}"))
     except ImportError:
         pass
     from tritonlm.engine.cpu_cores import usable_cores

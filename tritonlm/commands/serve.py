@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
     )
 
 
-def _host(text: str) -> str:
+def host_arg(text: str) -> str:
+    """--host, checked as an address to bind (`tritonlm serve` and `tritonlm openai`)."""
     try:
         return check_host(text)
     except ServerStartError as e:
@@ -52,7 +53,7 @@ def _restriction(text: str) -> str:
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repo", default="model_repository", help="model repository (default: model_repository)")
-    p.add_argument("--host", type=_host, default=DEFAULT_HOST,
+    p.add_argument("--host", type=host_arg, default=DEFAULT_HOST,
                    help=f"address HTTP, gRPC and metrics bind to (default: {DEFAULT_HOST}, this machine only; "
                    "0.0.0.0: every interface)")
     p.add_argument("--http-port", type=int, default=8000)

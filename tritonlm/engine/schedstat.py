@@ -6,7 +6,7 @@ waiting on a run queue, and time slices run (CONFIG_SCHED_INFO; kernels built wi
 schedstats and delay accounting print zeros). The wait is the scheduler's own account of
 a thread that wanted a core and did not get one: a thread asleep, or spinning on its core,
 waits for nothing. tritonlm/engine/cpu_cores.py reads it for the compute threads, and
-tritonlm/perf/cpusplit.py for where a benchmark's CPU went.
+perf/tritonlm_bench/cpusplit.py for where a benchmark's CPU went.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Callable
 
 PR_SET_NAME = 15  # prctl(2); Linux keeps 15 bytes of a thread's name
 OS_NAME_BYTES = 15
-# names that tools find threads by (tritonlm/perf/cpusplit.py): one place for each
+# names that tools find threads by (perf/tritonlm_bench/cpusplit.py): one place for each
 ENGINE_THREAD = "tritonlm-engine"  # the compute thread; its OpenMP workers inherit the name
 EVENTS_THREAD = "tritonlm-events"  # the event dispatcher, which sends every response
 

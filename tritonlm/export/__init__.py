@@ -7,6 +7,7 @@ Modules, one job each:
     torchscript_export  torch.jit.trace of the same wrapper
     verify          artifact vs PyTorch on prefill / decode / padded batches
     repository      config.pbtxt writers (forward models, the generation entry)
-    pipeline        `tritonlm export`: load, export, verify, write, atomically
-    cli             argparse wiring for `tritonlm export` and `tritonlm serve-default`
+    pipeline        what `tritonlm export` runs: load, export, verify, write, atomically
+
+The commands that drive it (`tritonlm export`, `tritonlm serve-default`) are in tritonlm/commands.
 """

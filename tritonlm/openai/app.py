@@ -5,7 +5,10 @@ Each choice (a prompt, times n) is one Triton request (tritonlm/openai/triton.py
 non-streamed answer waits for all of them; a streamed one waits for every choice's first
 response (so a refused request still gets its HTTP status), then sends server-sent events
 as pieces arrive and ends with `data: [DONE]`. A client that disconnects cancels every
-Triton request it started, at once (SSEResponse listens for the disconnect).
+Triton request it started, at once, whether it waits for an answer, a first response (a
+queued request) or the next event (SSEResponse listens for the disconnect then).
+The server behind it is a Backend (tritonlm/openai/backend.py): the Triton bridge, or a
+test's fake.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tritonlm.openai.backend import Backend, GenerationStream
 from tritonlm.openai.chat import ChatTemplates
 from tritonlm.openai.errors import OpenAIError
 from tritonlm.openai.frontdoor import FrontDoor
@@ -35,7 +39,7 @@ from tritonlm.openai.tokenize import tokenize as tokenize_text
 from tritonlm.openai.tools import Reader, ToolDelta
 from tritonlm.openai.tools import guide as tool_guide
 from tritonlm.openai.tools import reader as tool_reader
-from tritonlm.openai.triton import Generation, Piece, TritonBackend
+from tritonlm.openai.triton import Piece, TritonBackend
 
 log = logging.getLogger(__name__)
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -68,7 +72,7 @@ class Choice:
     prompt_index: int
     first_of_prompt: bool  # counts the prompt's tokens in usage (once per prompt, not per choice)
     prompt: str
-    gen: Generation
+    gen: GenerationStream
     text: list[str] = field(default_factory=list)
     # (token text, log-probability, the most likely tokens there as (text, log-probability) or None)
     tokens: list[Token] = field(default_factory=list)
@@ -184,7 +188,7 @@ def chat_logprobs(tokens: list[Token]) -> dict:
                         for t, lp, top in tokens]}
 
 
-async def _start(backend: TritonBackend, model: str, jobs: list[tuple[int, str, dict]], n: int, stream: bool, chat: bool
+async def _start(backend: Backend, model: str, jobs: list[tuple[int, str, dict]], n: int, stream: bool, chat: bool
                  ) -> list[Choice]:
     """One Triton request per (prompt index, prompt, sampling); n choices per prompt."""
     choices = []
@@ -378,13 +382,39 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def create_app(triton_url: str, templates: ChatTemplates | None = None, headers: dict[str, str] | None = None,
-               health=None, api_key: str | None = None, metrics_url: str | None = None) -> FastAPI:
-    """The OpenAI API in front of the Triton server whose gRPC endpoint is triton_url (host:port).
+async def _unless_gone(request: Request, work, choices: list[Choice]) -> tuple[bool, Any]:
+    """(False, work's result), or (True, None) when the client went away first: every
+    choice's request is cancelled then. Until a streamed answer's first event, nothing else
+    listens for the client: a request waiting in the model's queue is cancelled here too."""
+    doing = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({doing, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not doing.done():  # the client left (or we are cancelled): end its requests
+            for c in choices:
+                c.gen.cancel()
+            doing.cancel()
+        gone.cancel()
+        await asyncio.gather(doing, gone, return_exceptions=True)
+    if doing.cancelled():
+        return True, None
+    return False, doing.result()  # its error, if any, raises
+
+
+def create_app(triton_url: str | None = None, templates: ChatTemplates | None = None,
+               headers: dict[str, str] | None = None, health=None, api_key: str | None = None,
+               metrics_url: str | None = None, backend: Backend | None = None) -> FastAPI:
+    """The OpenAI API in front of the Triton server whose gRPC endpoint is triton_url (host:port),
+    reached through a TritonBackend the app builds (and closes) in its lifespan; or in front of
+    `backend`, anything with the Backend interface (tritonlm/openai/backend.py), which the
+    caller owns and closes (give one of the two).
     health (tritonlm serve's HealthBoard, optional): a model that is restarting gets a 503
     saying why, and a request that a dead model process held ends with that reason.
     api_key: every request but /health must carry it (Bearer). metrics_url: Triton's metrics
     page, shown on /metrics after the frontend's own."""
+    if (triton_url is None) == (backend is None):
+        raise ValueError("create_app: give exactly one of triton_url (the Triton bridge is built) and backend")
     templates = templates or ChatTemplates()
     registry = CollectorRegistry()
     unavailable = health.unavailable if health is not None else (lambda model: None)
@@ -396,6 +426,10 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if backend is not None:  # the caller's: it was there before the app and is closed by its owner
+            yield
+            return
+        # grpc.aio binds the channel to the running loop: the bridge is made inside it
         app.state.backend = TritonBackend(triton_url, headers, health=health)
         try:
             yield
@@ -408,6 +442,7 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
 
     app = FastAPI(title="tritonlm OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.templates = templates
+    app.state.backend = backend  # None until the lifespan builds the Triton bridge
     app.add_middleware(FrontDoor, api_key=api_key, registry=registry, refuse=_error_response)
 
     @app.exception_handler(OpenAIError)
@@ -429,12 +464,8 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
     async def health_check():
         if health is not None and not health.ready():
             raise OpenAIError(503, "not every model serves now: see the probes' /health", code="not_ready")
-        try:
-            live = await app.state.backend.client.is_server_live()
-        except Exception:
-            live = False
-        if not live:
-            raise OpenAIError(503, f"Triton at {triton_url} is not live", code="triton_unavailable")
+        if not await app.state.backend.live():
+            raise OpenAIError(503, f"Triton at {app.state.backend.url} is not live", code="triton_unavailable")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -461,7 +492,10 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         return await detokenize_ids(templates, await app.state.backend.model(req.model), req)
 
     def model_card(m) -> dict:
-        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "tritonlm"}
+        card = {"id": m.name, "object": "model", "created": m.created, "owned_by": "tritonlm"}
+        if m.parent is not None:  # a LoRA adapter, served by its base model (vLLM's card has both)
+            card.update(root=m.name, parent=m.parent)
+        return card
 
     @app.get("/v1/models")
     async def list_models():
@@ -477,6 +511,8 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         req = parse_body(CompletionRequest, await _body(request))
         check_available(req.model)
         info = await app.state.backend.model(req.model)
+        if info.parent is not None:  # an adapter: its base model serves it
+            check_available(info.parent)
         n = req.n or 1
         jobs = [(p, text, req.sampling(j)) for p, text in enumerate(req.prompts()) for j in range(n)]
         return await _answer(request, req, info, jobs, n, chat=False, echo=bool(req.echo))
@@ -486,8 +522,10 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         req = parse_body(ChatCompletionRequest, await _body(request))
         check_available(req.model)
         info = await app.state.backend.model(req.model)
+        if info.parent is not None:  # an adapter: its base model serves it
+            check_available(info.parent)
         functions, choice = req.functions_list, req.choice
-        prompt = await templates.render(info.name, info.parameters, req.chat_messages(),
+        prompt = await templates.render(info.base, info.parameters, req.chat_messages(),
                                         tools=[f.given for f in functions], need_tools=choice == "auto")
         n = req.n or 1
         jobs = [(0, prompt, req.sampling(j)) for j in range(n)]
@@ -506,37 +544,31 @@ def create_app(triton_url: str, templates: ChatTemplates | None = None, headers:
         return await _answer(request, req, info, jobs, n, chat=True, echo=False, readers=readers)
 
     async def _answer(request: Request, req, info, jobs, n: int, *, chat: bool, echo: bool, readers=None):
-        model = info.name
+        model = info.name  # what the answer names: the adapter when the request named one
+        if info.lora_name is not None:  # an adapter runs on its base model, picked per request
+            for _, _, sampling in jobs:
+                sampling["lora_name"] = info.lora_name
         want_logprobs = req.wants_logprobs()
         stream = bool(req.stream)
         token_text = None
         # the most likely tokens and the echoed prompt's come back as ids: their text needs the tokenizer
         if req.top_alternatives() or (echo and want_logprobs):
-            tok = await templates.tokenizer(model, info.parameters, param="top_logprobs" if chat else "logprobs")
+            tok = await templates.tokenizer(info.base, info.parameters, param="top_logprobs" if chat else "logprobs")
             token_text = _token_texts(tok)
         # per-token responses from Triton when streaming, or to list each token's log-probability
-        choices = await _start(app.state.backend, model, jobs, n, stream or want_logprobs, chat)
+        choices = await _start(app.state.backend, info.base, jobs, n, stream or want_logprobs, chat)
         for c in choices:
             c.token_text = token_text
             c.reader = readers[c.index] if readers else None
         if stream:
-            firsts = await _first_pieces(choices)
+            gone, firsts = await _unless_gone(request, _first_pieces(choices), choices)
+            if gone:
+                return Response(status_code=499)  # nobody is listening any more
             return _stream(choices, firsts, chat=chat, model=model, include_usage=req.include_usage,
                            want_logprobs=want_logprobs, echo=echo)
-        collecting = asyncio.ensure_future(_collect(choices, want_logprobs))
-        gone = asyncio.ensure_future(_disconnect(request))
-        try:
-            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not collecting.done():  # the client left (or we are cancelled): end its requests
-                for c in choices:
-                    c.gen.cancel()
-                collecting.cancel()
-            gone.cancel()
-            await asyncio.gather(collecting, gone, return_exceptions=True)
-        if collecting.cancelled():
-            return Response(status_code=499)  # nobody is listening any more
-        collecting.result()  # its error, if any
+        gone, _ = await _unless_gone(request, _collect(choices, want_logprobs), choices)
+        if gone:
+            return Response(status_code=499)
         out = []
         for c in choices:
             text = "".join(c.text)

@@ -3,7 +3,7 @@
 Every error answer is `{"error": {"message", "type", "param", "code"}}` with a status:
 400 a bad field (param names it), 404 an unknown model, 429 the model's queue is full
 ("server busy"), 503 the model cannot take requests now (queue timeout, shutting down,
-Triton unreachable), 500 anything else.
+Triton unreachable, or shed by the latency SLO controller: "overloaded"), 500 anything else.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ def from_triton(message: str, chat: bool = False) -> OpenAIError:
     lower = text.lower()
     if "server busy" in lower:
         return OpenAIError(429, text, code="server_busy")
+    if "overloaded:" in lower:  # shed at arrival: its time-to-first-token SLO cannot be met now
+        return OpenAIError(503, text, code="slo_overloaded")
     if "timed out after waiting" in lower or "shutting down" in lower or "being unloaded" in lower:
         return OpenAIError(503, text, code="unavailable")
     if "unknown model" in lower or ("model" in lower and "is not found" in lower) or "not ready" in lower:

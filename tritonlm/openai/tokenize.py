@@ -49,9 +49,9 @@ class DetokenizeRequest(BaseModel):
 
 
 async def tokenize(templates, info, req: TokenizeRequest) -> dict:
-    tok = await templates.tokenizer(info.name, info.parameters, param="prompt" if req.prompt is not None else "messages")
+    tok = await templates.tokenizer(info.base, info.parameters, param="prompt" if req.prompt is not None else "messages")
     if req.messages is not None:
-        text = await templates.render(info.name, info.parameters, req.chat_messages(),
+        text = await templates.render(info.base, info.parameters, req.chat_messages(),
                                       add_generation_prompt=req.add_generation_prompt)
     else:
         text = req.prompt
@@ -61,7 +61,7 @@ async def tokenize(templates, info, req: TokenizeRequest) -> dict:
 
 
 async def detokenize(templates, info, req: DetokenizeRequest) -> dict:
-    tok = await templates.tokenizer(info.name, info.parameters, param="tokens")
+    tok = await templates.tokenizer(info.base, info.parameters, param="tokens")
     vocab = len(tok)
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:

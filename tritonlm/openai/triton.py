@@ -31,10 +31,43 @@ class ServedModel:
     version: str
     config: dict  # Triton's model config, as JSON
     created: int = field(default_factory=lambda: int(time.time()))
+    # a LoRA adapter served as a model of its own: the generation model that runs it (its
+    # config is that model's), and the name its requests send as `lora_name`
+    parent: str | None = None
+    lora_name: str | None = None
 
     @property
     def parameters(self) -> dict[str, str]:
         return {k: v.get("string_value", "") for k, v in self.config.get("parameters", {}).items()}
+
+    @property
+    def base(self) -> str:
+        """The Triton model that serves it: its parent for an adapter, else itself."""
+        return self.parent or self.name
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters a generation model serves, from its `lora_adapters` parameter (what
+        a multi_lora.json adds is not in the config: those are served by `lora_name` only)."""
+        from tritonlm.engine.settings import SettingsError, adapter_pairs
+
+        try:
+            return [name for name, _ in adapter_pairs(self.parameters.get("lora_adapters", ""))]
+        except SettingsError:
+            return []  # such a model does not load: nothing to list
+
+
+def with_adapters(models: dict[str, ServedModel]) -> dict[str, ServedModel]:
+    """The generation models and, as models of their own, the LoRA adapters each serves, with
+    `parent` its model (as vLLM's /v1/models lists them). A model's own name wins over an
+    adapter's, and of two models serving the same adapter name the first by name does."""
+    out = dict(models)
+    for name in sorted(models):
+        base = models[name]
+        for adapter in base.adapter_names:
+            if adapter not in out:
+                out[adapter] = ServedModel(adapter, base.version, base.config, base.created, parent=name, lora_name=adapter)
+    return out
 
 
 def is_generation_model(config: dict) -> bool:
@@ -103,7 +136,8 @@ def parse_response(result) -> Piece:
 
 
 class TritonBackend:
-    """The frontend's view of one Triton server (gRPC). Create and use inside one event loop."""
+    """The frontend's view of one Triton server (gRPC), the app's Backend
+    (tritonlm/openai/backend.py). Create and use inside one event loop."""
 
     def __init__(self, url: str, headers: dict[str, str] | None = None, health=None):
         self.url = url
@@ -123,6 +157,12 @@ class TritonBackend:
 
             self._client = grpcclient.InferenceServerClient(self.url)
         return self._client
+
+    async def live(self) -> bool:
+        try:
+            return bool(await self.client.is_server_live())
+        except Exception:  # noqa: BLE001 - out of reach is not live
+            return False
 
     async def close(self) -> None:
         if self._client is not None:
@@ -151,13 +191,14 @@ class TritonBackend:
                 continue
             name = entry["name"]
             old = self._models.get(name)
+            old = old if old is not None and old.parent is None else None
             try:
                 config = old.config if old else (await self.client.get_model_config(name, as_json=True))["config"]
             except Exception:
                 continue  # unloaded between the two calls
             if is_generation_model(config):
                 found[name] = ServedModel(name, entry.get("version", ""), config, old.created if old else int(time.time()))
-        return found
+        return with_adapters(found)
 
     async def model(self, name: str) -> ServedModel:
         models = await self.models()

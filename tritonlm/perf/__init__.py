@@ -1,5 +1,5 @@
 """Performance measurement: the `tritonlm perf` harnesses (dynamic batching, latency SLA, config
 tuning, LLM streaming metrics, operating-point diagnosis) and `tritonlm plan`, each driving the
-real perf_analyzer against a real tritonserver with its arithmetic in pure functions; and the
-parts the benchmark scripts in perf/ share (statistics, the machine description, streaming
-clients, model repositories, server metrics). tritonlm/perf/README.md maps the modules."""
+real perf_analyzer against a real tritonserver with its arithmetic in pure functions. Only what
+those subcommands use lives here; what only the benchmark scripts use is perf/tritonlm_bench.
+tritonlm/perf/README.md maps the modules."""

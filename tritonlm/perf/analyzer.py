@@ -16,6 +16,7 @@ Two ways to measure:
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import re
@@ -25,11 +26,48 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tritonlm.commands.perf_analyzer import read_perf_csv, run_perf_analyzer
-from tritonlm.paths import StackError
+from tritonlm.paths import StackError, perf_analyzer_binary, perf_analyzer_env
 from tritonlm.perf.target import ModelStats, PerfError, Target
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PerfResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_perf_analyzer(args: list[str], timeout_s: float = 600.0) -> PerfResult:
+    """perf_analyzer with these arguments, to its end; its output captured."""
+    proc = subprocess.run(
+        [str(perf_analyzer_binary()), *args],
+        env=perf_analyzer_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    return PerfResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def read_perf_csv(path) -> list[dict[str, float]]:
+    """Rows of perf_analyzer's `-f FILE` CSV (one per concurrency or rate), numbers as floats.
+    Latency columns are in microseconds, as perf_analyzer writes them."""
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            parsed = {}
+            for key, value in row.items():
+                if key is None:
+                    continue
+                try:
+                    parsed[key.strip()] = float(value)
+                except (TypeError, ValueError):
+                    pass
+            if parsed:
+                rows.append(parsed)
+    return rows
 
 
 @dataclass(frozen=True)

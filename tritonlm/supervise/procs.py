@@ -51,18 +51,6 @@ def process_state(pid: int) -> str:
     return SLEEPING
 
 
-def describe_exit(code: int) -> str:
-    """A process's exit status in words: "signal SIGKILL", "exit code 1"."""
-    import signal
-
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
 def is_dead(state: str) -> bool:
     return state in (ZOMBIE, GONE)
 

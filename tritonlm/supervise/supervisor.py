@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from tritonlm.proc_exit import describe_exit
 from tritonlm.server import ServerStartError, TritonServer, parse_restriction
 from tritonlm.supervise.health import HealthBoard
-from tritonlm.supervise.procs import describe_exit
 from tritonlm.supervise.recovery import RestartPolicy
 from tritonlm.supervise.served import TritonModels
 from tritonlm.supervise.watch import DEFAULT_DEADLINE_S, SERVER, Fault, ModelWatch

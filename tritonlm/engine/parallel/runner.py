@@ -47,7 +47,7 @@ from tritonlm.engine.runners.base import plan_step
 from tritonlm.engine.settings import SettingsError
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.engine.threads import named_thread
-from tritonlm.supervise.procs import describe_exit
+from tritonlm.proc_exit import describe_exit
 
 log = logging.getLogger(__name__)
 

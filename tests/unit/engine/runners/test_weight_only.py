@@ -25,7 +25,7 @@ from tritonlm.engine.runners.layers import WeightOnlyInt8Linear
 from tritonlm.engine.runners.weight_only import GROUP, gptq_round, rtn_round
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.engine.settings import EngineSettings, SettingsError
-from tritonlm.perf.agreement import reference_continuations, teacher_forced_agreement
+from tritonlm_bench.agreement import reference_continuations, teacher_forced_agreement
 
 
 def rounded_weights(model):

@@ -1,4 +1,5 @@
-"""`tritonlm perf ...` (harnesses driving the real perf_analyzer against the real server) and `tritonlm plan`."""
+"""`tritonlm perf ...` (harnesses driving the real perf_analyzer against the real server) and `tritonlm plan`.
+Each harness module under tritonlm/perf adds its own HARNESS subcommand; this module hangs them under `perf`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ HARNESSES = [
     "tritonlm.perf.tune",
     "tritonlm.perf.llm",
     "tritonlm.perf.diagnose",
+    "tritonlm.perf.arrivals",
 ]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 _STREAM_CONFIG = """\
-# Test model written by tritonlm.perf.testmodels: streams max_tokens pieces with known timing.
+# Test model written by tests.helpers.timed_models: streams max_tokens pieces with known timing.
 name: "{name}"
 backend: "python"
 max_batch_size: 0
@@ -92,7 +92,7 @@ TritonPythonModel = StreamingTestModel  # the name the Python backend looks up
 '''
 
 _TOKEN_CONFIG = """\
-# Test model written by tritonlm.perf.testmodels: token ids in, logits out; rejects ids >= vocab.
+# Test model written by tests.helpers.timed_models: token ids in, logits out; rejects ids >= vocab.
 name: "{name}"
 backend: "python"
 max_batch_size: 8

@@ -1,4 +1,4 @@
-"""`tritonlm perf` (tritonlm/perf/cli.py) without a server: a harness that cannot reach
+"""`tritonlm perf` (tritonlm/commands/perf.py) without a server: a harness that cannot reach
 tritonserver says so in one line and exits 1."""
 
 from __future__ import annotations

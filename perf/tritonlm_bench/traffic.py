@@ -18,13 +18,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from tritonlm.perf.rawgrpc import RawTensor, infer_request, is_final, output_int, raw_tensor
 from tritonlm.perf.stats import percentile
+from tritonlm_bench.rawgrpc import RawTensor, infer_request, is_final, output_int, raw_tensor
 
 REQUEST_TIMEOUT_S = 120.0  # a stream still open after this is a hung request
 WORDS = ("the a city river old new small robot wanted to see how far it could go before night fell "
          "and every light in town came on one by one while people walked home 1 2 3 café naïve 你好").split()
-REQUEST_TIMEOUT_S = 120.0  # a stream still open after this is a hung request
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -144,8 +143,6 @@ def one_request(stub, model: str, rng: random.Random, rid: str, t_zero: float, c
 
 def stream_of(tensors: list[RawTensor]) -> bool:
     return any(t.name == "stream" and t.data == b"\x01" for t in tensors)
-
-
 
 
 def outcome_counts(records: list[Record]) -> tuple[Counter, Counter, dict[str, int]]:

@@ -1,4 +1,5 @@
-"""`tritonlm export` and `tritonlm serve-default`."""
+"""`tritonlm export`: export a model into a Triton model repository. tritonlm/export does
+the work; this module reads the command line into its ExportOptions."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import argparse
 import json
 from pathlib import Path
 
-from tritonlm.export.pipeline import ALL_FORMATS
+from tritonlm.errors import CliError
+from tritonlm.export.pipeline import (
+    ALL_FORMATS,
+    ExportError,
+    ExportOptions,
+    export,
+    export_summary_json,
+    parse_formats,
+)
 
 
 def add_parser(sub) -> None:
@@ -25,23 +34,6 @@ def add_parser(sub) -> None:
                    "(default: all the model's family exports)")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     p.set_defaults(func=run_export)
-
-    s = sub.add_parser(
-        "serve-default",
-        help="export a model into a repository if not there yet, then serve the repository",
-    )
-    s.add_argument("--model", default="smollm2-135m", help="model to serve (default: smollm2-135m)")
-    s.add_argument("--draft", default=None, help="draft model for speculative decoding (same tokenizer)")
-    s.add_argument("--name", default=None, help="Triton model name (default: from the model name)")
-    s.add_argument("--formats", default=None,
-                   help="formats to export when exporting (default: onnx, where the model's family exports it)")
-    s.add_argument("--max-context", type=int, default=None)
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--force", action="store_true", help="export again even if the model is already there")
-    from tritonlm.commands.serve import add_server_args
-
-    add_server_args(s)
-    s.set_defaults(func=run_serve_default, default_formats="onnx")
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
@@ -74,9 +66,9 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def options_from_args(args: argparse.Namespace):
-    from tritonlm.export.pipeline import ExportOptions, parse_formats
-
+def options_from_args(args: argparse.Namespace) -> ExportOptions:
+    """ExportOptions from `tritonlm export`'s arguments, or serve-default's (which lack some:
+    those take export's defaults)."""
     return ExportOptions(
         model=args.model,
         name=args.name,
@@ -98,9 +90,6 @@ def options_from_args(args: argparse.Namespace):
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from tritonlm.cli import CliError
-    from tritonlm.export.pipeline import ExportError, export, export_summary_json
-
     try:
         result = export(options_from_args(args), out=lambda s: print(s, flush=True))
     except ExportError as e:
@@ -108,68 +97,3 @@ def run_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(export_summary_json(result), indent=2))
     return 0
-
-
-def default_name(model: str) -> str:
-    from tritonlm.models.loading import sanitize_name
-
-    return sanitize_name(model)
-
-
-def stamped_model_ref(stamp: dict) -> str | None:
-    """The model reference an export.json was made from. Repositories exported before the
-    key was named "model_ref" carry it as "spec"."""
-    source = stamp.get("source", {})
-    return source.get("model_ref", source.get("spec"))
-
-
-def already_exported(repo: Path, name: str, model: str, draft: str | None) -> bool:
-    """The generation entry is there, exported from the same model (and draft)."""
-    cfg = repo / name / "config.pbtxt"
-    try:
-        stamp = json.loads((repo / name / "1" / "export.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    if not cfg.is_file() or stamped_model_ref(stamp) != model:
-        return False
-    if draft:
-        try:
-            dstamp = json.loads((repo / f"{name}_draft" / "1" / "export.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            return False
-        if stamped_model_ref(dstamp) != draft or "draft_model" not in cfg.read_text():
-            return False
-    elif "draft_model" in cfg.read_text():
-        return False
-    return True
-
-
-def run_serve_default(args: argparse.Namespace) -> int:
-    from tritonlm.cli import CliError
-    from tritonlm.commands.serve import check_server_args, serve
-    from tritonlm.export.pipeline import ExportError, export
-
-    check_server_args(args)  # refuse an unsafe host / model-control mix before exporting
-    repo = Path(args.repo)
-    name = args.name or default_name(args.model)
-    if not args.force and already_exported(repo, name, args.model, args.draft):
-        print(f"{name} is already in {repo} (exported from {args.model}); serving it (--force exports again)")
-    else:
-        print(f"exporting {args.model} into {repo} as {name} ...", flush=True)
-        args.runtime = "auto"
-        try:
-            export(options_from_args(args), out=lambda s: print(s, flush=True))
-        except ExportError as e:
-            raise CliError(str(e)) from None
-    return serve(repo, args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`tritonlm` with these subcommands (the export/ scripts call it)."""
-    from tritonlm.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

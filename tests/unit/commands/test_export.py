@@ -1,5 +1,5 @@
-"""`tritonlm export` and `tritonlm serve-default` (tritonlm/export/cli.py): bad input is refused
-with one clear line, exit 1 and nothing half-written; serve-default exports once, then serves."""
+"""`tritonlm export` (tritonlm/commands/export.py): bad input is refused with one clear line,
+exit 1 and nothing half-written."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 
 from tests.helpers.exports import assert_untouched
-from tritonlm.export.cli import main as export_main
+from tritonlm.cli import main as cli_main
 from tritonlm.models.builtin import build_tiny
 
 
 def _run_cli(capsys, *argv) -> tuple[int, str]:
-    code = export_main(["export", *argv])
+    code = cli_main(["export", *argv])
     err = capsys.readouterr().err.strip()
     return code, err
 
@@ -95,30 +95,3 @@ def test_error_draft_with_another_tokenizer(tmp_path, capsys):
     assert code == 1 and "does not share the tokenizer" in err
     assert not (tmp_path / "r").exists()
     assert_untouched(tmp_path)
-
-
-def test_serve_default_exports_once_then_serves(tmp_path, monkeypatch, capsys):
-    import tritonlm.commands.serve as serve_mod
-
-    served = []
-    monkeypatch.setattr(serve_mod, "serve", lambda repo, args: served.append((Path(repo), args.http_port)) or 0)
-    repo = tmp_path / "repo"
-    argv = ["serve-default", "--model", "tiny-gpt2", "--repo", str(repo), "--http-port", "18000",
-            "--grpc-port", "18001", "--metrics-port", "18002"]
-    assert export_main(argv) == 0
-    out = capsys.readouterr().out
-    assert "exporting tiny-gpt2" in out
-    assert sorted(p.name for p in repo.iterdir()) == ["tiny-gpt2", "tiny-gpt2_onnx"]
-    assert export_main(argv) == 0
-    assert "already in" in capsys.readouterr().out
-    assert served == [(repo, 18000), (repo, 18000)]
-
-
-def test_export_stamps_from_before_model_ref_still_name_their_model():
-    """export.json written before the key was "model_ref" carries it as "spec": such a
-    repository must still count as exported from that model, not be exported again."""
-    from tritonlm.export.cli import stamped_model_ref
-
-    assert stamped_model_ref({"source": {"model_ref": "tiny-gpt2"}}) == "tiny-gpt2"
-    assert stamped_model_ref({"source": {"spec": "tiny-gpt2"}}) == "tiny-gpt2"
-    assert stamped_model_ref({"source": {}}) is None

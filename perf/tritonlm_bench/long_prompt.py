@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from tritonlm.perf.llamacpp import PROMPTS
 from tritonlm.perf.stats import percentile
-from tritonlm.perf.streaming import StreamRecord
+from tritonlm_bench.llamacpp import PROMPTS
+from tritonlm_bench.streaming import StreamRecord
 
 _WORDS = sorted({w.strip(".,:;?!\"'()").lower() for p in PROMPTS for w in p.split()} - {""})
 

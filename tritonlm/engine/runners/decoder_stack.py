@@ -1,4 +1,4 @@
-"""A model's layers as one C++ DecoderStack (decoder_stack.cpp), for decode-width steps.
+"""A model's layers as one C++ DecoderStack (kernels/decoder_stack.cpp), for decode-width steps.
 
     build_decoder_stack(model) -> torch.classes.tritonlm.DecoderStack | None
     torch.ops.tritonlm.decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table,
@@ -12,11 +12,15 @@ The stack runs the same ops as Transformer.run_layers' Python loop, in the same 
 through torch's C++ dispatcher, so the logits are the same bits; what it saves is the
 interpreter's and torch's Python dispatch per op (docs/performance-notes.md, "The decode
 step"). It references the layers' weights, it does not copy them.
+
+The builder lives beside the runner, not in kernels/: it reads the model's layers and
+projection classes, while kernels/ only compiles and registers the ops. It reads the model
+through StackModel (what a Transformer has), so model.py's import of it is not a circle.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,22 +28,39 @@ import torch.nn.functional as F
 from tritonlm.engine.runners.layers import (
     BlockedLinear,
     Int8Linear,
+    Layer,
     Linear,
+    Norm,
     PanelLinear,
     WeightOnlyInt8Linear,
     gelu_tanh,
 )
 
-if TYPE_CHECKING:
-    from tritonlm.engine.runners.model import Transformer
+
+class StackModel(Protocol):
+    """The fields of a runners.model.Transformer that the stack is built from."""
+
+    layers: list[Layer]
+    act: Callable[[torch.Tensor], torch.Tensor]
+    heads: int
+    wte: torch.Tensor | None  # [V', C]
+    wpe: torch.Tensor | None  # [P', C]
+    ln_f: Norm | None
+    lm_head: Linear | None  # [C, V']
+    inv_freq: torch.Tensor | None  # [D/2]
+    rope_scaling: float
+
+    @property
+    def vocab_parallel(self) -> bool: ...
 
 
-def build_decoder_stack(model: Transformer) -> object | None:
+def build_decoder_stack(model: StackModel) -> object | None:
     """The model's layers as one DecoderStack, or None where its ops do not cover them. It
     takes Llama-family layers (RMSNorm, silu(gate) * up) and GPT-2's (LayerNorm, gelu tanh
     over fc) whose projections are all float32 in panels or oneDNN-blocked, int8 through the fused
-    int8 op or weight-only int8 through w8_linear (the C++ kernels must be loaded:
-    Transformer.use_paged_kernel). When the model also holds its float32 embedding and final
+    int8 op (fbgemm's: not tritonlm's own i8_linear, Int8Linear.act8) or weight-only int8 through w8_linear (the C++ kernels must be loaded:
+    Transformer.use_paged_kernel); each layer's sliding window, soft-cap and sinks go with it
+    (DecoderStack.set_attention). When the model also holds its float32 embedding and final
     norm and an LM head of those kinds (a whole model, not a pipeline stage or a vocabulary
     shard), the stack gets them too (stack.has_ends()): torch.ops.tritonlm.decode_step."""
     if not model.layers:
@@ -53,7 +74,8 @@ def build_decoder_stack(model: Transformer) -> object | None:
         return None
 
     def runs_in_stack(p: Linear | None) -> bool:
-        return (isinstance(p, (BlockedLinear, PanelLinear)) or (isinstance(p, Int8Linear) and p.fused_op)
+        fbgemm_int8 = isinstance(p, Int8Linear) and p.fused_op and p.act8 is None  # the stack takes fbgemm's packs
+        return (isinstance(p, (BlockedLinear, PanelLinear)) or fbgemm_int8
                 or (isinstance(p, WeightOnlyInt8Linear) and p.native))
 
     for L in model.layers:
@@ -82,6 +104,9 @@ def build_decoder_stack(model: Transformer) -> object | None:
             add(p)
         a, m = L.ln_attn, L.ln_mlp
         stack.add_layer(a.w, a.b, a.eps, m.w, m.b, m.eps, rms, act, L.attn_scale)
+        window, softcap = L.block.sliding_window, L.block.softcap
+        if window is not None or softcap is not None or L.sinks is not None:  # as paged_attention_qkv takes them
+            stack.set_attention(window or 0, softcap or 0.0, L.sinks)
     if model.wte is not None and model.ln_f is not None and not model.vocab_parallel and runs_in_stack(model.lm_head):
         if all(t is None or t.dtype == torch.float32 for t in (model.wte, model.wpe, model.ln_f.w, model.ln_f.b)):
             add(model.lm_head)

@@ -1,4 +1,4 @@
-"""tritonlm/perf/cpusplit.py: the CPU split read from /proc that bench_peer prints."""
+"""perf/tritonlm_bench/cpusplit.py: the CPU split read from /proc that bench_peer prints."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tritonlm.engine.threads import named_thread
-from tritonlm.perf.cpusplit import COMPUTE_THREAD, RESPONSE_THREAD, CpuSplit
+from tritonlm_bench.cpusplit import COMPUTE_THREAD, RESPONSE_THREAD, CpuSplit
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl are Linux's")
 
