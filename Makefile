@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.tritonlm-setup
+KERNELS_STAMP := $(VENV)/.tritonlm-kernels
+KERNEL_SOURCES := $(wildcard tritonlm/engine/kernels/*.cpp tritonlm/engine/kernels/*.h)
 MODEL ?= smollm2-135m
 DRAFT ?=
 NAME ?=
@@ -22,7 +24,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-unit bench doctor clean demo-scale bench-peer bench-engine bench-guided
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS_STAMP)
 
 # Re-runs only when the dependency list changes; a second `make setup` is a no-op.
 $(STAMP): pyproject.toml scripts/setup_system.sh
@@ -32,8 +34,13 @@ $(STAMP): pyproject.toml scripts/setup_system.sh
 	$(PIP) install --quiet --disable-pip-version-check -e ".[test]"
 	bash scripts/setup_system.sh $(PY)
 	$(VENV)/bin/tritonlm setup-backend
-	$(PY) -m tritonlm.engine.kernels
 	@touch $(STAMP)
+
+# the C++ kernels, compiled once per x86-64 ISA level (the loader picks the best one the CPU
+# runs, so serving needs no compiler); again when their sources change. A level that fails
+# to build is retried by the next `make setup`; meanwhile the loader compiles at first use.
+$(KERNELS_STAMP): $(STAMP) $(KERNEL_SOURCES)
+	if $(PY) -m tritonlm.engine.kernels --prebuild; then touch $@; fi
 
 serve: setup
 	$(VENV)/bin/tritonlm serve-default --model $(MODEL) $(if $(DRAFT),--draft $(DRAFT)) $(if $(NAME),--name $(NAME)) \

@@ -3,8 +3,9 @@
 #   libb64-0d  libb64.so.0d, which perf_analyzer links
 #   nginx      the load balancer of the replica demo (perf/demo_scale.py, tests/integration/test_scale.py);
 #              run as the current user with its own config, never as the system service
-#   g++        compiles tritonlm's C++ kernels (paged attention, fused ops) for the host at first load
-#              (tritonlm/engine/kernels; without it decode falls back to the slower torch path)
+#   g++        compiles tritonlm's C++ kernels (paged attention, fused ops) once per x86-64 ISA level
+#              (make setup: python -m tritonlm.engine.kernels --prebuild; without it decode falls back to
+#              the slower torch path)
 # Idempotent: does nothing (and asks apt nothing) when all are already there.
 set -euo pipefail
 PY=${1:-.venv/bin/python}

@@ -1,6 +1,7 @@
-"""tritonlm's own C++ kernels, compiled for this host on first use.
+"""tritonlm's own C++ kernels, prebuilt per x86-64 level and loaded on first use.
 
-    kernels_available() -> (bool, why)   builds and loads once per process; then
+    kernels_available() -> (bool, why)   loads the best build for this CPU once per process;
+    loaded_build() -> LoadedBuild        which one (level, prebuilt or compiled, path); then
     torch.ops.tritonlm.paged_attention_qkv(qkv, k_cache, v_cache, write_slots, slot_table,
                                            positions, cos, sin, heads, scale)
         a decode step's attention: RoPE, the new K/V into the pool, attention read
@@ -16,138 +17,102 @@
     torch.ops.tritonlm.panel_linear(x, panel, bias, out), .panel_supported()
         a float32 projection over weights in 16-wide output panels (runners/layers.py's
         PanelLinear; AVX-512 builds only) (float_panel.cpp)
+    torch.ops.tritonlm.i8_linear(x, panel, wscale, bias, out, isa), .i8_isas()
+        int8 weights x int8 activations with all 8 bits on every level (no int16 saturation
+        without VNNI), the same bits on every path; Int8Linear's kernel where TRITONLM_INT8_KERNEL
+        picks it (the default without VNNI) (int8_act8.cpp)
     torch.classes.tritonlm.DecoderStack, torch.ops.tritonlm.decoder_stack(stack, x, ...)
         a decode step's layers (Llama family, GPT-2), those ops in one call (decoder_stack.cpp)
 
-The sources ship with the package; torch.utils.cpp_extension compiles them with the
-host's compiler (g++ and ninja) into one extension in torch's extension cache
-(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions; ours under tritonlm/),
-under a name that hashes the sources, the torch version and the CPU's model and flags:
-it is compiled for this CPU (-march=native), so a cache shared with a different CPU
-builds its own copy, and a later load reuses the build.
+The sources ship with the package and are compiled once per x86-64 level (isa.py:
+portable, avx2, avx512, avx512_vnni) ahead of time, by `make setup` or an image build
+(`python -m tritonlm.engine.kernels --prebuild`, build.py), into TRITONLM_KERNELS_DIR or the
+package's `prebuilt/` folder. The first call picks the best prebuilt level this CPU's flags
+run (TRITONLM_KERNEL_ISA forces one, refused by name where the CPU lacks it) and loads it:
+no compiler at start, and no build runs on a CPU without its instructions. Only where no
+level of these sources is prebuilt (a dev checkout whose sources changed, a plain
+`pip install` not followed by --prebuild) does it compile, for this CPU (-march=native; a
+forced level with its own flags), into torch's extension cache, and say so.
 
-Every load (a no-op ninja run once built) takes torch's build lock, a plain file that
-torch waits on without limit; a process killed while holding it (a model instance
-stopped during startup) would make every later load hang. So loads of one build
-directory are serialized by an OS lock (flock) that the kernel drops when its holder
-dies, and whoever holds it removes torch's lock file first: it can only be a dead
-process's.
-When anything is missing (no compiler, a non-x86 CPU, a failed build), the reason is
-returned and the caller runs its torch path instead.
+Only one build can be loaded per process: the ops of every level register under the one
+`tritonlm` namespace. When nothing can load (no build and no compiler, a non-x86 CPU, a
+failed build), the reason is returned and the caller runs its torch path instead.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import logging
-import os
-import platform
 import threading
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tritonlm.engine.kernels.build import build_directory, exclusive_build  # noqa: F401 - the package's API
+from tritonlm.engine.kernels.isa import IsaError  # noqa: F401 - the package's API
+
 log = logging.getLogger(__name__)
 
-_HERE = Path(__file__).parent
-_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "decode_ops.cpp", _HERE / "decoder_stack.cpp",
-            _HERE / "weight_only_int8.cpp", _HERE / "float_panel.cpp"]
-_HEADERS = [_HERE / "simd_math.h"]
+
+@dataclass(frozen=True)
+class LoadedBuild:
+    level: str  # an isa.LEVELS name, or "native" (compiled for this CPU)
+    origin: str  # "prebuilt" or "compiled"
+    path: Path
+    why: str  # why this level
+
+    def describe(self) -> str:
+        how = "prebuilt" if self.origin == "prebuilt" else "compiled at load"
+        return f"{self.level}, {how} ({self.why}): {self.path}"
+
+
 _lock = threading.Lock()
 _state: tuple[bool, str] | None = None  # (available, why), once per process
+_loaded: LoadedBuild | None = None
 
 
-def _cpu_fingerprint() -> str:
-    """The CPU's model and flags: what -march=native compiles for."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        return platform.processor()
+def _load() -> tuple[bool, str]:
+    global _loaded
+    from tritonlm.engine.kernels import build, isa
 
-
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH. Every process must find the same one: ninja records a
-    hash of each command in the build folder's log, and another ninja version reads that log
-    as changed commands and rebuilds everything (a server whose PATH holds the venv's bin,
-    a shell whose PATH holds only /usr/bin). The `ninja` package (a dependency) comes first."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    entries = os.environ.get("PATH", "").split(os.pathsep)
-    if entries[:1] != [ninja.BIN_DIR]:
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *[e for e in entries if e and e != ninja.BIN_DIR]])
-
-
-def build_directory() -> Path:
-    """This build's folder in torch's extension cache (TORCH_EXTENSIONS_DIR, else torch's
-    default), named by a hash of the sources, the torch version and the CPU."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    digest = hashlib.sha256(
-        b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode() + _cpu_fingerprint().encode()
-    ).hexdigest()[:12]
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    return root / "tritonlm" / f"tritonlm_paged_attention_{digest}"
-
-
-@contextlib.contextmanager
-def exclusive_build(build_dir: Path) -> Iterator[None]:
-    """Hold build_dir's OS lock (waiting for another process's load to finish), with any
-    torch lock file a dead process left there removed."""
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / "tritonlm.flock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies
+    forced = isa.forced_level()  # IsaError: a forced level is refused, never replaced
+    present = build.prebuilt_levels()
+    chosen, why = isa.choose(isa.cpu_flags(), present, forced)
+    if chosen is not None and chosen.name in present:
+        path, origin = present[chosen.name], "prebuilt"
+    else:
+        # nothing prebuilt fits: compile now (a forced level with its flags, else for this CPU)
+        cannot = build.why_not_buildable()
+        if cannot is not None:
+            return False, f"no prebuilt kernels in {build.prebuilt_dir()} for these sources, and {cannot}"
+        missing = f"no build of these sources in {build.prebuilt_dir()} ({why}; " \
+                  "`python -m tritonlm.engine.kernels --prebuild` builds them)"
+        log.warning("C++ kernels: compiling now: %s", missing)
         try:
-            torch_lock = build_dir / "lock"
-            if torch_lock.exists():
-                log.warning("removing a kernel build lock left by a process that died: %s", torch_lock)
-                torch_lock.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(held, fcntl.LOCK_UN)
-
-
-def _build() -> tuple[bool, str]:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False, f"the kernel is built for x86-64 CPUs; this one is {platform.machine()}"
+            path = build.compile_now(chosen)
+        except Exception as e:  # noqa: BLE001
+            return False, f"building the C++ kernels failed ({build._last_line(e)})"
+        origin, why = "compiled", missing
     try:
-        from torch.utils.cpp_extension import load, verify_ninja_availability
-
-        _put_ninja_on_path()
-        verify_ninja_availability()
-    except Exception as e:  # noqa: BLE001 - any reason not to build is reported, not raised
-        return False, f"cannot build C++ extensions here ({e})"
-    try:
-        build_dir = build_directory()
-        with exclusive_build(build_dir):
-            # -fopenmp: at::parallel_for runs on torch's own OpenMP team (the process already
-            # has torch's libgomp loaded; the extension links to it by its soname)
-            load(
-                name=build_dir.name,
-                build_directory=str(build_dir),
-                sources=[str(p) for p in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
-    except Exception as e:  # noqa: BLE001
-        return False, f"building the C++ kernels failed ({str(e).strip().splitlines()[-1] if str(e).strip() else e!r})"
-    return True, "built for this CPU"
+        torch.ops.load_library(str(path))
+    except Exception as e:  # noqa: BLE001 - a damaged build falls back to the torch path
+        return False, f"loading the C++ kernels from {path} failed ({build._last_line(e)})"
+    _loaded = LoadedBuild(chosen.name if chosen is not None else "native", origin, path, why)
+    return True, _loaded.describe()
 
 
 def kernels_available() -> tuple[bool, str]:
-    """(can tritonlm's C++ ops run, why); built on the first call only."""
+    """(can tritonlm's C++ ops run, which build and why); loaded on the first call only.
+    TRITONLM_KERNEL_ISA naming an unknown level or one this CPU lacks raises IsaError."""
     global _state
     with _lock:
         if _state is None:
-            _state = _build()
+            _state = _load()
             (log.info if _state[0] else log.warning)("C++ kernels: %s", _state[1])
         return _state
 
+
+def loaded_build() -> LoadedBuild | None:
+    """The build kernels_available() loaded (its level, whether prebuilt, its path), or None."""
+    kernels_available()
+    return _loaded

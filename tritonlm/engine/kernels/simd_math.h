@@ -5,7 +5,7 @@
 // Taylor polynomial (relative error ~1e-7, about float32's own rounding). v is clamped to
 // [-126, 127]: below, terms are ~1e-38 (nothing a sum or a ratio with 1 registers); above,
 // 2^127 stands for infinity (silu's x / (1 + e^-x) is then ~0 either way).
-// With AVX-512 (the kernels are compiled for the host: kernels/__init__.py) 16 at a time,
+// With AVX-512 (in the builds of the AVX-512 levels: kernels/isa.py) 16 at a time,
 // with AVX2 and FMA 8.
 #pragma once
 

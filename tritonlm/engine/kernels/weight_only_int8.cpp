@@ -63,8 +63,8 @@ constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in its panel that a til
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
-// the kernels are compiled for the CPU they run on (-march=native), so a path compiled in is
-// one this CPU runs
+// a build is loaded only on a CPU that runs its ISA level (kernels/isa.py; or -march=native),
+// so a path compiled in is one this CPU runs
 bool compiled(Isa isa) {
   switch (isa) {
     case Isa::kAvx512:

@@ -32,7 +32,7 @@ def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim
     from tritonlm.engine.runners.base import kv_rows, plan_step
     from tritonlm.engine.runners.layers import StepContext, apply_rope, paged_attention, rope_cos_sin
 
-    assert kernels_available() == (True, "built for this CPU")
+    assert kernels_available()[0]
     g = torch.Generator().manual_seed(heads * 100 + head_dim + width)
     bsz, slots = 5, 400
     past = [0, 37, 120, 5, 64][:bsz]
@@ -248,16 +248,26 @@ def test_a_kernel_build_lock_held_by_a_process_that_died_does_not_stop_later_loa
 
 
 def test_kernels_load_past_a_build_lock_file_left_behind():
-    """A fresh process loads the built kernels although torch's lock file is in their folder
-    (the state a killed model instance leaves): the load does not wait on it."""
+    """A fresh process loads the kernels although torch's lock file is in their build folder
+    (the state a killed model instance leaves): the load does not wait on it. The folder is
+    the one this session's build came from: the load-time compile's, or the prebuilt one's."""
     import subprocess
     import sys
 
     from helpers.servers import HANG_GUARD_S
-    from tritonlm.engine.kernels import build_directory, kernels_available
+    from tritonlm.engine.kernels import build_directory, kernels_available, loaded_build
+    from tritonlm.engine.kernels.build import prebuilt_dir
+    from tritonlm.engine.kernels.isa import level
 
     assert kernels_available()[0]
-    lock = build_directory() / "lock"
+    built = loaded_build()
+    if built.origin == "prebuilt":
+        folder = prebuilt_dir() / ".build" / built.path.stem
+    else:
+        folder = build_directory(None if built.level == "native" else level(built.level))
+    made = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
     lock.write_text("")
     try:
         out = subprocess.run(
@@ -265,8 +275,10 @@ def test_kernels_load_past_a_build_lock_file_left_behind():
         )
     finally:
         lock.unlink(missing_ok=True)
+        if made:
+            folder.rmdir()
     assert out.returncode == 0, out.stderr
-    assert "ok (built for this CPU)" in out.stdout, out.stdout + out.stderr
+    assert f"ok ({built.describe()})" in out.stdout, out.stdout + out.stderr
 
 
 def test_every_process_builds_with_the_same_ninja(monkeypatch):
@@ -276,11 +288,11 @@ def test_every_process_builds_with_the_same_ninja(monkeypatch):
 
     import ninja
 
-    from tritonlm.engine.kernels import _put_ninja_on_path
+    from tritonlm.engine.kernels.build import put_ninja_on_path
 
     monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", "/bin", ninja.BIN_DIR]))
-    _put_ninja_on_path()
+    put_ninja_on_path()
     assert os.path.dirname(shutil.which("ninja")) == ninja.BIN_DIR
     assert os.environ["PATH"].split(os.pathsep).count(ninja.BIN_DIR) == 1
-    _put_ninja_on_path()
+    put_ninja_on_path()
     assert os.environ["PATH"].split(os.pathsep)[1:3] == ["/usr/bin", "/bin"]

@@ -14,7 +14,7 @@ from tritonlm.engine.runners.layers import WeightOnlyInt8Linear
 def ops():
     from tritonlm.engine.kernels import kernels_available
 
-    assert kernels_available() == (True, "built for this CPU")
+    assert kernels_available()[0]
     return torch.ops.tritonlm
 
 

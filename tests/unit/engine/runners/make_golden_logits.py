@@ -35,7 +35,7 @@ from tritonlm.engine.kernels import kernels_available
 from tritonlm.engine.parallel.comm import Comm
 from tritonlm.engine.parallel.shard import layer_slice, tensor_slice
 from tritonlm.engine.runners.base import plan_step
-from tritonlm.engine.runners.layers import INT8_REDUCE_RANGE_ENV, INT8_VNNI
+from tritonlm.engine.runners.layers import INT8_KERNEL_ENV, INT8_REDUCE_RANGE_ENV, INT8_VNNI
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.models.builtin import build_tiny
@@ -268,18 +268,20 @@ def part_of(key: str) -> str:
 
 @contextlib.contextmanager
 def activation_range(part: str) -> Iterator[None]:
-    """TRITONLM_INT8_REDUCE_RANGE set to the int8 part's range meanwhile (float32: untouched)."""
+    """TRITONLM_INT8_REDUCE_RANGE set to the int8 part's range meanwhile, and TRITONLM_INT8_KERNEL
+    to fbgemm, whose ranges these parts record (float32: untouched)."""
     bits = INT8_PARTS.get(part)
-    before = os.environ.get(INT8_REDUCE_RANGE_ENV)
-    if bits is not None:
-        os.environ[INT8_REDUCE_RANGE_ENV] = "1" if bits == 7 else "0"
+    forced = {} if bits is None else {INT8_REDUCE_RANGE_ENV: "1" if bits == 7 else "0", INT8_KERNEL_ENV: "fbgemm"}
+    before = {name: os.environ.get(name) for name in forced}
+    os.environ.update(forced)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(INT8_REDUCE_RANGE_ENV, None)
-        else:
-            os.environ[INT8_REDUCE_RANGE_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def compute_logits(models: dict[str, torch.nn.Module] | None = None,

@@ -1,0 +1,107 @@
+"""Benchmark: one int8 projection, tritonlm's own kernel (i8_linear, 8-bit activations) per path against fbgemm's.
+
+Int8Linear as a model uses it (weights quantized per output channel, each row's activations
+quantized alone), on SmolLM2-135M's projection shapes (seeded random weights) at 1 and 32
+rows (one stream's decode step; a batch of 32 or a prefill chunk):
+    fbgemm_8bit     torch.ops.tritonlm.int8_linear, fbgemm with 8-bit activations (CPUs with VNNI only)
+    fbgemm_7bit     the same with 7-bit activations (reduce_range: what a CPU without VNNI runs)
+    tritonlm_<isa>  torch.ops.tritonlm.i8_linear forced to each path this build has (i8_isas())
+Median microseconds per call over --rounds alternating rounds (a shared host's speed drifts
+over minutes, which runs minutes apart would read as a difference between kernels).
+
+    .venv/bin/python perf/bench_int8_gemm.py [--rounds 5] [--reps 50]
+    FBGEMM_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python perf/bench_int8_gemm.py
+        # fbgemm's AVX2 kernel on a CPU with VNNI: the fbgemm a CPU without VNNI runs
+Prints the CPU it ran on; writes results/bench_int8_gemm/bench_int8_gemm.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from tritonlm.engine.runners.layers import Int8Linear, PinnedRows
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.report import add_out_arg, table, write_csv
+from tritonlm_bench.steptime import time_calls
+
+# (name, in, out): SmolLM2-135M's projections, and its LM head
+SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576), ("lm_head", 576, 49152)]
+ROWS = (1, 32)
+
+
+def kernels(w: torch.Tensor) -> dict[str, Int8Linear]:
+    """Every way this host can run w [in, out] in int8, by name."""
+    out = {}
+    for bits, reduce_range in ((8, False), (7, True)):
+        if bits == 8 and not torch.cpu._is_vnni_supported():
+            continue  # fbgemm saturates 8-bit activations without VNNI
+        lin = Int8Linear.from_float(w, None)
+        lin.fused_op, lin.reduce_range, lin.pinned = True, reduce_range, PinnedRows()
+        out[f"fbgemm_{bits}bit"] = lin
+    for isa in torch.ops.tritonlm.i8_isas():
+        lin = Int8Linear.from_float(w, None)
+        lin.use_act8(isa)
+        out[f"tritonlm_{isa}"] = lin
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=50, help="calls timed per round (default 50)")
+    add_out_arg(ap, "bench_int8_gemm")
+    args = ap.parse_args()
+    from tritonlm.engine.kernels import kernels_available
+
+    ok, why = kernels_available()
+    if not ok:
+        sys.exit(f"tritonlm's C++ kernels are not available: {why}")
+    cpu = describe_cpu()
+    fbgemm_isa = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "")
+    print(f"CPU: {cpu}; torch {torch.__version__}, {torch.get_num_threads()} threads; i8_linear paths "
+          f"{torch.ops.tritonlm.i8_isas()}" + (f"; FBGEMM_ENABLE_INSTRUCTIONS={fbgemm_isa}" if fbgemm_isa else ""),
+          flush=True)
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for name, n_in, n_out in SHAPES:
+        lins = kernels(torch.randn(n_in, n_out, generator=gen) / n_in**0.5)
+        for rows in ROWS:
+            cases.append((name, n_in, n_out, rows, torch.randn(rows, n_in, generator=gen), lins))
+    times: dict[tuple, list[float]] = {}
+    for rnd in range(args.rounds):
+        for name, n_in, n_out, rows, x, lins in cases:
+            for kernel, lin in lins.items():
+                t = time_calls(lambda: lin.apply(x, None), args.reps)
+                times.setdefault((name, rows, kernel), []).append(statistics.median(t) * 1e6)
+        print(f"round {rnd + 1}/{args.rounds} done", flush=True)
+    results = []
+    for name, n_in, n_out, rows, _, lins in cases:
+        row = {"shape": name, "in": n_in, "out": n_out, "rows": rows}
+        for kernel in lins:
+            row[f"{kernel}_us"] = round(statistics.median(times[(name, rows, kernel)]), 1)
+        base = row.get("fbgemm_7bit_us")
+        best = next(k for k in lins if k.startswith("tritonlm_"))
+        if base:
+            row[f"{best}_vs_fbgemm_7bit"] = round(base / row[f"{best}_us"], 2)  # > 1: tritonlm faster
+        avx2 = row.get("tritonlm_avx2_us")
+        if avx2 and base:
+            row["tritonlm_avx2_vs_fbgemm_7bit"] = round(base / avx2, 2)
+        results.append(row)
+    print(f"\nCPU: {cpu}; median us per call of {args.rounds} alternating rounds x {args.reps} calls"
+          + (f"; FBGEMM_ENABLE_INSTRUCTIONS={fbgemm_isa}" if fbgemm_isa else ""))
+    print(table(results, list(results[0])))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "bench_int8_gemm.csv", [{"cpu": cpu, "fbgemm_isa": fbgemm_isa or "native", **r} for r in results])
+    print(f"wrote {out / 'bench_int8_gemm.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

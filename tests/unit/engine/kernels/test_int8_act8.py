@@ -1,0 +1,107 @@
+"""tritonlm/engine/kernels/int8_act8.cpp: i8_linear (int8 weights x int8 activations with all 8
+bits, no saturation without VNNI) against a float64 matmul over the same integer codes, on every
+instruction-set path this build has; the same bits on every path and for a row alone or in a
+batch; and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from tritonlm.engine.kernels import kernels_available
+
+    ok, why = kernels_available()
+    assert ok, why
+    return torch.ops.tritonlm
+
+
+def pack(w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """w [out, in] int8 codes in [-127, 127] -> (panel [P, in4, 16, 4], out): 16 outputs per panel,
+    4 consecutive inputs of each output together, zero-padded."""
+    out, n = w.shape
+    panels, in4 = -(-out // 16), -(-n // 4)
+    buf = torch.zeros(panels * 16, in4 * 4, dtype=torch.int8)
+    buf[:out, :n] = w
+    return buf.view(panels, 16, in4, 4).permute(0, 2, 1, 3).contiguous(), out
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's activation codes, computed by torch in float32: s = max|row| / 127, q = round(x / s)."""
+    m = x.abs().amax(-1, keepdim=True)
+    s = torch.where(m > 0, m / 127, torch.ones_like(m))
+    return (x * (1 / s)).round().clamp(-127, 127), s
+
+
+def reference(x, w, wscale, bias) -> torch.Tensor:
+    q, s = quantize_rows(x)
+    y = (q.double() @ w.double().t()) * (s * wscale).double()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (13, 37), (40, 576), (7, 15), (260, 100)],
+                         ids=["aligned", "odd", "wide", "tiny", "ragged-panels"])
+def test_i8_linear_equals_the_integer_matmul_on_every_path(ops, out_features, in_features):
+    g = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    w = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=g)
+    wscale = torch.rand(out_features, generator=g) * 0.01 + 1e-4
+    panel, out = pack(w)
+    padded_scale = torch.zeros(panel.shape[0] * 16)
+    padded_scale[:out] = wscale
+    bias = torch.randn(out, generator=g)
+    isas = ops.i8_isas()
+    assert isas[-1] == "scalar" and set(isas) <= {"avx512_vnni", "avx512", "avx2", "scalar"}
+    for rows in (1, 2, 5, 13, 65):
+        # heavy-tailed activations (a few large values per row), one exact zero
+        x = torch.randn(rows, in_features, generator=g) * torch.exp(torch.randn(rows, in_features, generator=g))
+        x[0, 0] = 0.0
+        for b in (bias, None):
+            want = reference(x, w, wscale, b)
+            got = {isa: ops.i8_linear(x, panel, padded_scale, b, out, isa) for isa in [*isas, "auto"]}
+            for isa, y in got.items():
+                assert y.shape == (rows, out_features) and y.dtype == torch.float32
+                assert torch.equal(y, got["scalar"]), f"{isa} differs from scalar"  # exact integer sums
+                err = (y.double() - want).abs().max().item()
+                assert err <= 1e-6 * want.abs().max().item() + 1e-6, f"{isa}, {rows} rows: max error {err:.3g}"
+            for r in (0, rows - 1):
+                alone = ops.i8_linear(x[r:r + 1].clone(), panel, padded_scale, b, out, "auto")
+                assert torch.equal(alone, got["auto"][r:r + 1]), r
+
+
+def test_i8_linear_does_not_saturate_at_full_scale(ops):
+    """Every code at +-127 with the weights' signs alike: each pair of products sums to 32258,
+    which u8 x s8 pairs in int16 (vpmaddubsw on 8-bit codes) would have saturated."""
+    n = 1024
+    w = torch.full((16, n), 127, dtype=torch.int8)
+    w[8:] = -127
+    x = torch.ones(3, n)
+    x[1] = -1
+    x[2, ::2] = -1
+    panel, out = pack(w)
+    for isa in ops.i8_isas():
+        got = ops.i8_linear(x, panel, torch.ones(16), None, out, isa)
+        want = reference(x, w, torch.ones(16), None)
+        assert want[0, 0] > 130000 and want[2].abs().max() == 0
+        assert ((got.double() - want).abs() <= 1e-6 * want.abs()).all(), isa
+
+
+def test_i8_linear_refuses_bad_inputs_naming_them(ops):
+    panel, out = pack(torch.zeros(8, 16, dtype=torch.int8))
+    x, scale = torch.ones(2, 16), torch.ones(16)
+    with pytest.raises(RuntimeError, match="isa 'neon' is not one of auto, avx512_vnni, avx512, avx2, scalar"):
+        ops.i8_linear(x, panel, scale, None, out, "neon")
+    for isa in {"avx512_vnni", "avx512", "avx2"} - set(ops.i8_isas()):
+        with pytest.raises(RuntimeError, match=f"isa '{isa}' is not in this build"):
+            ops.i8_linear(x, panel, scale, None, out, isa)
+    with pytest.raises(RuntimeError, match="x's rows have 12 values; the panel takes 16"):
+        ops.i8_linear(torch.ones(2, 12), panel, scale, None, out, "auto")
+    with pytest.raises(RuntimeError, match="panel must be a contiguous Char CPU tensor"):
+        ops.i8_linear(x, panel.float(), scale, None, out, "auto")
+    with pytest.raises(RuntimeError, match="1 panels cannot hold out=17"):
+        ops.i8_linear(x, panel, scale, None, 17, "auto")
+    with pytest.raises(RuntimeError, match="wscale has 8 values; 1 panels need 16"):
+        ops.i8_linear(x, panel, torch.ones(8), None, out, "auto")
+    with pytest.raises(RuntimeError, match="bias has 5 values; out is 8"):
+        ops.i8_linear(x, panel, scale, torch.ones(5), out, "auto")

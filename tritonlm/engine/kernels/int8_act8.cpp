@@ -1,0 +1,259 @@
+// int8 x int8 projections with full 8-bit activations on every x86 level, VNNI or not.
+//
+//   i8_linear(x [..., in] f32, panel [P, in4, 16, 4] int8, wscale [P * 16] f32, bias [out] f32 or None,
+//             out, isa) -> y [..., out] f32
+//       each row of x quantized on its own, symmetric: s = max|x| / 127, q = round(x / s) in
+//       [-127, 127]; y[j] = fma(sum_k q[k] w[j, k], s * wscale[j], bias[j]), where
+//       panel[p, k / 4, j', k % 4] = w[16 p + j', k], codes in [-127, 127] (a -128 could saturate a
+//       pair: Int8Linear.use_act8 clamps it), zero beyond `in` (in4 = ceil(in / 4)) and beyond `out`.
+//   i8_isas() -> the paths i8_linear can run here, best first ("avx512_vnni", "avx512", "avx2", "scalar")
+//
+// Why not fbgemm's u8 x s8 (decode_ops.cpp's int8_linear): without VNNI its AVX2 kernel adds
+// pairs of u8 x s8 products in int16 (vpmaddubsw), which 8-bit codes can saturate, so
+// activations get 7 bits there and int8's output moves further from float32 than with VNNI.
+// Here the unsigned operand is |q| and the signed one w * sign(q) (vpsignb): each product is
+// at most 127 x 127, a pair at most 32258 < 32767, so nothing saturates and 8 bits stay.
+// The int32 sums are exact on every path (scalar, AVX2, AVX-512BW, VNNI), so every path
+// gives the same integers, and the epilogue's one explicit fma rounds the same everywhere:
+// the same bits on every CPU, and a row's bits do not depend on its batch.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;            // output channels in a panel
+constexpr int64_t kGrainWeights = 65536;  // int8 weights per task: below this, one thread
+
+enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Vnni };
+
+bool compiled(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Vnni:
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+      return true;
+#else
+      return false;
+#endif
+    case Isa::kAvx512:
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      return true;
+#else
+      return false;
+#endif
+    case Isa::kAvx2:
+#if defined(__AVX2__)
+      return true;
+#else
+      return false;
+#endif
+    default:
+      return true;
+  }
+}
+
+constexpr Isa kAll[] = {Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2, Isa::kScalar};
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Vnni: return "avx512_vnni";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+Isa pick_isa(std::string_view asked) {
+  if (asked == "auto") {
+    for (Isa isa : kAll)
+      if (compiled(isa)) return isa;
+  }
+  for (Isa isa : kAll) {
+    if (asked == isa_name(isa)) {
+      TORCH_CHECK(compiled(isa), "i8_linear: isa '", asked, "' is not in this build; it runs ",
+                  isa_name(pick_isa("auto")), " (see i8_isas())");
+      return isa;
+    }
+  }
+  TORCH_CHECK(false, "i8_linear: isa '", asked, "' is not one of auto, avx512_vnni, avx512, avx2, scalar");
+}
+
+// acc[16] += sum over k4 groups of q[4 k4 + t] * w[k4][j][t], for one panel (in4 x 16 x 4 bytes)
+void panel_scalar(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
+  for (int64_t k = 0; k < in4; ++k) {
+    const int8_t* wk = w + k * kLanes * 4;
+    const int8_t* qk = q + 4 * k;
+    for (int64_t j = 0; j < kLanes; ++j) {
+      int32_t s = 0;
+      for (int t = 0; t < 4; ++t) s += int32_t(qk[t]) * int32_t(wk[j * 4 + t]);
+      acc[j] += s;
+    }
+  }
+}
+
+#if defined(__AVX2__)
+void panel_avx2(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();  // outputs 0-7, 8-15
+  for (int64_t k = 0; k < in4; ++k) {
+    int32_t four;
+    std::memcpy(&four, q + 4 * k, 4);
+    const __m256i xq = _mm256_set1_epi32(four);  // q[4k .. 4k+3] in every lane
+    const __m256i ax = _mm256_abs_epi8(xq);
+    const __m256i* wk = reinterpret_cast<const __m256i*>(w + k * kLanes * 4);
+    const __m256i w0 = _mm256_sign_epi8(_mm256_loadu_si256(wk), xq);      // w * sign(q), 0 where q is 0
+    const __m256i w1 = _mm256_sign_epi8(_mm256_loadu_si256(wk + 1), xq);
+    lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, w0), ones));
+    hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, w1), ones));
+  }
+  __m256i* out = reinterpret_cast<__m256i*>(acc);
+  _mm256_storeu_si256(out, _mm256_add_epi32(_mm256_loadu_si256(out), lo));
+  _mm256_storeu_si256(out + 1, _mm256_add_epi32(_mm256_loadu_si256(out + 1), hi));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <bool kVnni>
+void panel_avx512(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
+  __m512i sum = _mm512_setzero_si512();
+  [[maybe_unused]] const __m512i ones = _mm512_set1_epi16(1);
+  for (int64_t k = 0; k < in4; ++k) {
+    int32_t four;
+    std::memcpy(&four, q + 4 * k, 4);
+    const __m512i xq = _mm512_set1_epi32(four);
+    const __m512i ax = _mm512_abs_epi8(xq);
+    // w * sign(q): AVX-512 has no vpsignb, so w is negated where q < 0; where q == 0, |q| is
+    // 0 and so is the product, whatever w's sign
+    const __m512i wk = _mm512_loadu_si512(w + k * kLanes * 4);
+    const __m512i sw = _mm512_mask_sub_epi8(wk, _mm512_movepi8_mask(xq), _mm512_setzero_si512(), wk);
+#if defined(__AVX512VNNI__)
+    if constexpr (kVnni) {
+      sum = _mm512_dpbusd_epi32(sum, ax, sw);
+      continue;
+    }
+#endif
+    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(ax, sw), ones));
+  }
+  _mm512_storeu_si512(acc, _mm512_add_epi32(_mm512_loadu_si512(acc), sum));
+}
+#endif
+
+using PanelKernel = void (*)(const int8_t*, const int8_t*, int64_t, int32_t*);
+
+PanelKernel kernel_for(Isa isa) {
+  switch (isa) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
+    case Isa::kAvx512Vnni:
+      return panel_avx512<true>;
+#endif
+    case Isa::kAvx512:
+      return panel_avx512<false>;
+#endif
+#if defined(__AVX2__)
+    case Isa::kAvx2:
+      return panel_avx2;
+#endif
+    default:
+      return panel_scalar;
+  }
+}
+
+void check_cpu_tensor(const at::Tensor& t, at::ScalarType type, const char* name, const char* shape) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.is_contiguous(), "i8_linear: ", name,
+              " must be a contiguous ", c10::toString(type), " CPU tensor ", shape, ", not ", t.scalar_type(), " ",
+              t.sizes(), t.device().is_cpu() ? "" : " on another device");
+}
+
+at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Tensor& wscale,
+                     const std::optional<at::Tensor>& bias, int64_t out, std::string_view isa) {
+  const PanelKernel kernel = kernel_for(pick_isa(isa));
+  check_cpu_tensor(x, at::kFloat, "x", "[..., in]");
+  check_cpu_tensor(panel, at::kChar, "panel", "[P, in4, 16, 4]");
+  check_cpu_tensor(wscale, at::kFloat, "wscale", "[P * 16]");
+  TORCH_CHECK(panel.dim() == 4 && panel.size(2) == kLanes && panel.size(3) == 4,
+              "i8_linear: panel must be [P, in4, 16, 4], not ", panel.sizes());
+  const int64_t P = panel.size(0), in4 = panel.size(1), in = x.size(-1);
+  TORCH_CHECK((in + 3) / 4 == in4, "i8_linear: x's rows have ", in, " values; the panel takes ", 4 * in4,
+              " (in4 = ", in4, ")");
+  TORCH_CHECK(out > 0 && (out + kLanes - 1) / kLanes == P, "i8_linear: ", P, " panels cannot hold out=", out);
+  TORCH_CHECK(wscale.numel() == P * kLanes, "i8_linear: wscale has ", wscale.numel(), " values; ", P,
+              " panels need ", P * kLanes);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_cpu_tensor(*bias, at::kFloat, "bias", "[out]");
+    TORCH_CHECK(bias->numel() == out, "i8_linear: bias has ", bias->numel(), " values; out is ", out);
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t rows = in ? x.numel() / in : 0;
+  // each row quantized alone: q [rows, 4 in4] (zero-padded), s [rows]
+  std::vector<int8_t> q(rows * 4 * in4, 0);
+  std::vector<float> s(rows);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * in;
+    float m = 0.f;
+    for (int64_t i = 0; i < in; ++i) m = std::max(m, std::fabs(xr[i]));  // max is exact in any order
+    const float scale = m > 0.f ? m / 127.f : 1.f;
+    const float inv = 1.f / scale;
+    int8_t* qr = q.data() + r * 4 * in4;
+    for (int64_t i = 0; i < in; ++i)
+      qr[i] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[i] * inv), -127.f, 127.f));
+    s[r] = scale;
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = panel.data_ptr<int8_t>();
+  const float* ws = wscale.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(in4 * 4 * kLanes, 1));
+  at::parallel_for(0, P, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) {
+      const int8_t* w = wp + p * in4 * kLanes * 4;
+      const int64_t n = p * kLanes, lanes = std::min(kLanes, out - n);
+      for (int64_t r = 0; r < rows; ++r) {
+        alignas(64) int32_t acc[kLanes] = {};
+        kernel(q.data() + r * 4 * in4, w, in4, acc);
+        for (int64_t j = 0; j < lanes; ++j) {
+          const float sw = s[r] * ws[n + j];
+          yp[r * out + n + j] = std::fma(static_cast<float>(acc[j]), sw, bp ? bp[n + j] : 0.f);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+std::vector<std::string> i8_isas() {
+  std::vector<std::string> out;
+  for (Isa isa : kAll)
+    if (compiled(isa)) out.emplace_back(isa_name(isa));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
+  m.def("i8_linear(Tensor x, Tensor panel, Tensor wscale, Tensor? bias, int out, str isa) -> Tensor");
+  m.def("i8_isas() -> str[]");
+}
+
+TORCH_LIBRARY_IMPL(tritonlm, CPU, m) { m.impl("i8_linear", &i8_linear); }
+
+TORCH_LIBRARY_IMPL(tritonlm, CompositeExplicitAutograd, m) { m.impl("i8_isas", &i8_isas); }
