@@ -69,7 +69,8 @@ def tiny_llama(**overrides):
 
 
 # the Llama-shaped families served (runners.families.FAMILIES), each as a tiny seeded model
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2")
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2", "gemma", "gemma2",
+                "gemma3_text")
 WINDOW = 8  # sliding window of the tiny windowed models: prompts plus answers run past it
 
 
@@ -78,7 +79,10 @@ def tiny_family(family: str, **overrides):
     heads over 2 kv heads, 512 tokens, no EOS: greedy references run to their length), with
     each family's feature switched on: Qwen2's q/k/v biases, Qwen3's per-head q/k norm with
     an explicit head_dim, Mistral's and Phi-3's sliding window, Granite's multipliers,
-    SmolLM3's NoPE layers (every 2nd of 4), OLMo 2's post-norm blocks and whole q/k norm."""
+    SmolLM3's NoPE layers (every 2nd of 4), OLMo 2's post-norm blocks and whole q/k norm,
+    Gemma's (1 + w) norms (random, not transformers' zeros) and GeGLU, Gemma 2's soft-caps
+    (small enough to bite), query_pre_attn_scalar and alternating windows, Gemma 3's mixed
+    local / global layers with a RoPE per layer type (linear scaling on the global ones)."""
     import transformers
 
     args = dict(vocab_size=LLAMA_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -95,14 +99,25 @@ def tiny_family(family: str, **overrides):
                         logits_scaling=4.0),
         "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=2),
         "olmo2": {},
+        "gemma": dict(hidden_act="gelu_pytorch_tanh"),
+        "gemma2": dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                       attn_logit_softcapping=4.0, final_logit_softcapping=8.0),
+        "gemma3_text": dict(num_hidden_layers=4, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                         "sliding_attention"],
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                "rope_theta": 1000000.0}}),
     }[family]
     args.update(extra)
     args.update(overrides)
     names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
-             "granite": "Granite", "smollm3": "SmolLM3", "olmo2": "Olmo2"}
+             "granite": "Granite", "smollm3": "SmolLM3", "olmo2": "Olmo2", "gemma": "Gemma", "gemma2": "Gemma2",
+             "gemma3_text": "Gemma3Text"}
     config = getattr(transformers, f"{names[family]}Config")(**args)
     torch.manual_seed(77)
-    model = getattr(transformers, f"{names[family]}ForCausalLM")(config).eval()
+    causal_lm = "Gemma3ForCausalLM" if family == "gemma3_text" else f"{names[family]}ForCausalLM"
+    model = getattr(transformers, causal_lm)(config).eval()
     with torch.no_grad():  # transformers initializes biases to zero and norms to one: make them matter
         for layer in model.model.layers:
             if family == "qwen2":
@@ -111,6 +126,10 @@ def tiny_family(family: str, **overrides):
             if family in ("qwen3", "olmo2"):
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                     norm.weight.uniform_(0.5, 1.5)
+        if family.startswith("gemma"):  # (1 + w) norms: transformers' w = 0 would hide a missing 1 +
+            for module in model.modules():
+                if type(module).__name__.endswith("RMSNorm"):
+                    module.weight.uniform_(-0.5, 0.5)
     return model
 
 
@@ -346,3 +365,55 @@ def drain(engine: Engine, max_steps: int = 10_000) -> None:
             return
         engine.step()
     raise AssertionError("engine did not finish")
+
+
+# the mixture-of-experts families served, each as a tiny seeded model
+MOE_NAMES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss")
+
+
+def tiny_moe(family: str, **overrides):
+    """A tiny seeded MoE model of `family` (hidden 64, 4 query heads over 2 kv heads, 3 layers,
+    8 experts) with its features on: Mixtral's sliding window and renormalized top-2, Qwen3-MoE's
+    per-head q/k norm, norm_topk_prob and a dense layer (mlp_only_layers), OLMoE's whole-projection
+    q/k norm without renormalizing, Qwen2-MoE's q/k/v biases, top-3, a shared expert with its
+    sigmoid gate and MoE on every 2nd layer only (decoder_sparse_step), gpt-oss's attention sinks,
+    alternating sliding and full layers, q/k/v/o, router and expert biases, YaRN RoPE and a
+    SwiGLU clamp low enough to bite."""
+    import transformers
+
+    args = dict(vocab_size=LLAMA_VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
+                eos_token_id=None, pad_token_id=0, initializer_range=0.2)
+    extra = {
+        "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=WINDOW),
+        "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128,
+                          norm_topk_prob=True, head_dim=32, mlp_only_layers=[1]),
+        "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
+        "qwen2_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, intermediate_size=128,
+                          shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=False),
+        "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        swiglu_limit=0.6, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                           "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                           "original_max_position_embeddings": 64}),
+    }[family]
+    args.update(extra)
+    args.update(overrides)
+    names = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe", "qwen2_moe": "Qwen2Moe", "gpt_oss": "GptOss"}
+    config = getattr(transformers, f"{names[family]}Config")(**args)
+    torch.manual_seed(77)
+    model = getattr(transformers, f"{names[family]}ForCausalLM")(config).eval()
+    with torch.no_grad():  # transformers initializes biases to zero and norms to one: make them matter
+        for layer in model.model.layers:
+            if family == "qwen2_moe":
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+            if family in ("qwen3_moe", "olmoe"):
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.5, 1.5)
+            if family == "gpt_oss":
+                at, ex = layer.self_attn, layer.mlp.experts
+                for bias in (at.q_proj.bias, at.k_proj.bias, at.v_proj.bias, at.o_proj.bias, layer.mlp.router.bias,
+                             ex.gate_up_proj_bias, ex.down_proj_bias):
+                    bias.normal_(0, 0.2)
+    return model

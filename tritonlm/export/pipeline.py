@@ -38,9 +38,16 @@ from tritonlm.export.repository import (
 log = logging.getLogger(__name__)
 
 ALL_FORMATS = list(FORMATS)
-# families whose forward-pass export (ONNX and what is made from it, TorchScript) is verified;
-# the others get the generation model alone (what the engine serves) and no forward models
-FORWARD_FAMILIES = ("gpt2", "llama")
+# family -> the forward formats whose export is verified for it (a tiny model of each exports
+# and verifies in tests/unit/export/test_wrapper.py); every format a family lacks here is
+# skipped by default and refused when named, with its reason from FORWARD_REFUSED
+FORWARD_FORMATS: dict[str, tuple[str, ...]] = {
+    family: tuple(ALL_FORMATS)
+    for family in ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2",
+                   "gemma", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss")
+}
+# family -> format -> why its export is not done (the message names it)
+FORWARD_REFUSED: dict[str, dict[str, str]] = {}
 STAMP = "export.json"
 VERIFY_SUFFIX = ".verify.json"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -371,19 +378,27 @@ def export(opts: ExportOptions, out=print) -> ExportResult:
 
 
 def _family_formats(family: str, formats: list[str], asked: bool, out) -> list[str]:
-    """The forward formats to write for `family`: all of `formats` where its forward export is
-    verified; elsewhere none, with a message, or an ExportError naming the family and the
-    formats when they were asked for by name."""
-    if family in FORWARD_FAMILIES or not formats:
+    """The forward formats to write for `family`: those of `formats` whose export is verified
+    for it; the others skipped with a message, or, when asked for by name, an ExportError
+    naming the family, the formats and why."""
+    verified = FORWARD_FORMATS.get(family, ())
+    missing = [f for f in formats if f not in verified]
+    if not missing:
         return formats
     from tritonlm.engine.runners.families import family_name
 
-    what = f"{', '.join(formats)} forward-model export is not supported for {family_name(family)} ({family})"
+    reasons = FORWARD_REFUSED.get(family, {})
+    why = "; ".join(dict.fromkeys(f"{f}: {reasons[f]}" for f in missing if f in reasons))
+    what = (f"{', '.join(missing)} forward-model export is not supported for {family_name(family)} ({family})"
+            + (f" ({why})" if why else ""))
     if asked:
-        raise ExportError(f"--formats: {what} (only {', '.join(FORWARD_FAMILIES)}); "
-                          "pass --formats none to export the generation model alone")
-    out(f"skipping {what}: exporting the generation model alone")
-    return []
+        has = ", ".join(verified) or "none"
+        raise ExportError(f"--formats: {what}; its verified formats: {has}. Leave {', '.join(missing)} out of "
+                          "--formats, or pass --formats none to export the generation model alone")
+    kept = [f for f in formats if f in verified]
+    out(f"skipping {what}: exporting " + (f"{', '.join(kept)} and the generation model" if kept
+                                          else "the generation model alone"))
+    return kept
 
 
 def _check_options(opts: ExportOptions) -> None:

@@ -9,8 +9,9 @@ model_ref (the model name, path or hub id the user gave) is one of, tried in thi
     a Hugging Face id    gpt2, distilgpt2, org/name: from the local HF cache or the hub
 
 Only the families the engine serves are accepted (tritonlm.engine.runners.families.FAMILIES:
-GPT-2, Llama, Qwen2, Qwen3, Mistral, Phi-3, Granite, SmolLM3, OLMo 2); any other is refused naming it
-and the supported list, and so is a served family's config asking for what is not done.
+GPT-2, Llama, Qwen2, Qwen3, Mistral, Phi-3, Granite, SmolLM3, OLMo 2, Gemma 1/2/3 text); any other
+is refused naming it and the supported list, and so is a served family's config asking for what
+is not done.
 Every failure is a `ModelLoadError` whose message says what to do.
 """
 

@@ -1,10 +1,8 @@
 """tritonlm/export/pipeline.py without a server: every format written with its verification,
 artifacts that match transformers on fresh inputs, configs that parse as Triton's ModelConfig,
 re-runs that reuse verified artifacts, a failed verification that writes nothing, a local
-Llama folder exported; the families beyond GPT-2 and Llama (runners.families): their
-generation model written, forward formats skipped by default and refused when named,
-`--formats none`, refused families and features named. The shared export:
-tests/unit/export/conftest.py.
+Llama folder exported; `--formats none`, refused families and features named. The other
+families' forward formats: test_wrapper.py. The shared export: tests/unit/export/conftest.py.
 """
 
 from __future__ import annotations
@@ -167,23 +165,6 @@ def _folder(tmp_path, family: str, **overrides):
     return folder
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "phi3", "granite", "smollm3", "olmo2"])
-def test_default_export_writes_the_generation_model_and_skips_forward_formats(tmp_path, family):
-    lines: list[str] = []
-    result = export(ExportOptions(model=str(_folder(tmp_path, family)), repo=tmp_path / "repo"), out=lines.append)
-    assert result.artifacts == [] and result.models == [f"tiny-{family}"]
-    assert (tmp_path / "repo" / f"tiny-{family}" / "1" / "hf" / "config.json").is_file()
-    assert any(line.startswith("skipping onnx") and f"({family})" in line for line in lines)
-
-
-def test_named_forward_formats_are_refused_naming_the_family(tmp_path):
-    folder = _folder(tmp_path, "qwen3")
-    with pytest.raises(ExportError, match=r"--formats: torchscript forward-model export is not supported for "
-                                          r"Qwen3 dense \(qwen3\).*--formats none"):
-        export(ExportOptions(model=str(folder), repo=tmp_path / "repo", formats=["torchscript"]), out=lambda s: None)
-    assert not (tmp_path / "repo").exists()
-
-
 def test_formats_none_is_the_generation_model_alone(tmp_path):
     assert parse_formats("none") == [] and parse_formats(["None"]) == []
     with pytest.raises(ExportError, match="'none'.*cannot be combined"):
@@ -193,8 +174,8 @@ def test_formats_none_is_the_generation_model_alone(tmp_path):
     assert result.artifacts == [] and sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["tiny-gpt2"]
 
 
-@pytest.mark.parametrize("model_type, name", [("gemma2", "Gemma 2"), ("gpt_oss", "gpt-oss"), ("gemma3_text", "Gemma 3"),
-                                              ("qwen3_moe", "Qwen3-MoE"), ("mixtral", "Mixtral")])
+@pytest.mark.parametrize("model_type, name", [("gemma3", "Gemma 3 multimodal"), ("llama4", "Llama 4"), ("gemma3n", "Gemma 3n"),
+                                              ("phimoe", "Phi-MoE"), ("granitemoe", "Granite MoE")])
 def test_refused_families_are_named(tmp_path, model_type, name):
     folder = tmp_path / model_type
     folder.mkdir()

@@ -23,6 +23,10 @@
 //                                                   rms: RMSNorm (biases None), else LayerNorm;
 //                                                   act: "silu_mul" (Llama: silu(gate) * up)
 //                                                   or "gelu_tanh" (GPT-2: gelu(fc(h)), tanh form)
+//     .set_attention(window, softcap, sinks)        the last layer's attention options, as
+//                                                   paged_attention_qkv takes them (each off at
+//                                                   0 / None, a layer's default): a sliding window,
+//                                                   logit soft-capping, attention sinks [H]
 //     .set_ends(wte, wpe, ln_f, ln_f_b, eps, rms, inv_freq, rope_scaling)
 //                                                   the model's ends, for decode_step: the one
 //                                                   projection added after the last layer is the
@@ -92,7 +96,8 @@ struct Ops {
       int8_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                      const std::optional<at::Tensor>&, int64_t, double)>
+                                      const std::optional<at::Tensor>&, int64_t, double, int64_t, double,
+                                      const std::optional<at::Tensor>&)>
       attention;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                       std::string_view, c10::List<std::optional<at::Scalar>>,
@@ -119,7 +124,8 @@ struct Ops {
           d.findSchemaOrThrow("tritonlm::paged_attention_qkv", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                const std::optional<at::Tensor>&, int64_t, double)>(),
+                                const std::optional<at::Tensor>&, int64_t, double, int64_t, double,
+                                const std::optional<at::Tensor>&)>(),
           d.findSchemaOrThrow("mkldnn::_linear_pointwise", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                 std::string_view, c10::List<std::optional<at::Scalar>>,
@@ -212,6 +218,10 @@ struct Layer {
   bool silu_mul;   // Llama's silu(gate) * up over gate_up, else GPT-2's gelu (tanh) over fc
   double attn_scale;
   Projection qkv, o, mlp_in, down;  // mlp_in: gate_up or fc
+  // paged_attention_qkv's options (set_attention): a sliding window, soft-capping, sinks [H]
+  int64_t window = 0;
+  double softcap = 0.0;
+  std::optional<at::Tensor> sinks;
 };
 
 // What decode_step runs around the layers (Transformer.embed and .head)
@@ -316,6 +326,20 @@ struct DecoderStack : torch::CustomClassHolder {
     pending.clear();
   }
 
+  void set_attention(int64_t window, double softcap, std::optional<at::Tensor> sinks) {
+    TORCH_CHECK(!layers.empty() && pending.empty(), "DecoderStack.set_attention: it sets the last layer's ",
+                "attention; add_layer closes a layer first");
+    TORCH_CHECK(window >= 0 && softcap >= 0.0, "DecoderStack.set_attention: window and softcap must be >= 0 ",
+                "(0: none), not ", window, " and ", softcap);
+    TORCH_CHECK(!sinks.has_value() || (sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                                       sinks->is_contiguous() && sinks->numel() == heads),
+                "DecoderStack.set_attention: sinks must be a contiguous float32 CPU tensor of ", heads, " values");
+    Layer& L = layers.back();
+    L.window = window;
+    L.softcap = softcap;
+    L.sinks = std::move(sinks);
+  }
+
   bool has_ends() const { return ends.has_value(); }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
@@ -362,7 +386,8 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
     }
     const at::Tensor qkv = L.qkv(h, true, padded_rows, stack->pinned);
     const at::Tensor a = ops.attention.call(qkv.contiguous(), k_caches[li], v_caches[li], write_slots, slot_table,
-                                            positions, cos, sin, stack->heads, L.attn_scale);
+                                            positions, cos, sin, stack->heads, L.attn_scale, L.window, L.softcap,
+                                            L.sinks);
     delta = L.o.row_parallel(a, padded_rows, stack->pinned);
     add_norm(L.ln_mlp, L.rms, h);
     const at::Tensor inner = L.mlp_in(h, true, padded_rows, stack->pinned);
@@ -447,6 +472,7 @@ TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
       .def("add_w8", &DecoderStack::add_w8)
       .def("add_panel", &DecoderStack::add_panel)
       .def("add_layer", &DecoderStack::add_layer)
+      .def("set_attention", &DecoderStack::set_attention)
       .def("set_ends", &DecoderStack::set_ends)
       .def("has_ends", &DecoderStack::has_ends)
       .def("num_layers", &DecoderStack::num_layers);

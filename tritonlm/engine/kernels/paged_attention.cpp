@@ -17,9 +17,17 @@
 //   positions    [B, T]        int64: absolute position of new token t of row b; it sees
 //                              keys 0..positions[b, t] (causal; the key exists)
 //   cos, sin     [B, T, D]     float32 RoPE factors (Llama family), or None (GPT-2)
+//   window       int           > 0: only keys at positions p - window < j <= p (a sliding
+//                              window, transformers' sliding_window_overlay); 0: none
+//   softcap      float         > 0: scores s -> softcap * tanh(s / softcap) (Gemma 2), after
+//                              the scale, before the mask; 0: none
+//   sinks        [H]           float32 or None: a logit per query head that joins each row's
+//                              softmax and weighs no value (gpt-oss's attention sinks):
+//                              out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sink))
 //   out          [B, T, H * D] float32
 // Query head h reads kv head h / (H / Hkv) (grouped-query attention). Work is split
-// over (row, kv head) pairs with at::parallel_for: torch's own thread team.
+// over (row, kv head) pairs with at::parallel_for: torch's own thread team. A row's keys
+// are [first, n): first = 0 without a window; only those are read.
 //
 // Registered as torch.ops.tritonlm.paged_attention_qkv.
 
@@ -95,19 +103,21 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
 
 constexpr int64_t kRowBlock = 4;  // query rows handled together (their state fits in registers)
 
-// scores[r, j] = q_r . k_j * scale for j < nkeys[r], r < nrows <= kRowBlock; k_j is the
-// key of position j, kv head g. Each key row is read once for the block's rows. With
+// scores[r, j - base] = q_r . k_j * scale for first[r] <= j < nkeys[r], r < nrows <= kRowBlock;
+// k_j is the key of position j, kv head g. Each key row is read once for the block's rows
+// (a row may get scores of keys before its first too: they are never read). With
 // AVX-512 and a head size of 16k, 16 keys at a time: their dot products' horizontal sums
 // taken together (reduce_add_16), the same bits as dot() (a row's tail of < 16 keys takes
 // dot()). Both loops prefetch the key rows 16 positions ahead, as weigh_values does the
 // value rows 8 ahead: a row's address comes through the slot table, which the hardware
 // prefetcher cannot follow (docs/performance-notes.md).
 template <int HD>
-inline void score_rows(const float* const* q, const int64_t* nkeys, int64_t nrows, const float* kp,
-                       const int64_t* slots, int64_t Hkv, int64_t g, int64_t D, float sc, float* scores,
-                       int64_t stride) {
+inline void score_rows(const float* const* q, const int64_t* first, const int64_t* nkeys, int64_t nrows,
+                       const float* kp, const int64_t* slots, int64_t Hkv, int64_t g, int64_t D, float sc,
+                       float* scores, int64_t stride, int64_t base) {
   const int64_t n_max = nkeys[nrows - 1];  // rows are in order of t: the last sees the most keys
-  int64_t j0 = 0;
+  const int64_t j_lo = first[0];           // and the first the earliest (windows slide with t)
+  int64_t j0 = j_lo;
 #if defined(__AVX512F__)
   if constexpr (HD > 0 && HD % 16 == 0) {
     const __m512 scv = _mm512_set1_ps(sc);
@@ -120,14 +130,15 @@ inline void score_rows(const float* const* q, const int64_t* nkeys, int64_t nrow
           for (int64_t c = 0; c < HD * 4; c += 64) _mm_prefetch(nx + c, _MM_HINT_T0);
         }
       for (int64_t r = 0; r < nrows; ++r) {
-        float* s = scores + r * stride;
+        float* s = scores + r * stride;    // s[j - base]: key j's score
+        if (j0 + 16 <= first[r]) continue;  // keys before the row's window
         if (j0 + 16 <= nkeys[r]) {
           __m512 x[16];
 #pragma GCC unroll 16
           for (int k = 0; k < 16; ++k) x[k] = tritonlm_simd::dot_lanes(q[r], kj[k], HD);
-          _mm512_storeu_ps(s + j0, _mm512_mul_ps(tritonlm_simd::reduce_add_16(x), scv));
+          _mm512_storeu_ps(s + j0 - base, _mm512_mul_ps(tritonlm_simd::reduce_add_16(x), scv));
         } else {
-          for (int64_t j = j0; j < std::min(j0 + 16, nkeys[r]); ++j) s[j] = dot<HD>(q[r], kj[j - j0], D) * sc;
+          for (int64_t j = j0; j < std::min(j0 + 16, nkeys[r]); ++j) s[j - base] = dot<HD>(q[r], kj[j - j0], D) * sc;
         }
       }
     }
@@ -142,16 +153,19 @@ inline void score_rows(const float* const* q, const int64_t* nkeys, int64_t nrow
     }
 #endif
     for (int64_t r = 0; r < nrows; ++r)
-      if (j < nkeys[r]) scores[r * stride + j] = dot<HD>(q[r], kj, D) * sc;
+      if (j >= first[r] && j < nkeys[r]) scores[r * stride + j - base] = dot<HD>(q[r], kj, D) * sc;
   }
 }
 
-// out_r = sum_j p[r, j] v_j over j < nkeys[r], for a block of rows; the block's outputs
-// are accumulated in registers when the head size is known (AVX-512), each value row read once.
+// out_r = sum_j p[r, j - base] v_j over first[r] <= j < nkeys[r], for a block of rows; the
+// block's outputs are accumulated in registers when the head size is known (AVX-512), each
+// value row read once.
 template <int HD>
-inline void weigh_values(float* const* out, const int64_t* nkeys, int64_t nrows, const float* vp,
-                         const int64_t* slots, int64_t Hkv, int64_t g, int64_t D, const float* p, int64_t stride) {
+inline void weigh_values(float* const* out, const int64_t* first, const int64_t* nkeys, int64_t nrows,
+                         const float* vp, const int64_t* slots, int64_t Hkv, int64_t g, int64_t D, const float* p,
+                         int64_t stride, int64_t base) {
   const int64_t n_max = nkeys[nrows - 1];
+  const int64_t j_lo = first[0];
 #if defined(__AVX512F__)
   if constexpr (HD > 0 && HD % 16 == 0 && HD <= 128) {
     constexpr int V = HD / 16;
@@ -160,7 +174,7 @@ inline void weigh_values(float* const* out, const int64_t* nkeys, int64_t nrows,
     for (int r = 0; r < kRowBlock; ++r)
 #pragma GCC unroll 8
       for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n_max; ++j) {
+    for (int64_t j = j_lo; j < n_max; ++j) {
       const float* vj = vp + (slots[j] * Hkv + g) * D;
       if (j + 8 < n_max) {
         const char* nx = reinterpret_cast<const char*>(vp + (slots[j + 8] * Hkv + g) * D);
@@ -171,8 +185,8 @@ inline void weigh_values(float* const* out, const int64_t* nkeys, int64_t nrows,
       for (int c = 0; c < V; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);
 #pragma GCC unroll 4
       for (int r = 0; r < kRowBlock; ++r) {
-        if (r < nrows && j < nkeys[r]) {
-          const __m512 pr = _mm512_set1_ps(p[r * stride + j]);
+        if (r < nrows && j >= first[r] && j < nkeys[r]) {
+          const __m512 pr = _mm512_set1_ps(p[r * stride + j - base]);
 #pragma GCC unroll 8
           for (int c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(pr, v[c], acc[r][c]);
         }
@@ -187,56 +201,79 @@ inline void weigh_values(float* const* out, const int64_t* nkeys, int64_t nrows,
   }
 #endif
   for (int64_t r = 0; r < nrows; ++r) std::fill(out[r], out[r] + D, 0.f);
-  for (int64_t j = 0; j < n_max; ++j) {
+  for (int64_t j = j_lo; j < n_max; ++j) {
     const float* vj = vp + (slots[j] * Hkv + g) * D;
     for (int64_t r = 0; r < nrows; ++r)
-      if (j < nkeys[r]) axpy<HD>(out[r], p[r * stride + j], vj, D);
+      if (j >= first[r] && j < nkeys[r]) axpy<HD>(out[r], p[r * stride + j - base], vj, D);
   }
 }
 
+// What a call asks of the softmax beyond causal attention (each off at its zero / null).
+struct Options {
+  int64_t window;      // > 0: keys at positions p - window < j <= p only
+  float softcap;       // > 0: s -> softcap * tanh(s / softcap)
+  const float* sinks;  // [H] a logit per query head in each softmax's denominator, or null
+};
+
 template <int HD>
 void attend(const float* qp, int64_t q_stride, const float* kp, const float* vp, const int64_t* st, const int64_t* pos,
-            float* op, int64_t B, int64_t T, int64_t H, int64_t D, int64_t Hkv, int64_t L, float sc) {
+            float* op, int64_t B, int64_t T, int64_t H, int64_t D, int64_t Hkv, int64_t L, float sc,
+            const Options& opt) {
   const int64_t group = H / Hkv;
   const int64_t rows = T * group;  // query rows that read one kv head of one sequence
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // [rows, n_max] for one (b, g)
+    std::vector<float> scores;  // [rows, n_max - base] for one (b, g): scores of keys base..n_max-1
     std::vector<const float*> qrow(rows);
     std::vector<float*> orow(rows);
-    std::vector<int64_t> nkeys(rows);
+    std::vector<int64_t> first(rows), nkeys(rows);
     std::vector<float> inv_sum(rows);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, g = item % Hkv;
-      int64_t n_max = 0;
+      int64_t n_max = 0, base = L;
       for (int64_t t = 0; t < T; ++t) {
         const int64_t n = pos[b * T + t] + 1;  // keys 0..positions[b, t]
+        const int64_t lo = opt.window > 0 ? std::max<int64_t>(0, n - opt.window) : 0;  // the window's first key
         n_max = std::max(n_max, n);
+        base = std::min(base, lo);
         for (int64_t i = 0; i < group; ++i) {
           const int64_t r = t * group + i, h = g * group + i;
           qrow[r] = qp + (b * T + t) * q_stride + h * D;
           orow[r] = op + ((b * T + t) * H + h) * D;
+          first[r] = lo;
           nkeys[r] = n;
         }
       }
-      scores.resize(rows * n_max);
+      const int64_t stride = n_max - base;
+      scores.resize(rows * stride);
       const int64_t* slots = st + b * L;
       // scores: each key row is loaded once for every query row that reads it
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
-        score_rows<HD>(qrow.data() + r0, nkeys.data() + r0, std::min(kRowBlock, rows - r0), kp, slots, Hkv, g, D,
-                       sc, scores.data() + r0 * n_max, n_max);
-      // softmax over each row's own keys
+        score_rows<HD>(qrow.data() + r0, first.data() + r0, nkeys.data() + r0, std::min(kRowBlock, rows - r0), kp,
+                       slots, Hkv, g, D, sc, scores.data() + r0 * stride, stride, base);
+      // softmax over each row's own keys (and its head's sink)
       for (int64_t r = 0; r < rows; ++r) {
-        float* s = scores.data() + r * n_max;
-        const int64_t n = nkeys[r];
+        float* s = scores.data() + r * stride + first[r] - base;  // s[0]: the row's first key
+        const int64_t n = nkeys[r] - first[r];
+        if (opt.softcap > 0.f) {
+          const float c = opt.softcap, inv_c = 1.f / opt.softcap;
+          for (int64_t j = 0; j < n; ++j) s[j] = c * std::tanh(s[j] * inv_c);
+        }
         float m = s[0];
         for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
-        inv_sum[r] = 1.f / exp_shifted_sum(s, n, m);
+        if (opt.sinks == nullptr) {
+          inv_sum[r] = 1.f / exp_shifted_sum(s, n, m);
+        } else {
+          const float sink = opt.sinks[g * group + r % group];
+          m = std::max(m, sink);
+          const float keys = exp_shifted_sum(s, n, m);
+          inv_sum[r] = 1.f / (keys + tritonlm_simd::exp(sink - m));
+        }
       }
       // out = p @ V: each value row loaded once
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
-        weigh_values<HD>(orow.data() + r0, nkeys.data() + r0, std::min(kRowBlock, rows - r0), vp, slots, Hkv, g, D,
-                         scores.data() + r0 * n_max, n_max);
+        weigh_values<HD>(orow.data() + r0, first.data() + r0, nkeys.data() + r0, std::min(kRowBlock, rows - r0), vp,
+                         slots, Hkv, g, D, scores.data() + r0 * stride, stride, base);
       for (int64_t r = 0; r < rows; ++r) {
         float* o = orow[r];
         const float f = inv_sum[r];
@@ -259,7 +296,8 @@ inline void rope(const float* x, const float* cos, const float* sin, float* out,
 at::Tensor paged_attention_qkv(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& write_slots, const at::Tensor& slot_table,
                                const at::Tensor& positions, const std::optional<at::Tensor>& cos,
-                               const std::optional<at::Tensor>& sin, int64_t heads, double scale) {
+                               const std::optional<at::Tensor>& sin, int64_t heads, double scale, int64_t window,
+                               double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "paged_attention_qkv: qkv must be "
               "[B, T, (H + 2 Hkv) D], k_cache and v_cache [S, Hkv, D]");
   TORCH_CHECK(qkv.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -283,6 +321,13 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv, const at::Tensor& k_cache,
               positions.size(0) == B && positions.size(1) == T,
               "paged_attention_qkv: slot_table [B, L], positions and write_slots [B, T] must match qkv");
   TORCH_CHECK(cos.has_value() == sin.has_value(), "paged_attention_qkv: cos and sin come together");
+  TORCH_CHECK(window >= 0, "paged_attention_qkv: window must be >= 0 (0: no sliding window), not ", window);
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "paged_attention_qkv: softcap must be a finite value >= 0 "
+              "(0: no soft-capping), not ", softcap);
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                sinks->numel() == H, "paged_attention_qkv: sinks must be a contiguous float32 CPU tensor of the ",
+                H, " query heads' logits, not ", sinks->scalar_type(), " ", sinks->sizes());
   const bool rotary = cos.has_value();
   if (rotary) {
     TORCH_CHECK(cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat && cos->is_contiguous() &&
@@ -331,9 +376,10 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv, const at::Tensor& k_cache,
   at::Tensor out = at::empty({B, T, H * D}, qkv.options());
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  if (D == 64) attend<64>(qp, q_stride, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc);
-  else if (D == 128) attend<128>(qp, q_stride, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc);
-  else attend<0>(qp, q_stride, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc);
+  const Options opt{window, static_cast<float>(softcap), sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
+  if (D == 64) attend<64>(qp, q_stride, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc, opt);
+  else if (D == 128) attend<128>(qp, q_stride, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc, opt);
+  else attend<0>(qp, q_stride, kp, vp, st, pos, op, B, T, H, D, Hkv, L, sc, opt);
   return out;
 }
 
@@ -341,7 +387,8 @@ at::Tensor paged_attention_qkv(const at::Tensor& qkv, const at::Tensor& k_cache,
 
 TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
   m.def("paged_attention_qkv(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, "
-        "Tensor slot_table, Tensor positions, Tensor? cos, Tensor? sin, int heads, float scale) -> Tensor");
+        "Tensor slot_table, Tensor positions, Tensor? cos, Tensor? sin, int heads, float scale, int window=0, "
+        "float softcap=0.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tritonlm, CPU, m) {

@@ -2,11 +2,15 @@
 
     available(device) -> (bool, why)
     paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, out=None,
-                           *, num_splits=None, block_n=None, num_warps=None)
+                           *, window=0, softcap=0.0, sinks=None,
+                           num_splits=None, block_n=None, num_warps=None)
         one decode step's attention: every row's single query against its keys, read from
-        the pool through its block table (the keyword-only arguments tune, None = defaults)
+        the pool through its block table; optionally a sliding window, logit soft-capping
+        and attention sinks (each off at its default); num_splits, block_n and num_warps
+        tune (None = defaults)
     default_num_splits(batch, kv_heads, device) -> int
-    bench(...)   a micro-benchmark for a GPU (python -m tritonlm.engine.kernels.paged_decode)
+
+Its micro-benchmark for a GPU is perf/bench_paged_decode.py.
 
 Why a kernel: the torch path (runners/layers.py `paged_attention`) first gathers every
 row's K and V out of the pool into dense [B, Hkv, L, D] buffers and then runs SDPA over
@@ -26,11 +30,17 @@ graph and replayed with other lengths and block tables):
         takes all G = H // Hkv query heads of its kv head as the rows of one tile, so each
         key block is loaded once per kv head (GQA), and loops over its share of the row's
         keys, BLOCK_N at a time, with an online (running max) softmax in float32. The
-        loop bound comes from seq_lens in memory; a split's share is the row's length cut
-        into num_splits chunks (multiples of BLOCK_N), so short rows leave later splits
-        empty and those programs exit at once.
+        loop bound comes from seq_lens in memory; a split's share is the row's keys (the
+        last `window` of them with a sliding window) cut into num_splits chunks (multiples
+        of BLOCK_N), so short rows leave later splits empty and those programs exit at once.
     combine kernel, grid (B, H), only when num_splits > 1 ("flash-decoding" split-K): the
         splits' partial (max, sum, unnormalized output) merged into the final row.
+The attention options, each a constexpr switch, so a call without them compiles as before:
+    window   keys at positions p - window < j <= p only, p = seq_len - 1 (transformers'
+             sliding_window_overlay); keys before the window are not read
+    softcap  scores s -> softcap * tanh(s / softcap) after the scale (Gemma 2)
+    sinks    [H] a logit per query head that joins the softmax's denominator and weighs
+             no value (gpt-oss): merged after the last key block (or in the combine kernel)
 num_splits depends only on B, Hkv and the GPU's SM count (host metadata): it spreads
 small batches over the SMs, which a (B, Hkv) grid would leave mostly idle.
 
@@ -117,6 +127,7 @@ def _build_kernels() -> tuple[Any, Any]:
         v_ptr,  # [S, Hkv, D]
         table_ptr,  # [B, M]
         lens_ptr,  # [B]
+        sinks_ptr,  # [H] (SINKS only)
         out_ptr,  # [B, H, D] when SPLIT is off, else the partial outputs [B, H, num_splits, D] float32
         max_ptr,  # [B, H, num_splits] float32 (SPLIT only): running max, base-2 logits
         sum_ptr,  # [B, H, num_splits] float32 (SPLIT only): sum of exp2(logit - max)
@@ -134,6 +145,9 @@ def _build_kernels() -> tuple[Any, Any]:
         stride_mh,
         num_splits,
         scale_log2,  # the softmax scale times log2(e)
+        window,  # keys of a row's sliding window (HAS_WINDOW only)
+        cap_in,  # scale / softcap (SOFTCAP only): the scores' tanh argument per q . k
+        cap_out,  # softcap * log2(e) (SOFTCAP only)
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -143,6 +157,9 @@ def _build_kernels() -> tuple[Any, Any]:
         SPLIT: tl.constexpr,
         EXACT: tl.constexpr,  # float32 inputs
         WIDEN: tl.constexpr,  # bfloat16 under the interpreter, whose tl.dot cannot multiply bfloat16
+        HAS_WINDOW: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        SINKS: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -161,9 +178,12 @@ def _build_kernels() -> tuple[Any, Any]:
         )  # [GROUP_PAD, DIM_PAD]
 
         seq_len = tl.load(lens_ptr + row)
-        chunk = (seq_len + num_splits - 1) // num_splits
+        first = seq_len * 0  # the row's first key: 0, or its window's
+        if HAS_WINDOW:
+            first = tl.maximum(seq_len - window, 0)
+        chunk = (seq_len - first + num_splits - 1) // num_splits
         chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        start = split * chunk
+        start = first + split * chunk
         end = tl.minimum(start + chunk, seq_len)
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -193,7 +213,16 @@ def _build_kernels() -> tuple[Any, Any]:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+            if SOFTCAP:
+                # softcap * tanh(scale * s / softcap) in base 2; tanh through exp2 (no tanh in
+                # triton.language), from |x| so that exp2 only ever underflows
+                x = s * cap_in
+                e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # e^(-2|x|)
+                t = (1.0 - e) / (1.0 + e)
+                s = tl.where(x < 0, -t, t) * cap_out
+            else:
+                s = s * scale_log2
+            s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
             # every block holds at least one key of the row, so m_new is finite
             m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
             alpha = tl.exp2(m_i - m_new)
@@ -210,6 +239,13 @@ def _build_kernels() -> tuple[Any, Any]:
             m_i = m_new
 
         out_mask = g_mask[:, None] & d_mask[None, :]
+        if SINKS and not SPLIT:  # the sink joins the denominator (split: in the combine kernel)
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)  # 0 for a row without keys (m_i = -inf)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         if SPLIT:
             base = row * stride_ob + split * stride_os
             tl.store(out_ptr + base + heads[:, None] * stride_oh + offs_d[None, :], acc, mask=out_mask)
@@ -227,6 +263,7 @@ def _build_kernels() -> tuple[Any, Any]:
         part_ptr,  # [B, H, NUM_SPLITS, D] float32
         max_ptr,  # [B, H, NUM_SPLITS] float32
         sum_ptr,  # [B, H, NUM_SPLITS] float32
+        sinks_ptr,  # [H] (SINKS only)
         out_ptr,  # [B, H, D]
         stride_pb,
         stride_ph,
@@ -238,6 +275,7 @@ def _build_kernels() -> tuple[Any, Any]:
         NUM_SPLITS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr,
+        SINKS: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -249,6 +287,9 @@ def _build_kernels() -> tuple[Any, Any]:
         maxes = tl.load(max_ptr + stat)  # [NUM_SPLITS]; -inf for an empty split
         sums = tl.load(sum_ptr + stat)
         m_max = tl.reduce(maxes, 0, _max_combine)
+        if SINKS:
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            m_max = tl.maximum(m_max, sink)
         # -inf only for a row without keys; 0 then keeps exp2 away from -inf - -inf
         m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
         w = tl.exp2(maxes - m_max)  # empty splits weigh exp2(-inf) = 0
@@ -259,6 +300,8 @@ def _build_kernels() -> tuple[Any, Any]:
         )  # [NUM_SPLITS, DIM_PAD]
         num = tl.reduce(part * w[:, None], 0, _sum_combine)  # [DIM_PAD]
         den = tl.reduce(sums * w, 0, _sum_combine)
+        if SINKS:
+            den += tl.exp2(sink - m_max)
         res = num / tl.where(den > 0, den, 1.0)  # zeros for a row without keys
         tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -290,8 +333,12 @@ def _check(
     seq_lens: torch.Tensor,
     block_size: int,
     out: torch.Tensor | None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Shapes, dtypes, devices and contiguity: host metadata only, no tensor values."""
+    """Shapes, dtypes, devices and contiguity, and the attention options: host metadata
+    only, no tensor values."""
     if q.dim() != 3:
         raise ValueError(f"q must be [B, H, D], got shape {tuple(q.shape)}")
     bsz, heads, dim = q.shape
@@ -316,7 +363,16 @@ def _check(
         raise ValueError(f"seq_lens must be [B={bsz}] int32 or int64, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
     if block_size < 1 or k_cache.shape[0] % block_size:
         raise ValueError(f"block_size {block_size} must be >= 1 and divide the pool's {k_cache.shape[0]} slots")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+    if not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap!r}")
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table, "seq_lens": seq_lens}
+    if sinks is not None:
+        if sinks.shape != (heads,) or sinks.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"sinks must be [H={heads}] float32, float16 or bfloat16 (a logit per query head), "
+                             f"got {tuple(sinks.shape)} {sinks.dtype}")
+        tensors["sinks"] = sinks
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
@@ -338,6 +394,9 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [B, H, D] written in place when given
     *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [H]
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -348,14 +407,20 @@ def paged_decode_attention(
     a row with seq_lens 0 (padding) comes out as zeros.
     No tensor value is read on the host: safe inside CUDA graph capture.
 
+    Attention options (each off at its default): window > 0, only the row's last `window`
+    keys (j > seq_lens[b] - 1 - window); softcap > 0, each score s (scale included) becomes
+    softcap * tanh(s / softcap); sinks [H], a logit per query head added to the softmax's
+    denominator: out = sum_j e^(s_j) V_j / (sum_j e^(s_j) + e^(sinks[h])).
+
     Tuning (None picks the defaults): num_splits, the key-range splits per (row, kv head)
     (default_num_splits; above 1 rounded up to a power of two, at most 32, and the combine
     kernel runs); block_n, the keys per loop step (a power of two >= 16); num_warps."""
-    _check(q, k_cache, v_cache, block_table, seq_lens, block_size, out)
+    _check(q, k_cache, v_cache, block_table, seq_lens, block_size, out, window, softcap, sinks)
     if out is None:
         out = torch.empty_like(q)
     for kernel, grid, args, consts in _launches(
-        q, k_cache, v_cache, block_table, seq_lens, block_size, scale, out, num_splits, block_n, num_warps
+        q, k_cache, v_cache, block_table, seq_lens, block_size, scale, out, num_splits, block_n, num_warps,
+        window, softcap, sinks,
     ):
         kernel[grid](*args, **consts)
     return out
@@ -373,6 +438,9 @@ def _launches(
     num_splits: int | None,
     block_n: int | None,
     num_warps: int | None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> list[tuple[Any, tuple[int, ...], list[Any], dict[str, Any]]]:
     """The kernel launches of one call, in order: (jitted kernel, grid, positional args,
     keyword constexprs and launch options). Allocates the split-K partials; reads no values.
@@ -403,6 +471,9 @@ def _launches(
         SPLIT=num_splits > 1,
         EXACT=q.dtype == torch.float32,
         WIDEN=q.dtype == torch.bfloat16 and _interpreting(),
+        HAS_WINDOW=window > 0,
+        SOFTCAP=softcap > 0,
+        SINKS=sinks is not None,
         num_warps=num_warps or 4,
     )
     strides = [
@@ -415,10 +486,14 @@ def _launches(
         block_table.stride(0),
     ]
     scale_log2 = float(scale) * _LOG2E
-    inputs = [q, k_cache, v_cache, block_table, seq_lens]
+    # the options' scalars (unused where their switch is off); softcap: the tanh's argument
+    # per q . k and its factor, in base 2 as the softmax runs
+    options = [int(window), float(scale) / softcap if softcap > 0 else 0.0, float(softcap) * _LOG2E]
+    sinks_arg = out if sinks is None else sinks  # the sinks pointer is unused without sinks: `out` stands in
+    inputs = [q, k_cache, v_cache, block_table, seq_lens, sinks_arg]
     if num_splits == 1:
         # the max and sum pointers are unused without splits: `out` stands in for them
-        args = [*inputs, out, out, out, *strides, out.stride(0), out.stride(1), 0, 0, 0, 1, scale_log2]
+        args = [*inputs, out, out, out, *strides, out.stride(0), out.stride(1), 0, 0, 0, 1, scale_log2, *options]
         return [(decode_kernel, (bsz, kv_heads, 1), args, consts)]
 
     part = torch.empty((bsz, heads, num_splits, dim), dtype=torch.float32, device=q.device)
@@ -426,127 +501,14 @@ def _launches(
     run_max, run_sum = stats[0], stats[1]  # [B, H, num_splits] each
     part_strides = [part.stride(0), part.stride(1), part.stride(2)]
     stat_strides = [run_max.stride(0), run_max.stride(1)]
-    args = [*inputs, part, run_max, run_sum, *strides, *part_strides, *stat_strides, num_splits, scale_log2]
-    combine_args = [part, run_max, run_sum, out, *part_strides, *stat_strides, out.stride(0), out.stride(1)]
+    args = [*inputs, part, run_max, run_sum, *strides, *part_strides, *stat_strides, num_splits, scale_log2, *options]
+    combine_args = [part, run_max, run_sum, sinks_arg, out, *part_strides, *stat_strides, out.stride(0), out.stride(1)]
     # one warp holds a small [splits, D] tile; larger ones spread over more warps' registers
     combine_warps = 1 if num_splits * dim_pad <= 1024 else 4
-    combine_consts: dict[str, Any] = dict(NUM_SPLITS=num_splits, HEAD_DIM=dim, DIM_PAD=dim_pad, num_warps=combine_warps)
+    combine_consts: dict[str, Any] = dict(NUM_SPLITS=num_splits, HEAD_DIM=dim, DIM_PAD=dim_pad, SINKS=sinks is not None,
+                                          num_warps=combine_warps)
     return [
         (decode_kernel, (bsz, kv_heads, num_splits), args, consts),
         (combine_kernel, (bsz, heads), combine_args, combine_consts),
     ]
 
-
-def _reference(
-    q: torch.Tensor,  # [B, H, D]
-    k_cache: torch.Tensor,  # [S, Hkv, D]
-    v_cache: torch.Tensor,  # [S, Hkv, D]
-    block_table: torch.Tensor,  # [B, M]
-    seq_lens: torch.Tensor,  # [B]
-    block_size: int,
-    scale: float,
-) -> torch.Tensor:  # [B, H, D] float32
-    """The same attention in float32 torch, row by row (bench's check on the GPU)."""
-    group = q.shape[1] // k_cache.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for b, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(n, device=q.device)
-        slots = block_table[b, pos // block_size].long() * block_size + pos % block_size
-        keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        values = v_cache[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b].float(), keys) * scale
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
-    return out
-
-
-def bench(
-    batches: tuple[int, ...] = (1, 32, 128, 256),
-    context: int = 512,
-    heads: int = 9,
-    kv_heads: int = 3,
-    head_dim: int = 64,
-    block_size: int = 16,
-    dtype: torch.dtype = torch.bfloat16,
-    iters: int = 200,
-    configs: tuple[dict[str, int | None], ...] = ({},),
-) -> list[dict[str, Any]]:
-    """Times the kernel on the current CUDA device (default shape: SmolLM2-135M, one layer)
-    for each batch size and each config (keyword tuning arguments of paged_decode_attention,
-    {} for the defaults), every row `context` keys long on shuffled blocks. Each call is
-    captured in a CUDA graph and replayed `iters` times, so the time is the GPU's, not
-    Python's launch cost. Prints microseconds per call, the K/V bytes read per second, and
-    the largest difference from a float32 torch reference after the graph is replayed with
-    other lengths (which checks that nothing in the call depends on tensor values).
-    Needs a GPU: not for tests."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("bench needs a CUDA GPU")
-    if _interpreting():
-        raise RuntimeError("unset TRITON_INTERPRET: bench times the compiled kernel")
-    dev = torch.device("cuda")
-    ok, why = available(dev)
-    if not ok:
-        raise RuntimeError(why)
-    g = torch.Generator().manual_seed(0)
-    elem = torch.empty((), dtype=dtype).element_size()
-    scale = head_dim**-0.5
-    results: list[dict[str, Any]] = []
-    for bsz in batches:
-        blocks_per_row = math.ceil(context / block_size)
-        num_blocks = bsz * blocks_per_row + 1  # block 0 stays the scratch block
-        slots = num_blocks * block_size
-        k_cache = torch.randn((slots, kv_heads, head_dim), generator=g).to(dev, dtype)
-        v_cache = torch.randn((slots, kv_heads, head_dim), generator=g).to(dev, dtype)
-        table = (torch.randperm(num_blocks - 1, generator=g) + 1).view(bsz, blocks_per_row)
-        table = table.to(dev, torch.int32)
-        lens = torch.full((bsz,), context, dtype=torch.int32, device=dev)
-        q = torch.randn((bsz, heads, head_dim), generator=g).to(dev, dtype)
-        out = torch.empty_like(q)
-        for config in configs:
-
-            def call() -> None:
-                paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, scale, out, **config)
-
-            lens.fill_(context)
-            call()  # compiles
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
-                for _ in range(3):
-                    call()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                call()
-            for _ in range(10):
-                graph.replay()
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            for _ in range(iters):
-                graph.replay()
-            t1.record()
-            torch.cuda.synchronize()
-            us = t0.elapsed_time(t1) * 1e3 / iters
-            # the captured call against the reference at other lengths: 1 up to the context
-            lens.copy_(torch.randint(1, context + 1, (bsz,), generator=g).to(dev, torch.int32))
-            graph.replay()
-            torch.cuda.synchronize()
-            err = (out.float() - _reference(q, k_cache, v_cache, table, lens, block_size, scale)).abs().max().item()
-            kv_bytes = 2 * bsz * context * kv_heads * head_dim * elem
-            splits = config.get("num_splits") or default_num_splits(bsz, kv_heads, dev)
-            row = {"batch": bsz, "config": dict(config), "splits": splits, "us": us, "max_err": err}
-            row["gb_per_s"] = kv_bytes / (us * 1e-6) / 1e9
-            results.append(row)
-            print(
-                f"B={bsz:4d} ctx={context} splits={splits:2d} {config or 'defaults'}: {us:8.2f} us/call "
-                f"{row['gb_per_s']:8.1f} GB/s K/V read, max |err| {err:.2e}"
-            )
-    return results
-
-
-if __name__ == "__main__":
-    # the defaults, then a sweep of the tuning arguments for whoever tunes them on a GPU
-    bench()
-    sweep = tuple(
-        {"block_n": bn, "num_warps": nw, "num_splits": ns} for bn in (32, 64) for nw in (4, 8) for ns in (None, 1)
-    )
-    bench(configs=sweep)

@@ -9,7 +9,8 @@ calls with a declared effect: `write_kv` mutates its cache (inductor keeps it in
 
     torch.ops.tritonlm_gpu.write_kv(cache [S, Hkv, D], slots [B, T], new [B, T, Hkv, D]) -> None
     torch.ops.tritonlm_gpu.paged_decode(q [B, H, D], k_cache, v_cache, block_table [B, M],
-                                        seq_lens [B], block_size, scale) -> [B, H, D]
+                                        seq_lens [B], block_size, scale, window=0, softcap=0.0,
+                                        sinks=None [H]) -> [B, H, D]
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ def _(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
 @torch.library.custom_op("tritonlm_gpu::paged_decode", mutates_args=())
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, block_size: int, scale: float,
+    seq_lens: torch.Tensor, block_size: int, scale: float, window: int = 0, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, block_size, scale)
+    return paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, block_size, scale,
+                                  window=window, softcap=softcap, sinks=sinks)
 
 
 @paged_decode.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, block_size, scale):
+def _(q, k_cache, v_cache, block_table, seq_lens, block_size, scale, window=0, softcap=0.0, sinks=None):
     return torch.empty_like(q)

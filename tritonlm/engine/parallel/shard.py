@@ -15,10 +15,13 @@ plain float weights can be sliced: slice first, then quantize or block each shar
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from tritonlm.engine.runners.layers import FloatLinear, Layer, Linear, Norm, owned_copy
 from tritonlm.engine.runners.model import Transformer
+from tritonlm.engine.runners.moe import MoE
 
 
 def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -47,14 +50,19 @@ def row_slice(p: Linear, spans: list[tuple[int, int]]) -> FloatLinear:
 
 
 def _clone(o):
-    """Copy of a Linear / Norm / Layer (other fields as they are)."""
+    """Copy of a Linear / Norm / Layer / MoE (other fields as they are)."""
     if isinstance(o, Linear):
         p = o.plain()
         return FloatLinear(owned_copy(p.w), owned_copy(p.b))
     if isinstance(o, Norm):
-        return Norm(owned_copy(o.w), owned_copy(o.b), o.eps, o.rms)
+        return Norm(owned_copy(o.w), owned_copy(o.b), o.eps, o.rms, o.weight_first)
     if isinstance(o, Layer):
         return Layer(**{k: _clone(v) for k, v in vars(o).items()})
+    if isinstance(o, MoE):  # the router and every expert's projections copied
+        moe = copy.copy(o)
+        moe.router, moe.router_bias = owned_copy(o.router), owned_copy(o.router_bias)
+        moe.convert(_clone)
+        return moe
     return o
 
 
@@ -62,6 +70,8 @@ def tensor_slice(model: Transformer, rank: int, world: int) -> Transformer:
     """Rank `rank` of `world`'s copy of its weights (see the module docstring)."""
     if model.layers:
         model.layers[0].qkv.plain()  # int8 or blocked weights: refused, saying which
+    if any(L.moe is not None for L in model.layers):  # experts are not split (nor assigned) across ranks
+        raise ValueError(f"{model.spec.family}: mixture-of-experts layers are not split across tensor-parallel ranks")
     if any(L.block.qk_norm == "whole" for L in model.layers):  # its RMS spans every rank's heads
         raise ValueError(f"{model.spec.family}: q/k norm over the whole projection is not split across tensor-parallel ranks")
     s, d = model.spec, model.spec.head_dim
@@ -81,6 +91,8 @@ def tensor_slice(model: Transformer, rank: int, world: int) -> Transformer:
             # fused [gate | up] columns: this rank's span of each
             gate_up=None if L.gate_up is None else column_slice(L.gate_up, [(f_lo, f_hi), (inner + f_lo, inner + f_hi)]),
             attn_scale=L.attn_scale, block=L.block, q_norm=_clone(L.q_norm), k_norm=_clone(L.k_norm),
+            post_attn=_clone(L.post_attn), post_mlp=_clone(L.post_mlp),
+            sinks=None if L.sinks is None else owned_copy(L.sinks[h0:h1]),  # [H'] this rank's heads' sinks
         ))
     v0, v1 = split_range(model.wte.shape[0], world, rank)
     wte = owned_copy(model.wte[v0:v1])
@@ -96,7 +108,7 @@ def tensor_slice(model: Transformer, rank: int, world: int) -> Transformer:
         spec=s, layers=layers, wte=wte, wpe=wpe, ln_f=_clone(model.ln_f), lm_head=head,
         act=model.act, inv_freq=owned_copy(model.inv_freq), rope_scaling=model.rope_scaling,
         max_positions=model.max_positions, device=model.device, heads=h1 - h0, kv_heads=g1 - g0,
-        vocab_lo=v0, pos_lo=p0, head_widths=widths,
+        vocab_lo=v0, pos_lo=p0, head_widths=widths, ends=model.ends, rope_tables=model.rope_tables,
     )
 
 
@@ -114,4 +126,5 @@ def layer_slice(model: Transformer, stage: int, stages: int) -> Transformer:
         ln_f=_clone(model.ln_f) if last else None, lm_head=head,
         act=model.act, inv_freq=owned_copy(model.inv_freq), rope_scaling=model.rope_scaling,
         max_positions=model.max_positions, device=model.device, heads=model.heads, kv_heads=model.kv_heads,
+        ends=model.ends, rope_tables=model.rope_tables,
     )

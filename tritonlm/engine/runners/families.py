@@ -5,10 +5,13 @@
     check_config(config)         ValueError naming the family and the feature it cannot serve
     block_specs(config)          per layer, a BlockSpec: the config's choices the forward pass reads
     multipliers(config)          Granite's scalar multipliers (1.0 elsewhere), folded into weights at load
-    fast_paths(blocks)           which of the C++ / Triton fast paths cover those layers, and why not
+    gemma_ends(config)           Gemma's embedding scale and final logit soft-cap (None elsewhere)
+    rope_tables(config)          the layer types with a RoPE of their own (Gemma 3), [] elsewhere
+    fast_paths(blocks, ends)     which of the C++ / Triton fast paths cover those layers, and why not
 
 Every served family is GPT-2 or a Llama-shaped decoder (RMSNorm, rotary q/k, grouped query
-attention, SwiGLU MLP). What sets the Llama-shaped ones apart is a handful of config fields,
+attention, a gated MLP). Gemma's (1 + w) RMSNorm is an RMSNorm whose weight is 1 + w, folded
+at load. What sets the Llama-shaped ones apart is a handful of config fields,
 so the forward pass reads a BlockSpec per layer instead of branching per family: biases and
 fused projections are the weights' business (runners.model.Transformer.from_hf), scalar
 multipliers are folded into the weights, and what remains changes the block:
@@ -16,15 +19,24 @@ multipliers are folded into the weights, and what remains changes the block:
     qk_norm         "per_head": an RMSNorm over each head's D values of q and of k, before
                     RoPE (Qwen3); "whole": over all of q's H*D values, and k's Hkv*D (OLMo 2)
     norm            "pre": each block's input normed (Llama); "post": each block's output
-                    normed before the residual add, the input as it is (OLMo 2)
+                    normed before the residual add, the input as it is (OLMo 2); "sandwich":
+                    both, the input and the output (Gemma 2 / 3)
     rope            False for a NoPE layer (SmolLM3: positions reach it only through the mask)
+    rope_table      which of the model's RoPE tables the layer rotates by: "" the one table,
+                    else its layer type (Gemma 3: a base per layer type)
+    softcap         attention logits c * tanh(s / c) before the mask (Gemma 2)
+    mlp             "silu": silu(gate) * up; "gelu": GeGLU, the config's GELU(gate) * up (Gemma)
     sliding_window  keys at positions p - window < j <= p only (Mistral, Phi-3, Qwen2 / Qwen3 /
                     SmolLM3 layers typed "sliding_attention"): transformers' sliding_window_overlay
+    moe             the MLP is a mixture of experts (runners.moe: Mixtral, Qwen3-MoE, OLMoE,
+                    Qwen2-MoE, gpt-oss; Qwen-MoE layers in mlp_only_layers or off decoder_sparse_step are dense)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 # model_type -> the family, as users know it (the supported list every refusal prints)
 FAMILIES: dict[str, str] = {
@@ -37,25 +49,30 @@ FAMILIES: dict[str, str] = {
     "granite": "Granite 3 dense (embedding, attention, residual and logits multipliers)",
     "smollm3": "SmolLM3 (NoPE layers)",
     "olmo2": "OLMo 2 (norms after attention and MLP, q/k RMSNorm over the whole projection)",
+    "mixtral": "Mixtral (mixture of experts: softmax top-k, renormalized; sliding window)",
+    "qwen3_moe": "Qwen3-MoE (mixture of experts, norm_topk_prob; per-head q/k RMSNorm)",
+    "olmoe": "OLMoE (mixture of experts, norm_topk_prob; q/k RMSNorm over the whole projection)",
+    "qwen2_moe": "Qwen2-MoE (mixture of experts plus a sigmoid-gated shared expert; q/k/v biases)",
+    "gpt_oss": "gpt-oss (mixture of experts with a router bias and clamped SwiGLU; attention sinks, "
+               "alternating sliding windows, q/k/v/o biases; float weights: MXFP4 experts as transformers dequantizes them)",
+    "gemma": "Gemma (GeGLU, (1 + w) RMSNorm, scaled embeddings)",
+    "gemma2": "Gemma 2 (attention and final logit soft-capping, sandwich norms, alternating sliding windows)",
+    "gemma3_text": "Gemma 3 text (Gemma3ForCausalLM: a RoPE base per layer type, q/k norm, sandwich norms)",
 }
+
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 
 # Llama-shaped families: the same weight names, one forward pass (GPT-2 has its own layout)
 ROTARY_FAMILIES = tuple(k for k in FAMILIES if k != "gpt2")
 
 # known families that are not served, and what they need that the decoder block does not do
 REFUSED: dict[str, str] = {
-    "gemma": "Gemma: (1 + w) RMSNorm, GeGLU, scaled embeddings",
-    "gemma2": "Gemma 2: logit soft-capping, sandwich norms, alternating sliding windows",
-    "gemma3": "Gemma 3: multimodal wrapper, per-layer RoPE bases, q/k norm, sandwich norms",
-    "gemma3_text": "Gemma 3: per-layer RoPE bases, q/k norm, sandwich norms",
+    "gemma3": "Gemma 3 multimodal (Gemma3ForConditionalGeneration): the vision tower is not served; "
+              "serve its text model instead, a Gemma3ForCausalLM folder (model_type gemma3_text, "
+              "e.g. google/gemma-3-1b-it)",
     "gemma3n": "Gemma 3n: per-layer embeddings, AltUp",
     "gemma4": "Gemma 4",
-    "gpt_oss": "gpt-oss: mixture of experts, attention sinks",
-    "mixtral": "Mixtral: mixture of experts",
-    "qwen2_moe": "Qwen2-MoE: mixture of experts",
-    "qwen3_moe": "Qwen3-MoE: mixture of experts",
     "qwen3_next": "Qwen3-Next: hybrid linear attention, mixture of experts",
-    "olmoe": "OLMoE: mixture of experts",
     "olmo": "OLMo: non-parametric LayerNorm",
     "olmo3": "OLMo 3: post-norm, alternating sliding windows",
     "phimoe": "Phi-MoE: mixture of experts",
@@ -81,6 +98,10 @@ class BlockSpec:
     norm: str = "pre"  # "pre": Layer.ln_attn / ln_mlp norm the block's input; "post": its output
     rope: bool = True  # False: a NoPE layer
     sliding_window: int | None = None  # attend to the last `sliding_window` positions (itself included)
+    moe: bool = False  # the MLP is a mixture of experts (Layer.moe), not gate_up / down
+    rope_table: str = ""  # "" the model's one RoPE table, else the layer type whose table rotates q/k
+    softcap: float | None = None  # attention logits c * tanh(s / c), s already scaled (Gemma 2)
+    mlp: str = "silu"  # "silu": silu(gate) * up; "gelu": the model's GELU(gate) * up (Gemma's GeGLU)
 
 
 @dataclass(frozen=True)
@@ -101,9 +122,10 @@ class FastPaths:
     """Which fast paths can run a model's layers; chosen once at load (Transformer.use_paged_kernel
     and use_decode_kernel), named in the runner's attention_why."""
 
-    attention_kernel: bool  # C++ paged_attention_qkv (CPU) and the Triton decode kernel (CUDA)
+    attention_kernel: bool  # C++ paged_attention_qkv (CPU) and the Triton decode kernel (CUDA): every layer's
     decoder_stack: bool  # C++ DecoderStack: all layers in one call, and decode_step
     why: str  # what switched a path off; "" when none is
+    cuda_graphs: bool = True  # decode steps may be captured as CUDA graphs (runners.decode_graphs)
 
 
 def family_name(model_type: str) -> str:
@@ -140,7 +162,8 @@ def check_config(config) -> None:
             raise ValueError("GPT-2 with add_cross_attention=True is not supported")
         return
     try:
-        rope_parameters(config)
+        for layer_type in rope_tables(config) or [None]:
+            rope_parameters(config, layer_type)
     except ValueError as e:
         raise ValueError(f"{family_name(model_type)}: {e}") from None
     kinds = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
@@ -149,24 +172,61 @@ def check_config(config) -> None:
                          "(only full_attention and sliding_attention)")
     if getattr(config, "mlp_bias", False):
         raise ValueError(f"{family_name(model_type)}: mlp_bias=True is not supported")
-    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+    if model_type in GEMMA_FAMILIES:
+        _check_gemma(config)
+    elif getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"{family_name(model_type)}: hidden_act {config.hidden_act!r} is not supported (silu only)")
+    if model_type in MOE_FAMILIES and getattr(config, "clip_qkv", None) is not None:
+        raise ValueError(f"{family_name(model_type)}: clip_qkv={config.clip_qkv} is not supported (q/k/v are not clamped)")
+
+
+GELU_NAMES = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu")  # what Gemma's GeGLU may name (layers.activation)
+
+
+def gemma_activation(config) -> str:
+    """The GELU of Gemma's GeGLU: Gemma 2 / 3 read hidden_activation, Gemma (1) hidden_act."""
+    if config.model_type == "gemma":
+        return config.hidden_act
+    return getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+
+
+def _check_gemma(config) -> None:
+    name = family_name(config.model_type)
+    act = gemma_activation(config)
+    if act not in GELU_NAMES:
+        raise ValueError(f"{name}: activation {act!r} is not supported (one of {', '.join(GELU_NAMES)})")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{name}: use_bidirectional_attention=True is not supported (causal attention only)")
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(config) -> tuple[str, float, dict]:
-    """(rope_type, theta, the parameters) of a config's RoPE; ValueError for what
-    layers.rope_inv_freq cannot compute: partial rotary, and length-dependent variants
-    (dynamic, longrope), whose frequencies change with the sequence length."""
+def rope_tables(config) -> list[str]:
+    """The layer types with a RoPE table of their own (Gemma 3's rope_parameters per layer type,
+    each layer rotating by its type's); [] where one table serves every layer."""
+    if getattr(config, "model_type", "") != "gemma3_text":
+        return []
+    return sorted(set(config.layer_types))
+
+
+def rope_parameters(config, layer_type: str | None = None) -> tuple[str, float, dict]:
+    """(rope_type, theta, the parameters) of a config's RoPE (of layer_type's table, where
+    rope_tables names it); ValueError for what layers.rope_inv_freq cannot compute: partial
+    rotary, and length-dependent variants (dynamic, longrope), whose frequencies change with
+    the sequence length."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     legacy = getattr(config, "rope_scaling", None)
     if not params and isinstance(legacy, dict):
         params = dict(legacy)
+    if layer_type is not None:
+        if not isinstance(params.get(layer_type), dict):
+            raise ValueError(f"no rope parameters for layer type {layer_type!r} (rope_parameters: {params})")
+        params = dict(params[layer_type])
     nested = sorted(k for k, v in params.items() if isinstance(v, dict))
     if nested:  # RoPE per layer type ({"full_attention": {...}, ...}): not one frequency table
-        raise ValueError(f"rope parameters per layer type ({', '.join(nested)}) are not supported (one RoPE for every layer)")
+        raise ValueError(f"rope parameters per layer type ({', '.join(nested)}) are not supported "
+                         "(one RoPE for every layer; Gemma 3 only reads one per layer type)")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
@@ -177,12 +237,27 @@ def rope_parameters(config) -> tuple[str, float, dict]:
     return rope_type, theta, params
 
 
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss")
+
+
+def moe_layers(config) -> list[bool]:
+    """Per layer, whether its MLP is a mixture of experts: every layer of Mixtral, OLMoE and gpt-oss;
+    Qwen2/3-MoE's layer i unless it is in mlp_only_layers, or (i + 1) is off decoder_sparse_step."""
+    model_type, layers = config.model_type, config.num_hidden_layers
+    if model_type in ("mixtral", "olmoe", "gpt_oss"):
+        return [True] * layers
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        dense, step = set(config.mlp_only_layers or []), config.decoder_sparse_step
+        return [i not in dense and config.num_experts > 0 and (i + 1) % step == 0 for i in range(layers)]
+    return [False] * layers
+
+
 def block_specs(config) -> list[BlockSpec]:
     """One BlockSpec per layer of a Llama-shaped family's config (check_config first)."""
     model_type = config.model_type
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if model_type in ("mistral", "phi3"):
+    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         windows = [window] * layers  # one window for every layer (None: none)
     elif model_type == "smollm3":
         use = getattr(config, "use_sliding_window", False)
@@ -193,9 +268,35 @@ def block_specs(config) -> list[BlockSpec]:
         windows = [window if types[i] == "sliding_attention" else None for i in range(layers)]
     # SmolLM3's no_rope_layers[i] is 1 where layer i *uses* RoPE (transformers: use_rope = no_rope_layers[i])
     rope = [bool(r) for r in config.no_rope_layers] if model_type == "smollm3" else [True] * layers
-    qk_norm = {"qwen3": "per_head", "olmo2": "whole"}.get(model_type, "none")
-    norm = "post" if model_type == "olmo2" else "pre"
-    return [BlockSpec(qk_norm=qk_norm, norm=norm, rope=rope[i], sliding_window=windows[i]) for i in range(layers)]
+    qk_norm = {"qwen3": "per_head", "olmo2": "whole", "gemma3_text": "per_head", "qwen3_moe": "per_head",
+               "olmoe": "whole"}.get(model_type, "none")
+    norm = {"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(model_type, "pre")
+    tables = [config.layer_types[i] for i in range(layers)] if rope_tables(config) else [""] * layers
+    # Gemma 3 reads attn_logit_softcapping into its attention but never applies it: only Gemma 2's counts
+    softcap = getattr(config, "attn_logit_softcapping", None) if model_type == "gemma2" else None
+    mlp = "gelu" if model_type in GEMMA_FAMILIES else "silu"
+    moe = moe_layers(config)
+    return [BlockSpec(qk_norm=qk_norm, norm=norm, rope=rope[i], sliding_window=windows[i], rope_table=tables[i],
+                      softcap=softcap, mlp=mlp, moe=moe[i]) for i in range(layers)]
+
+
+@dataclass(frozen=True)
+class GemmaEnds:
+    """Gemma's ends: the embedding times sqrt(hidden) (transformers casts the factor to the
+    embedding's dtype first; the tied LM head stays unscaled, so it is applied at lookup, not
+    folded into the table) and, Gemma 2 / 3, logits c * tanh(logits / c)."""
+
+    embed_scale: float | None = None
+    logit_softcap: float | None = None
+
+
+def gemma_ends(config, dtype: torch.dtype = torch.float32) -> GemmaEnds:
+    """The ends of a Gemma config (none elsewhere); the embedding scale rounded to `dtype`,
+    the compute dtype, as transformers rounds it to the embedding's."""
+    if getattr(config, "model_type", "") not in GEMMA_FAMILIES:
+        return GemmaEnds()
+    scale = float(torch.tensor(float(config.hidden_size) ** 0.5, dtype=dtype))
+    return GemmaEnds(embed_scale=scale, logit_softcap=getattr(config, "final_logit_softcapping", None))
 
 
 def multipliers(config) -> Multipliers:
@@ -207,17 +308,25 @@ def multipliers(config) -> Multipliers:
     )
 
 
-def fast_paths(blocks: list[BlockSpec]) -> FastPaths:
-    """The C++ paged-attention kernel takes q/k as the layer hands them over (q/k norm applied
-    before it) and RoPE per call (None for a NoPE layer), but knows no window; the decoder
-    stack runs Llama's block only. So: a window switches both off (the gather path's mask
-    has it), q/k norm, a NoPE layer or post-norm blocks switch the stack off."""
+def fast_paths(blocks: list[BlockSpec], ends: GemmaEnds = GemmaEnds()) -> FastPaths:
+    """The paged-attention kernels (C++ and Triton) take q/k as the layer hands them over (q/k
+    norm applied before it), RoPE per call (None for a NoPE layer), and each layer's sliding
+    window, soft-cap and sinks per call: every layer's attention runs on them. The decoder
+    stack runs Llama's block only (each layer's window, soft-cap and sinks included): q/k
+    norm, a NoPE layer or post-norm blocks switch it off, and Gemma's GeGLU, sandwich norms,
+    RoPE table per layer or ends (ends: the model's, which its one-call decode step runs)."""
     reasons = []
-    windowed = any(b.sliding_window is not None for b in blocks)
-    if windowed:
-        reasons.append("sliding-window attention runs on the gather path (the kernels have no window)")
     plain = all(b.qk_norm == "none" and b.rope and b.norm == "pre" for b in blocks)
-    if not plain and not windowed:
+    if not plain:
         reasons.append("q/k norm, NoPE layers or post-norm blocks run the Python layer loop "
                        "(the decoder stack has Llama's block only)")
-    return FastPaths(attention_kernel=not windowed, decoder_stack=plain and not windowed, why="; ".join(reasons))
+    gemma = any(b.mlp != "silu" or b.rope_table or b.norm == "sandwich" for b in blocks) or ends != GemmaEnds()
+    if gemma and plain:
+        reasons.append("GeGLU, sandwich norms, RoPE per layer type, the embedding scale and logit soft-capping "
+                       "run the Python layer loop (the decoder stack has Llama's block only)")
+    moe = any(b.moe for b in blocks)
+    if moe:
+        reasons.append("mixture-of-experts layers run the Python layer loop (the decoder stack has dense MLPs only) "
+                       "and no CUDA graphs (each step reads its per-expert row counts on the host)")
+    return FastPaths(attention_kernel=True, decoder_stack=plain and not gemma and not moe,
+                     why="; ".join(reasons), cuda_graphs=not moe)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -62,6 +63,25 @@ def int8_reduce_range() -> bool:
         raise ValueError(f"{INT8_REDUCE_RANGE_ENV}=0: this CPU has no VNNI, where fbgemm's int8 kernel "
                          "saturates with 8-bit activations; use 1 or leave it unset")
     return value == "1"
+
+
+# The kernel an int8 projection runs when tritonlm's C++ ops are built. fbgemm's (above:
+# 8-bit activations with VNNI only) or tritonlm's own, kernels/int8_act8.cpp's i8_linear,
+# which keeps all 8 bits on every x86 level (no pair of its u8 x s8 products can saturate)
+# and gives the same bits on each. Without VNNI it is the default; with VNNI fbgemm is.
+INT8_KERNEL_ENV = "TRITONLM_INT8_KERNEL"
+
+
+def int8_kernel() -> str:
+    """'fbgemm' or 'tritonlm': TRITONLM_INT8_KERNEL, or unset: fbgemm with VNNI, tritonlm without."""
+    value = os.environ.get(INT8_KERNEL_ENV, "").strip()
+    if not value:
+        return "fbgemm" if INT8_VNNI else "tritonlm"
+    if value not in ("fbgemm", "tritonlm"):
+        raise ValueError(f"{INT8_KERNEL_ENV}={value!r}: fbgemm (PyTorch's dynamic int8 linear), tritonlm "
+                         "(8-bit activations on every x86 CPU) or unset (tritonlm without VNNI, fbgemm with it)")
+    return value
+
 
 BLOCKED_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's prepacked linear runs on any x86 CPU
 
@@ -221,9 +241,22 @@ class PanelLinear(Linear):
 
 
 @dataclass(eq=False)
+class Act8Panels:
+    """Int8Linear's weights for torch.ops.tritonlm.i8_linear (kernels/int8_act8.cpp): the same
+    int8 codes, 16 output channels per panel, 4 consecutive inputs together:
+    panel[p, k // 4, j, k % 4] = w[16 p + j, k], zero past `out` and past the input width."""
+
+    panel: torch.Tensor  # [P, in4, 16, 4] int8, codes in [-127, 127]
+    wscale: torch.Tensor  # [P * 16] float32, zero past `out`
+    out: int
+    isa: str = "auto"  # the kernel's path: auto (the best this build has) or one of i8_isas()
+
+
+@dataclass(eq=False)
 class Int8Linear(Linear):
     """Per-output-channel int8 weights prepacked for PyTorch's dynamic quantized linear
-    (fbgemm), float32 activations quantized per token; b stays float, outside the pack."""
+    (fbgemm), float32 activations quantized per token; b stays float, outside the pack.
+    use_act8() moves the weights to tritonlm's own kernel instead (`act8`)."""
 
     packed: object  # torch.ops.quantized LinearPackedParams (int8 [out, in] + scales)
     b: torch.Tensor | None  # [out]
@@ -235,6 +268,7 @@ class Int8Linear(Linear):
     # 7-bit activations (int8_reduce_range), decided once when the projection is made: not
     # an environment read in every call of the hot path
     reduce_range: bool = field(default_factory=lambda: int8_reduce_range())
+    act8: Act8Panels | None = None  # set by use_act8: then `packed` is None
 
     @staticmethod
     def from_float(w: torch.Tensor, b: torch.Tensor | None, smooth: torch.Tensor | None = None) -> "Int8Linear":
@@ -259,6 +293,11 @@ class Int8Linear(Linear):
         # SmoothQuant's division where it could not be folded upstream is applied here too.
         # With the C++ ops (`fused_op`) all of it, the rescale and the bias are one op.
         flat = x.reshape(-1, x.shape[-1])
+        if self.act8 is not None:  # each row quantized alone inside the op: no pinned row
+            a = self.act8
+            flat = flat if self.smooth is None else flat * self.smooth
+            y = torch.ops.tritonlm.i8_linear(flat.contiguous(), a.panel, a.wscale, bias, a.out, a.isa)
+            return y.view(*x.shape[:-1], a.out)
         rows = flat.shape[0]
         buf = self.pinned.take(rows, self.in_features)
         if self.fused_op:
@@ -272,11 +311,32 @@ class Int8Linear(Linear):
         y = (y[1:] * scale).view(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
 
+    def use_act8(self, isa: str = "auto") -> None:
+        """Run through tritonlm's int8 kernel (torch.ops.tritonlm.i8_linear, which must be
+        loaded) instead of fbgemm's: activations quantized per token, symmetrically, to 8 bits
+        (s = max |x| / 127) on every x86 level. The weights are fbgemm's codes and scales,
+        repacked; fbgemm's pack is dropped."""
+        if self.act8 is not None:
+            return
+        w, _ = self.packed.unpack()  # qint8 [out, in], one scale per output channel
+        # from_float's scales are max |w| / 127, so the codes already lie in [-127, 127]; the
+        # kernel's no-saturation bound needs that, so a -128 from elsewhere is clamped
+        codes = w.int_repr().clamp_(-127, 127)
+        out, n = codes.shape
+        panels, in4 = -(-out // PANEL_LANES), -(-n // 4)
+        buf = torch.zeros(panels * PANEL_LANES, in4 * 4, dtype=torch.int8)
+        buf[:out, :n] = codes
+        wscale = torch.zeros(panels * PANEL_LANES)
+        wscale[:out] = w.q_per_channel_scales().float()
+        panel = buf.view(panels, PANEL_LANES, in4, 4).permute(0, 2, 1, 3).contiguous()  # [P, in4, 16, 4]
+        self.act8 = Act8Panels(panel, wscale, out, isa)
+        self.packed, self.nbytes = None, panel.numel() + 4 * wscale.numel()
+
     def plain(self) -> FloatLinear:
         raise ValueError("int8 weights cannot be sliced: slice the float model, then quantize each share")
 
     def opaque_weight(self) -> tuple[object, int]:
-        return self.packed, self.nbytes
+        return (self.packed if self.act8 is None else self.act8.panel), self.nbytes
 
 
 @dataclass(eq=False)
@@ -341,6 +401,9 @@ class Norm:
     b: torch.Tensor | None  # [C] (LayerNorm) / None (RMSNorm)
     eps: float
     rms: bool
+    # Gemma's RMSNorm: w holds 1 + the checkpoint's weight, in float32, and multiplies before
+    # the cast back to the input dtype (Llama's casts first, then multiplies)
+    weight_first: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
         if not self.rms:
@@ -350,6 +413,8 @@ class Norm:
         # RMSNorm as HF computes it: in float32, back to the input dtype, then the weight
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_first:
+            return (x32 * self.w.float()).to(x.dtype)
         return self.w * x32.to(x.dtype)
 
 
@@ -378,7 +443,7 @@ class Layer:
     ln_mlp: Norm
     qkv: Linear  # fused [q | k | v]: [C, (H + 2 Hkv) D], column-parallel under TP
     o: Linear  # [H*D, C] row-parallel under TP
-    down: Linear  # [F, C] row-parallel under TP
+    down: Linear | None  # [F, C] row-parallel under TP; None in a mixture-of-experts layer
     # GPT-2: fc [C, F] -> act; Llama: act(gate(x)) * up(x) with gate | up fused: [C, 2F]
     fc: Linear | None = None
     gate_up: Linear | None = None
@@ -388,6 +453,15 @@ class Layer:
     block: BlockSpec = BlockSpec()
     q_norm: Norm | None = None
     k_norm: Norm | None = None
+    # block.moe: the MLP is a runners.moe.MoE (router + experts) instead of gate_up / down
+    moe: object | None = None
+    # block.norm "sandwich" (Gemma 2 / 3): the attention's and the MLP's outputs normed before
+    # the residual add, besides ln_attn / ln_mlp on their inputs
+    post_attn: Norm | None = None
+    post_mlp: Norm | None = None
+    # attention sinks (gpt-oss): [H] float32, a learned logit per query head that joins each
+    # softmax's denominator and weighs no value; the attention kernels take it per call
+    sinks: torch.Tensor | None = None
 
 
 PROJECTION_NAMES = ("qkv", "o", "down", "fc", "gate_up")  # a Layer's projection fields
@@ -396,19 +470,21 @@ PROJECTION_NAMES = ("qkv", "o", "down", "fc", "gate_up")  # a Layer's projection
 # ---------------------------------------------------------------------------- rotary
 
 
-def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2] float32, attention_scaling) for the config's RoPE.
+def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] float32, attention_scaling) for the config's RoPE (layer_type's table
+    where the config has one per layer type: families.rope_tables).
 
     Static RoPE variants only: default, linear, llama3, yarn. Length-dependent ones
     (dynamic, longrope) change the frequencies with the sequence length and are refused."""
-    rope_type, theta, _ = rope_parameters(config)  # ValueError for what is not computed here
+    rope_type, theta, _ = rope_parameters(config, layer_type)  # ValueError for what is not computed here
     if rope_type == "default":
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
         return inv, 1.0
     if rope_type in ("linear", "llama3", "yarn"):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
         return inv.float(), float(scaling)
     raise AssertionError(f"rope_type {rope_type!r} passed rope_parameters")  # pragma: no cover
 
@@ -449,6 +525,8 @@ class StepContext:
     k_buf: torch.Tensor | None  # [B, Hkv, L, D] workspace for the gathered keys, reused by every layer
     v_buf: torch.Tensor | None  # [B, Hkv, L, D]
     rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [B, T, 1, D] (Llama)
+    # {BlockSpec.rope_table: cos, sin [B, T, 1, D]} for models with a RoPE table per layer type (Gemma 3)
+    ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # gather path, sliding-window layers: {window: [B, 1, T, L] mask}, `mask` with only the
     # keys at positions p - window < j <= p of each query's p (transformers' sliding_window_overlay)
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -476,9 +554,13 @@ def paged_attention(
     ctx: StepContext,
     scale: float,
     mask: torch.Tensor | None = None,  # [B, 1, T, L] instead of ctx.mask (a sliding window's)
+    softcap: float | None = None,  # attention logits c * tanh(s / c) (Gemma 2): SDPA has no such step
+    sinks: torch.Tensor | None = None,  # [H] attention sinks (gpt-oss): nor this one
 ) -> torch.Tensor:  # [B, T, H*D]
     bsz = q.shape[0]
     mask = ctx.mask if mask is None else mask
+    explicit = softcap is not None or sinks is not None
+    attend = F.scaled_dot_product_attention if not explicit else partial(softcapped_attention, softcap=softcap)
     write_kv(k_cache, ctx.plan.write_slots, k)
     write_kv(v_cache, ctx.plan.write_slots, v)
     keys = gather_kv(k_cache, ctx.rows, bsz, out=ctx.k_buf).to(q.dtype)  # [B, Hkv, L, D]
@@ -486,8 +568,9 @@ def paged_attention(
     _, width, heads, dim = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
+    sink = {} if sinks is None else {"sinks": sink_rows(sinks, kv_heads, width)}
     if group == 1:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale)
+        out = attend(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, **sink)
         return out.transpose(1, 2).reshape(bsz, width, heads * dim)  # [B, H, T, D] -> [B, T, H*D]
     # GQA: the `group` query heads that share a kv head become query rows of that head
     # (query head h reads kv head h // group), so each key block is loaded once per kv
@@ -495,8 +578,34 @@ def paged_attention(
     # [B, 1, T, L] repeats over the group: [B, 1, G*T, L].
     q_rows = q.view(bsz, width, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(bsz, kv_heads, group * width, dim)
     mask = mask if width == 1 else mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(bsz, 1, group * width, -1)
-    out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)  # [B, Hkv, G*T, D]
+    out = attend(q_rows, keys, values, attn_mask=mask, scale=scale, **sink)  # [B, Hkv, G*T, D]
     return out.view(bsz, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4).reshape(bsz, width, heads * dim)
+
+
+def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor,
+                         scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA with the logits soft-capped and / or attention sinks, as transformers' eager
+    attention computes them: scaled q.k, then c * tanh(s / c), the mask, a float32 softmax
+    (with each row's sink logit appended, its probability dropped after) back to q's dtype,
+    times v. q [B, h, M, D], keys / values [B, h, L, D], attn_mask [B, 1, M, L] bool,
+    sinks [1, h, M, 1] (sink_rows) -> [B, h, M, D]."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, h, M, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # [B, h, M, L + 1] -> the keys' share of each softmax
+        sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), values)
+
+
+def sink_rows(sinks: torch.Tensor, kv_heads: int, width: int) -> torch.Tensor:
+    """sinks [H] laid out as paged_attention's query rows: [1, Hkv, G*T, 1], row g*T + t of kv
+    head k holding query head k*G + g's sink (G = H / Hkv; G = 1: [1, H, T, 1])."""
+    group = sinks.shape[0] // kv_heads
+    return sinks.view(kv_heads, group, 1).expand(kv_heads, group, width).reshape(1, kv_heads, group * width, 1)
 
 
 def decode_attention(
@@ -507,11 +616,14 @@ def decode_attention(
     v_cache: torch.Tensor,  # [S, Hkv, D]
     ctx: StepContext,
     scale: float,
+    window: int | None = None,  # the layer's sliding window (BlockSpec.sliding_window)
+    softcap: float | None = None,  # attention logits c * tanh(s / c) (BlockSpec.softcap)
+    sinks: torch.Tensor | None = None,  # [H] attention sinks (Layer.sinks)
 ) -> torch.Tensor:  # [B, 1, H*D]
     """A decode step's attention without copying K/V out of the pool: the new token's K/V
-    written in place, then the paged kernel over each row's blocks. No host read, so the
-    step can be captured in a CUDA graph; both are custom ops (kernels.torch_ops), so
-    torch.compile can take the rest of the step around them."""
+    written in place, then the paged kernel over each row's blocks (only a window's keys
+    with a window). No host read, so the step can be captured in a CUDA graph; both are
+    custom ops (kernels.torch_ops), so torch.compile can take the rest of the step around them."""
     from tritonlm.engine.kernels import torch_ops  # noqa: F401 - registers torch.ops.tritonlm_gpu
 
     plan = ctx.plan
@@ -519,6 +631,7 @@ def decode_attention(
     torch.ops.tritonlm_gpu.write_kv(v_cache, plan.write_slots, v)
     bsz, _, heads, dim = q.shape
     out = torch.ops.tritonlm_gpu.paged_decode(
-        q.reshape(bsz, heads, dim).contiguous(), k_cache, v_cache, plan.block_table, plan.seq_lens, plan.block_size, scale
+        q.reshape(bsz, heads, dim).contiguous(), k_cache, v_cache, plan.block_table, plan.seq_lens, plan.block_size, scale,
+        window or 0, softcap or 0.0, sinks,
     )  # [B, H, D]
     return out.view(bsz, 1, heads * dim)

@@ -18,7 +18,7 @@ forward() = embed -> run_layers -> head. The same code runs everywhere:
 Per layer, attention writes the new keys/values into the pool in place and reads them
 through each row's slot table (layers.paged_attention; with tritonlm's C++ ops on,
 decode-width steps take torch.ops.tritonlm.paged_attention_qkv, and run all the layers
-in one C++ call: kernels.decoder_stack). The LM head runs only on the rows whose logits
+in one C++ call: runners/decoder_stack.py). The LM head runs only on the rows whose logits
 are wanted: each row's last valid token, or every new token with all_logits.
 
 A padded batch (prefill chunks of different widths) runs packed: norms, projections and
@@ -42,7 +42,19 @@ from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.engine.parallel.comm import ONE_RANK, Comm, row_parallel
 from tritonlm.engine.runners.base import ForwardBatch, Workspace, kv_rows
-from tritonlm.engine.runners.families import FastPaths, Multipliers, block_specs, check_config, fast_paths, multipliers
+from tritonlm.engine.runners.families import (
+    GEMMA_FAMILIES,
+    FastPaths,
+    GemmaEnds,
+    Multipliers,
+    block_specs,
+    check_config,
+    fast_paths,
+    gemma_activation,
+    gemma_ends,
+    multipliers,
+    rope_tables,
+)
 from tritonlm.engine.runners.layers import (
     BLOCKED_DTYPES,
     PAGED_KERNEL_MAX_WIDTH,
@@ -60,11 +72,13 @@ from tritonlm.engine.runners.layers import (
     apply_rope,
     blocked_rows,
     decode_attention,
+    int8_kernel,
     paged_attention,
     panels_available,
     rope_cos_sin,
     rope_inv_freq,
 )
+from tritonlm.engine.runners.moe import MoE
 
 
 def tensor_bytes(*objs) -> int:
@@ -81,7 +95,7 @@ def tensor_bytes(*objs) -> int:
         elif isinstance(o, (list, tuple)):
             for x in o:
                 visit(x)
-        elif isinstance(o, (Linear, Norm, Layer, KVPool)):
+        elif isinstance(o, (Linear, Norm, Layer, KVPool, MoE)):
             for x in vars(o).values():
                 visit(x)
 
@@ -118,16 +132,25 @@ class Transformer:
     # and for float32 RMSNorm / SwiGLU models the fused norms and activation at every width
     paged_kernel: bool = False
     # with the C++ ops, float32 / int8 layers (Llama family, GPT-2) also as one torch.classes.tritonlm.DecoderStack:
-    # decode-width steps run every layer in one call (kernels.decoder_stack.build_decoder_stack)
+    # decode-width steps run every layer in one call (runners.decoder_stack.build_decoder_stack)
     decoder_stack: object | None = field(default=None, repr=False)
-    # the paged-attention kernel may run this model's layers (families.fast_paths: not with a sliding window)
+    # the paged-attention kernels may run this model's layers (families.fast_paths), each layer's
+    # window, soft-cap and sinks passed per call
     attention_kernel: bool = True
     workspace: Workspace = field(default_factory=Workspace, repr=False)  # gathered K/V, reused step to step
     # CUDA: decode steps whose batch brings block tables read the pool in place through the
     # Triton kernel (layers.decode_attention) instead of gathering K/V (use_decode_kernel)
     decode_kernel: bool = False
     _ends_of: object | None = field(default=None, repr=False)  # the stack decode_step_ready last asked
+    # Gemma: the embedding times sqrt(C) at lookup (the tied head stays unscaled), logits soft-capped
+    ends: GemmaEnds = GemmaEnds()
+    # {layer type: (inv_freq [D/2], scaling)} where each layer type has its own RoPE (Gemma 3;
+    # a layer's BlockSpec.rope_table names its table); empty: inv_freq serves every layer
+    rope_tables: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)
     _has_ends: bool = field(default=False, repr=False)
+    # LoRA adapters (lora.apply.attach_lora): the running step's rows per adapter, read by the
+    # wrapped projections and by embed(); None: no adapters attached
+    lora: object | None = field(default=None, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -205,29 +228,55 @@ class Transformer:
             base, eps = model.model, cfg.rms_norm_eps
             mult = multipliers(cfg)  # Granite's scalars, folded into the weights below (1.0 elsewhere)
             attn_scale = spec.head_dim**-0.5 if mult.attention is None else mult.attention
+            gemma = cfg.model_type in GEMMA_FAMILIES
+            if gemma and cfg.model_type != "gemma":
+                attn_scale = float(cfg.query_pre_attn_scalar) ** -0.5
+
+            def rms(m, eps: float) -> Norm:  # [C] or [D]; Gemma's (1 + w) folded into its weight
+                if not gemma:  # gpt-oss's RMSNorm multiplies by its weight before the cast back, as Gemma's
+                    return Norm(t(m.weight), None, eps, rms=True, weight_first=cfg.model_type == "gpt_oss")
+                # 1 + w in float32 from w at the compute dtype, as transformers' 1.0 + weight.float()
+                return Norm(1.0 + t(m.weight).float(), None, eps, rms=True, weight_first=True)
             for blk, block in zip(base.layers, block_specs(cfg)):
                 at, mlp = blk.self_attn, blk.mlp
                 # Phi-3 ships q/k/v and gate/up fused already, in the order the fused layout wants
                 qkv = lin(at.qkv_proj) if hasattr(at, "qkv_proj") else lin(at.q_proj, at.k_proj, at.v_proj)
-                gate_up = lin(mlp.gate_up_proj) if hasattr(mlp, "gate_up_proj") else lin(mlp.gate_proj, mlp.up_proj)
+                moe = MoE.from_hf(mlp, cfg, t) if block.moe else None  # router and stacked experts instead
+                gate_up = (None if moe else lin(mlp.gate_up_proj) if hasattr(mlp, "gate_up_proj")
+                           else lin(mlp.gate_proj, mlp.up_proj))
                 qk = {}
                 if block.qk_norm != "none":  # weights [D] (per head) or [H*D] / [Hkv*D] (whole)
-                    qk = dict(q_norm=Norm(t(at.q_norm.weight), None, at.q_norm.variance_epsilon, rms=True),
-                              k_norm=Norm(t(at.k_norm.weight), None, at.k_norm.variance_epsilon, rms=True))
-                # the norm of each block: on its input (pre), or on its output (OLMo 2's post)
-                attn_norm, mlp_norm = ((blk.post_attention_layernorm, blk.post_feedforward_layernorm)
-                                       if block.norm == "post" else (blk.input_layernorm, blk.post_attention_layernorm))
+                    qk_eps = at.q_norm.eps if gemma else at.q_norm.variance_epsilon
+                    qk = dict(q_norm=rms(at.q_norm, qk_eps), k_norm=rms(at.k_norm, qk_eps))
+                if block.norm == "sandwich":  # Gemma 2 / 3: both blocks' inputs and outputs normed
+                    qk.update(post_attn=rms(blk.post_attention_layernorm, eps),
+                              post_mlp=rms(blk.post_feedforward_layernorm, eps))
+                # the norm of each block: on its input (pre, sandwich), or on its output (OLMo 2's post)
+                if block.norm == "post":
+                    attn_norm, mlp_norm = blk.post_attention_layernorm, blk.post_feedforward_layernorm
+                elif block.norm == "sandwich":
+                    attn_norm, mlp_norm = blk.input_layernorm, blk.pre_feedforward_layernorm
+                else:
+                    attn_norm, mlp_norm = blk.input_layernorm, blk.post_attention_layernorm
+                if getattr(at, "sinks", None) is not None:  # gpt-oss: [H] a learned logit per query head
+                    qk["sinks"] = t(at.sinks).float()
                 layers.append(Layer(
-                    ln_attn=Norm(t(attn_norm.weight), None, eps, rms=True),
-                    ln_mlp=Norm(t(mlp_norm.weight), None, eps, rms=True),
+                    ln_attn=rms(attn_norm, eps),
+                    ln_mlp=rms(mlp_norm, eps),
                     qkv=qkv, o=scaled(lin(at.o_proj), mult.residual),  # one matmul for q, k and v
-                    gate_up=gate_up, down=scaled(lin(mlp.down_proj), mult.residual),
+                    gate_up=gate_up, down=None if moe else scaled(lin(mlp.down_proj), mult.residual), moe=moe,
                     attn_scale=attn_scale, block=block, **qk,
                 ))
             wte, wpe = t(base.embed_tokens.weight), None
-            ln_f = Norm(t(base.norm.weight), None, eps, rms=True)
-            inv_freq, scaling = rope_inv_freq(cfg, spec.head_dim)
-            act, inv_freq, max_positions = activation(cfg.hidden_act), inv_freq.to(device), None
+            ln_f = rms(base.norm, eps)
+            tables = {k: rope_inv_freq(cfg, spec.head_dim, k) for k in rope_tables(cfg)}
+            tables = {k: (inv.to(device), scale) for k, (inv, scale) in tables.items()}
+            # with a table per layer type, inv_freq is any one of them (every layer names its own; a
+            # small Gemma 3 may have sliding layers only)
+            inv_freq, scaling = (tables.get("full_attention") or next(iter(tables.values()))) if tables \
+                else rope_inv_freq(cfg, spec.head_dim)
+            act = activation(gemma_activation(cfg) if gemma else cfg.hidden_act)
+            inv_freq, max_positions = inv_freq.to(device), None
         # the LM head stays a view [C, V] of whatever lm_head holds (of wte when tied): no second copy
         lm_head = FloatLinear(t(model.lm_head.weight).t(), t(model.lm_head.bias))
         if mult != Multipliers():
@@ -238,6 +287,8 @@ class Transformer:
             spec=spec, layers=layers, wte=wte, wpe=wpe, ln_f=ln_f, lm_head=lm_head,
             act=act, inv_freq=inv_freq, rope_scaling=scaling, max_positions=max_positions,
             device=device, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+            ends=GemmaEnds() if spec.architecture == "gpt2" else gemma_ends(cfg, dtype),
+            rope_tables={} if spec.architecture == "gpt2" else tables,
         )
 
     # ---- weights ------------------------------------------------------------------------
@@ -257,6 +308,8 @@ class Transformer:
                     proj = getattr(layer, name)
                     if isinstance(proj, FloatLinear):
                         setattr(layer, name, PanelLinear.from_float(proj))
+                if layer.moe is not None:  # each expert's projections, as the dense MLP's
+                    layer.moe.convert(lambda p: PanelLinear.from_float(p) if isinstance(p, FloatLinear) else p)
             if isinstance(self.lm_head, FloatLinear):  # a tied head: its own copy (the lookup keeps wte)
                 self.lm_head = PanelLinear.from_float(self.lm_head)
             return True
@@ -269,6 +322,8 @@ class Transformer:
                 proj = getattr(layer, name)
                 if isinstance(proj, FloatLinear):  # int8 stays packed
                     setattr(layer, name, BlockedLinear.from_float(proj))
+            if layer.moe is not None:
+                layer.moe.convert(lambda p: BlockedLinear.from_float(p) if isinstance(p, FloatLinear) else p)
         if isinstance(self.lm_head, FloatLinear):
             # a tied head was a view of wte: the blocked copy is its own (the embedding lookup keeps wte)
             self.lm_head = BlockedLinear.from_float(self.lm_head)
@@ -279,9 +334,13 @@ class Transformer:
         return list(self.projection_names().values())
 
     def projection_names(self) -> dict[str, Linear]:
-        """The projections by name: "layers.{i}.{qkv|o|fc|gate_up|down}" and "lm_head"."""
+        """The projections by name: "layers.{i}.{qkv|o|fc|gate_up|down}", a mixture-of-experts
+        layer's "layers.{i}.moe.{experts.{e}.gate_up|...}" (MoE.projections) and "lm_head"."""
         out = {f"layers.{i}.{n}": getattr(L, n) for i, L in enumerate(self.layers)
                for n in PROJECTION_NAMES if getattr(L, n) is not None}
+        for i, L in enumerate(self.layers):
+            if L.moe is not None:
+                out.update({f"layers.{i}.moe.{n}": p for n, p in L.moe.projections().items()})
         if self.lm_head is not None:
             out["lm_head"] = self.lm_head
         return out
@@ -309,8 +368,12 @@ class Transformer:
 
     def embed(self, plan: ForwardBatch) -> torch.Tensor:  # [B, T, C] (TP: this rank's part of the sum)
         x = self._lookup(self.wte, plan.input_ids, self.vocab_lo)
+        if self.lora is not None:  # adapters' replacement embeddings (modules_to_save) at their rows
+            x = self.lora.embed(x, plan.input_ids)
         if self.wpe is not None:
             x = x + self._lookup(self.wpe, plan.positions, self.pos_lo)
+        if self.ends.embed_scale is not None:  # Gemma (rounded to the compute dtype at load)
+            x = x * self.ends.embed_scale
         return x
 
     def use_paged_kernel(self) -> tuple[bool, str]:
@@ -320,12 +383,14 @@ class Transformer:
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return False, f"the kernel runs float32 on the CPU; this model computes {self.dtype} on {self.device}"
         from tritonlm.engine.kernels import kernels_available
-        from tritonlm.engine.kernels.decoder_stack import build_decoder_stack
+        from tritonlm.engine.runners.decoder_stack import build_decoder_stack
 
         self.paged_kernel, why = kernels_available()
         for p in self.projections():
             if isinstance(p, Int8Linear):
                 p.fused_op = self.paged_kernel
+                if self.paged_kernel and int8_kernel() == "tritonlm":  # 8-bit activations without VNNI
+                    p.use_act8()
             elif isinstance(p, WeightOnlyInt8Linear):
                 p.native = self.paged_kernel
         paths = self.fast_paths()
@@ -338,7 +403,7 @@ class Transformer:
     def fast_paths(self) -> FastPaths:
         """Which fast paths these layers' BlockSpecs allow (families.fast_paths): the one place
         a family's features switch the C++ / Triton paths off, at load."""
-        return fast_paths([L.block for L in self.layers])
+        return fast_paths([L.block for L in self.layers], self.ends)
 
     def use_decode_kernel(self) -> tuple[bool, str]:
         """Turn on the Triton paged decode kernel where it runs: a CUDA device with the
@@ -356,12 +421,14 @@ class Transformer:
         rope = None
         if self.inv_freq is not None:
             rope = rope_cos_sin(plan.positions, self.inv_freq, self.rope_scaling, self.dtype)
+        ropes = {k: rope_cos_sin(plan.positions, inv, scale, self.dtype) for k, (inv, scale) in self.rope_tables.items()}
         if self.decode_kernel and plan.width == 1 and plan.block_table is not None:
-            return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, triton=True)
+            return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, ropes=ropes,
+                               triton=True)
         if (self.paged_kernel and self.attention_kernel and plan.width <= PAGED_KERNEL_MAX_WIDTH
                 and pool.k[0].dtype == torch.float32):
-            return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, kernel=True,
-                               slot_table=plan.slot_table.contiguous())
+            return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, ropes=ropes,
+                               kernel=True, slot_table=plan.slot_table.contiguous())
         shape = (plan.batch_size, self.kv_heads, plan.max_total, self.spec.head_dim)  # [B, Hkv, L, D]
         mask = plan.key_mask().unsqueeze(1)  # [B, 1, T, L]
         return StepContext(
@@ -372,6 +439,7 @@ class Transformer:
             k_buf=self.workspace.take("k", shape, pool.k[0].dtype, self.device),
             v_buf=self.workspace.take("v", shape, pool.v[0].dtype, self.device),
             rope=rope,
+            ropes=ropes,
             packed=plan.packed,
         )
 
@@ -390,12 +458,15 @@ class Transformer:
         qkv = layer.qkv(x)  # [B, T, (H + 2 Hkv) D] or [N, (H + 2 Hkv) D]
         if layer.q_norm is not None:
             qkv = self.qk_norm(qkv, layer)
-        rope = ctx.rope if layer.block.rope else None  # a NoPE layer: no rotation
+        rope = None  # a NoPE layer: no rotation
+        if layer.block.rope:
+            rope = ctx.ropes[layer.block.rope_table] if layer.block.rope_table else ctx.rope
         if ctx.kernel:  # RoPE, the K/V write and attention read in place through the slot table: one op
             cos, sin = rope if rope is not None else (None, None)
             return torch.ops.tritonlm.paged_attention_qkv(
                 qkv.contiguous(), pool.k[li], pool.v[li], ctx.plan.write_slots, ctx.slot_table, ctx.plan.positions,
-                cos, sin, self.heads, layer.attn_scale)
+                cos, sin, self.heads, layer.attn_scale, layer.block.sliding_window or 0, layer.block.softcap or 0.0,
+                layer.sinks)
         bsz, width = ctx.plan.batch_size, ctx.plan.width
         if ctx.packed is not None:  # zeros at the padding: finite keys and values, written to scratch only
             qkv = qkv.new_zeros(bsz * width, qkv.shape[-1]).index_copy_(0, ctx.packed, qkv)
@@ -407,10 +478,12 @@ class Transformer:
         q, k = qk.split([self.heads, self.kv_heads], dim=2)  # [B, T, H, D], [B, T, Hkv, D]
         v = qkv[..., qk_width:].view(bsz, width, self.kv_heads, d)  # [B, T, Hkv, D]
         if ctx.triton:
-            return decode_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale)  # [B, 1, H*D]
+            return decode_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale, layer.block.sliding_window,
+                                    layer.block.softcap, layer.sinks)  # [B, 1, H*D]
         window = layer.block.sliding_window
         mask = None if window is None else ctx.window_masks[window]
-        out = paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale, mask)  # [B, T, H*D]
+        out = paged_attention(q, k, v, pool.k[li], pool.v[li], ctx, layer.attn_scale, mask,
+                              layer.block.softcap, layer.sinks)  # [B, T, H*D]
         if ctx.packed is None:
             return out
         return out.view(bsz * width, -1).index_select(0, ctx.packed)  # [N, H*D]
@@ -436,6 +509,19 @@ class Transformer:
         gate, up = gate_up.chunk(2, dim=-1)  # [B, T, F] each
         return self.act(gate) * up
 
+    def mlp(self, x: torch.Tensor, layer: Layer, comm: Comm) -> torch.Tensor:
+        """x [..., C] -> [..., C]: the layer's MLP, dense (row-parallel down) or a mixture of experts."""
+        if layer.moe is not None:
+            return layer.moe(x.reshape(-1, x.shape[-1]), self.glu).view(x.shape)
+        return row_parallel(layer.down, self.mlp_inner(x, layer), comm)
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., 2F] -> [..., F]: act(gate) * up, one C++ pass for float32 SiLU with the kernels on."""
+        if self.paged_kernel and self.act is F.silu and gate_up.dtype == torch.float32:
+            return torch.ops.tritonlm.silu_mul(gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
+
     def _fused_norm(self, norm: Norm, x: torch.Tensor) -> bool:
         return self.paged_kernel and norm.rms and x.dtype == torch.float32 and norm.w.dtype == torch.float32
 
@@ -455,7 +541,8 @@ class Transformer:
         """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP.
         A padded batch runs packed ([N, C] between the layers) and comes back [B, T, C], zeros at the padding."""
         ctx = self._context(plan, pool)
-        if ctx.kernel and self.decoder_stack is not None and comm.world == 1:  # every layer in one call
+        # every layer in one call (the stack holds the base projections: not for a step with adapters)
+        if ctx.kernel and self.decoder_stack is not None and comm.world == 1 and getattr(self.lora, "step", None) is None:
             cos, sin = ctx.rope if ctx.rope is not None else (None, None)
             return torch.ops.tritonlm.decoder_stack(
                 self.decoder_stack, x, pool.k, pool.v, plan.write_slots, ctx.slot_table, plan.positions, cos, sin,
@@ -468,12 +555,16 @@ class Transformer:
             if layer.block.norm == "post":  # OLMo 2: the blocks see x itself, their outputs are normed
                 x = x if delta is None else x + delta
                 x = x + self.norm(layer.ln_attn, row_parallel(layer.o, self.self_attention(x, layer, li, ctx, pool), comm))
-                delta = self.norm(layer.ln_mlp, row_parallel(layer.down, self.mlp_inner(x, layer), comm))
+                delta = self.norm(layer.ln_mlp, self.mlp(x, layer, comm))
                 continue
             x, h = (x, self.norm(layer.ln_attn, x)) if delta is None else self.add_norm(x, delta, layer.ln_attn)
             delta = row_parallel(layer.o, self.self_attention(h, layer, li, ctx, pool), comm)
+            if layer.post_attn is not None:  # sandwich norms (Gemma 2 / 3): the output normed too
+                delta = self.norm(layer.post_attn, delta)
             x, h = self.add_norm(x, delta, layer.ln_mlp)
-            delta = row_parallel(layer.down, self.mlp_inner(h, layer), comm)
+            delta = self.mlp(h, layer, comm)
+            if layer.post_mlp is not None:
+                delta = self.norm(layer.post_mlp, delta)
         x = x if delta is None else x + delta
         if ctx.packed is None:
             return x
@@ -484,7 +575,11 @@ class Transformer:
         if not all_logits:
             rows = torch.arange(plan.batch_size, device=x.device)
             x = x[rows, plan.num_new - 1]  # [B, C]: only the rows whose logits are wanted
-        return self.lm_head(self.norm(self.ln_f, x)).float()
+        logits = self.lm_head(self.norm(self.ln_f, x))
+        cap = self.ends.logit_softcap
+        if cap is not None:  # Gemma 2's final soft-cap, in the compute dtype as transformers rounds it (bf16 ties)
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     @property
     def decode_step_ready(self) -> bool:
@@ -500,7 +595,7 @@ class Transformer:
     @torch.inference_mode()
     def decode_step(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         """forward() of a decode batch (one new token per row, its last logits; block tables
-        on the CPU) in one C++ call (kernels.decoder_stack): its index tensors, the embedding,
+        on the CPU) in one C++ call (the DecoderStack, runners/decoder_stack.py): its index tensors, the embedding,
         RoPE, the layers, the final norm and the LM head, the same ops as plan_step and
         forward run, so the same logits, bit for bit. -> float32 [B, V]."""
         return torch.ops.tritonlm.decode_step(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from tritonlm.engine.runners.layers import PROJECTION_NAMES, FloatLinear, Int8Linear, Linear, Norm, PinnedRows, owned_copy
+from tritonlm.engine.runners.moe import refuse_precision
 
 if TYPE_CHECKING:
     from tritonlm.engine.runners.model import Transformer
@@ -132,6 +133,7 @@ def quantize_int8(model: Transformer, alpha: float = 0.3, keep_float: Callable[[
     linear per channel: the norm before qkv / fc / gate_up / the LM head (its weight and
     bias), and the `up` half of gate_up before down (x = act(gate) * up). Only o and
     GPT-2's down divide at run time."""
+    refuse_precision(model.layers, "int8")
     if model.dtype != torch.float32 or model.device.type != "cpu":
         raise ValueError(f"int8 weights need float32 compute on the CPU, not {model.dtype} on {model.device}")
 
@@ -143,7 +145,7 @@ def quantize_int8(model: Transformer, alpha: float = 0.3, keep_float: Callable[[
     for i, layer in enumerate(model.layers):
         s = {name: smoothing_factor(getattr(layer, name), alpha) for name in PROJECTION_NAMES
              if getattr(layer, name) is not None}  # all from the float weights, before any fold
-        pre = layer.block.norm == "pre"  # post-norm blocks (OLMo 2): no norm makes qkv's or the MLP's input
+        pre = layer.block.norm in ("pre", "sandwich")  # post-norm blocks (OLMo 2): no norm makes qkv's or the MLP's input
         if pre:
             _fold_into_norm(layer.ln_attn, s["qkv"])
             _fold_into_norm(layer.ln_mlp, s.get("fc", s.get("gate_up")))
@@ -184,6 +186,8 @@ def rotate_residual(model: Transformer, seed: int = 0) -> bool:
     whole = model.wte is not None and model.ln_f is not None and model.lm_head is not None and not model.vocab_parallel
     if not (whole and model.wpe is None and model.layers and all(n is not None and n.rms for n in norms)):
         return False
+    if any(L.moe is not None for L in model.layers):
+        return False  # quantize_int8 refuses mixture-of-experts layers
     if any(L.block.norm != "pre" for L in model.layers):
         return False  # a norm on a block's output has its weight on the stream's side: no reader to fold it into
     for p in model.projections():

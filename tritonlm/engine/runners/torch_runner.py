@@ -21,6 +21,7 @@ from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.runners.base import check_pool, plan_step
 from tritonlm.engine.runners.model import Transformer
+from tritonlm.engine.runners.moe import refuse_precision
 from tritonlm.engine.runners.quant import calibrate, quantize_int8, rotate_residual
 from tritonlm.engine.runners.weight_only import quantize_weight_only
 
@@ -59,6 +60,7 @@ class TorchRunner:
         self.config = model.config
         self.max_positions = self.transformer.max_positions  # GPT-2: a hard limit; RoPE: none (None)
         if int8:
+            refuse_precision(self.transformer.layers, "int8")  # before calibration runs the model
             rotate_residual(self.transformer)  # Llama family: outliers spread before calibration sees them
             calibrate(self.transformer)
             quantize_int8(self.transformer, keep_float=int8_keep_float)
@@ -106,6 +108,8 @@ class TorchRunner:
 
     def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         check_pool(self.spec, self.device, pool)
+        if batch.adapters is not None and any(a is not None for a in batch.adapters):
+            return self._forward_lora(batch, pool)
         graphs = self._decode_graphs(batch, pool)
         if graphs is not None:
             if self.max_positions is not None and int((batch.past_len + batch.num_new).max()) > self.max_positions:
@@ -118,6 +122,19 @@ class TorchRunner:
         return self.transformer.forward(plan, batch.all_logits, pool)
 
     __call__ = forward
+
+    def _forward_lora(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
+        """A step with LoRA adapter rows (lora.apply): the Python path, each row's adapter
+        applied (the decoder stack and decode graphs hold the base projections only)."""
+        from tritonlm.engine.lora.apply import LoraStep
+
+        state = self.transformer.lora
+        if state is None:
+            raise ValueError("StepBatch.adapters names LoRA adapters, but none are attached to this runner "
+                             "(lora.apply.attach_lora)")
+        plan = plan_step(batch, self.device, self.max_positions)
+        with state.running(LoraStep.plan(batch.adapters, plan.valid, self.device)):
+            return self.transformer.forward(plan, batch.all_logits, pool)
 
     def prepare_decode(self, pool: KVPool, block_size: int) -> str:
         """Capture the decode graphs of every bucket now (compiling first with compile_decode),
@@ -153,7 +170,8 @@ class TorchRunner:
 
         blocks = -(-self.max_context // block_size)  # the block-table width of a full-context sequence
         return DecodeGraphs(self.transformer, pool, self.max_batch, blocks, block_size,
-                            graphs=self.cuda_graphs == "auto", compile=self.compile_decode)
+                            graphs=self.cuda_graphs == "auto" and self.transformer.fast_paths().cuda_graphs,
+                            compile=self.compile_decode)
 
     def close(self) -> None:
         pass

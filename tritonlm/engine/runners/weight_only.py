@@ -228,5 +228,7 @@ def quantize_weight_only(model: Transformer, calibration_ids: list[list[int]] | 
         for name in PROJECTION_NAMES:
             if getattr(layer, name) is not None:
                 setattr(layer, name, convert(f"layers.{i}.{name}", getattr(layer, name)))
+        if layer.moe is not None:  # every expert's projections (calibration observes none of them: nearest rounding)
+            layer.moe.convert(lambda p, i=i: convert(f"layers.{i}.moe", p))
     if head and model.lm_head is not None:
         model.lm_head = convert("lm_head", model.lm_head)

@@ -1,6 +1,7 @@
 """tritonlm/engine/kernels/paged_decode.py: the Triton paged-decode kernel, run by Triton's
 interpreter on CPU tensors, against attention computed in float64 with plain torch through
-the block tables; its guarantee never to read past a row's length; its refusals of bad
+the block tables (with a sliding window, logit soft-capping and attention sinks too); its
+guarantee never to read past a row's length, nor before its window; its refusals of bad
 inputs; and `available`."""
 
 from __future__ import annotations
@@ -86,8 +87,11 @@ def make_case(
     )
 
 
-def reference(case: dict) -> torch.Tensor:  # [B, H, D] float64
-    """Each row's keys gathered through its block table, softmax and weighted sum in float64."""
+def reference(case: dict, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's keys gathered through its block table, softmax and weighted sum in float64
+    ([B, H, D]); as transformers computes them: the scores soft-capped (Gemma 2: c tanh(s / c)),
+    the keys outside the window (j <= p - window, p the row's last position) masked, the
+    sink logits appended to each softmax and their probabilities dropped (gpt-oss)."""
     q = case["q"].double()
     bsz, heads, dim = q.shape
     group = heads // case["k_cache"].shape[1]
@@ -97,8 +101,17 @@ def reference(case: dict) -> torch.Tensor:  # [B, H, D] float64
             continue
         keys = case["k_cache"][slots].double().repeat_interleave(group, dim=1)  # [L, H, D]
         values = case["v_cache"][slots].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b], keys) * case["scale"]
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+        scores = torch.einsum("hd,lhd->hl", q[b], keys) * case["scale"]  # [H, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if window:
+            j = torch.arange(len(slots))
+            scores = scores.masked_fill(j <= len(slots) - 1 - window, float("-inf"))
+        if sinks is not None:
+            probs = torch.cat([scores, sinks.double()[:, None]], dim=-1).softmax(-1)[:, :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[b] = torch.einsum("hl,lhd->hd", probs, values.nan_to_num())  # masked keys' values weigh 0
     return out
 
 
@@ -144,6 +157,72 @@ def test_kernel_matches_float64_reference(interpret, dtype, heads, kv_heads, dim
     assert got.dtype == dtype and got.shape == case["q"].shape
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), reference(case), **TOL[dtype])
+
+
+OPTIONS = {
+    "window-1": dict(window=1),
+    "window-of-a-block": dict(window=16),
+    "window-across-blocks": dict(window=21),
+    "window-past-the-context": dict(window=1000),
+    "softcap": dict(softcap=2.0),
+    "sinks": dict(sinks=True),
+    "all-three": dict(window=21, softcap=2.0, sinks=True),
+}
+
+
+def options_for(case: dict, options: dict, seed: int) -> dict:
+    """The options with sinks=True made a logit per query head (around the scores' size,
+    so they take a visible share of each softmax)."""
+    if options.get("sinks") is True:
+        heads = case["q"].shape[1]
+        sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2
+        options = {**options, "sinks": sinks.to(case["q"].dtype)}
+    return options
+
+
+@pytest.mark.parametrize("options", list(OPTIONS.values()), ids=list(OPTIONS))
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_options_match_float64_reference(interpret, options, splits):
+    """A sliding window (1 key, a block's worth, one across block boundaries, one longer
+    than every row), soft-capping, sinks and all three together, with and without split-K,
+    on rows of 0 to 300 keys: the float64 reference's transformers semantics, and an answer
+    that differs from plain attention where the option changes anything."""
+    lens = [1, 300, 17, 32, 0, 70]
+    case = make_case(53 + splits, lens, 6, 2, 64, 16, torch.float32)
+    kw = options_for(case, options, 59)
+    got = run(case, num_splits=splits, **kw)
+    assert torch.isfinite(got).all()
+    want = reference(case, **kw)
+    torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
+    assert torch.equal(got[4], torch.zeros_like(got[4]))  # a row without keys stays zeros, sinks or not
+    if options.get("window", 0) < 300:
+        assert (want - reference(case)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_attention_options_in_half_precision(interpret, dtype):
+    """All three options with half inputs (the sinks in q's dtype), GQA group 4, split-K."""
+    case = make_case(61, [5, 150, 33], 8, 2, 32, 8, dtype)
+    kw = options_for(case, dict(window=21, softcap=2.0, sinks=True), 67)
+    got = run(case, num_splits=2, **kw)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), reference(case, **kw), **TOL[dtype])
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_keys_before_the_window_are_never_read(interpret, splits):
+    """Every key and value before each row's window poisoned with NaN: the output is finite
+    and the reference over the window alone (the window's first key mid-block, and at a
+    block's start)."""
+    lens, window = [40, 100, 16, 3], 24  # first keys 16, 76, 0, 0
+    case = make_case(71, lens, 4, 2, 64, 16, torch.float32)
+    for slots in case["slots_of"]:
+        before = slots[: max(0, len(slots) - window)]
+        case["k_cache"][before] = float("nan")
+        case["v_cache"][before] = float("nan")
+    got = run(case, num_splits=splits, window=window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), reference(case, window=window), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -238,6 +317,13 @@ def test_bad_inputs_are_refused_on_the_host():
     refused("seq_lens", seq_lens=case["seq_lens"][:1])
     refused("block_size", block_size=7)
     refused("out must be", out=torch.empty_like(q).half())
+    refused("window must be an int >= 0", window=-1)
+    refused("window must be an int >= 0", window=2.5)
+    refused("softcap must be a finite number >= 0", softcap=-1.0)
+    refused("softcap must be a finite number >= 0", softcap=float("nan"))
+    refused(r"sinks must be \[H=4\]", sinks=torch.zeros(3))
+    refused(r"sinks must be \[H=4\]", sinks=torch.zeros(4, dtype=torch.int32))
+    refused("sinks must be contiguous", sinks=torch.zeros(8)[::2])
 
 
 def test_available(monkeypatch: pytest.MonkeyPatch):
@@ -287,6 +373,27 @@ def test_cuda_kernel_matches_float64_reference(monkeypatch, dtype, splits):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 8], ids=["split1", "split8"])
+def test_cuda_kernel_attention_options(monkeypatch, dtype, splits):
+    """The compiled kernel with a sliding window, soft-capping and sinks, each alone and
+    together, against the float64 reference (keys before the window poisoned with NaN)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name, options in OPTIONS.items():
+        case = make_case(79, [1, 300, 17, 32, 129, 1000], 9, 3, 64, 16, dtype)
+        kw = options_for(case, options, 83)
+        window = kw.get("window", 0)
+        for slots in case["slots_of"] if window else []:
+            before = slots[: max(0, len(slots) - window)]
+            case["k_cache"][before] = float("nan")
+            case["v_cache"][before] = float("nan")
+        dev_kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        got = run(on_cuda(case), num_splits=splits, **dev_kw).cpu()
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got.double(), reference(case, **kw), **TOL[dtype], msg=name)
+
+
+@needs_cuda
 def test_cuda_graph_replays_with_new_lengths_and_tables(monkeypatch):
     """A call captured in a CUDA graph, replayed after the lengths and the block table were
     rewritten in place, attends over the new keys: nothing in the call was fixed by values."""
@@ -321,11 +428,13 @@ _TT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", tor
 
 
 @pytest.mark.parametrize(
-    "dtype, heads, kv_heads, dim, splits",
-    [(torch.bfloat16, 9, 3, 64, 4), (torch.float32, 8, 2, 80, 1), (torch.float16, 4, 4, 128, 2)],
-    ids=["bf16-g3-d64-split4", "f32-g4-d80", "f16-mha-d128-split2"],
+    "dtype, heads, kv_heads, dim, splits, options",
+    [(torch.bfloat16, 9, 3, 64, 4, {}), (torch.float32, 8, 2, 80, 1, {}), (torch.float16, 4, 4, 128, 2, {}),
+     (torch.bfloat16, 8, 2, 64, 2, dict(window=21, softcap=2.0, sinks=True)),
+     (torch.float32, 8, 2, 64, 1, dict(window=21, softcap=2.0, sinks=True))],
+    ids=["bf16-g3-d64-split4", "f32-g4-d80", "f16-mha-d128-split2", "bf16-options-split2", "f32-options"],
 )
-def test_launches_compile_for_hopper(monkeypatch, tmp_path, dtype, heads, kv_heads, dim, splits):
+def test_launches_compile_for_hopper(monkeypatch, tmp_path, dtype, heads, kv_heads, dim, splits, options):
     """The interpreter does not run the GPU compiler, so each launch of a call is compiled
     here for sm_90 (the H200) as the JIT would on a GPU: same constexprs, pointers and
     strides divisible by 16 marked so. Half types multiply on tensor cores (mma); float32
@@ -345,7 +454,8 @@ def test_launches_compile_for_hopper(monkeypatch, tmp_path, dtype, heads, kv_hea
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     case = make_case(29, [5, 70], heads, kv_heads, dim, 16, dtype)
     args = {k: v for k, v in case.items() if k != "slots_of"}
-    launches = _launches(**args, out=torch.empty_like(case["q"]), num_splits=splits, block_n=None, num_warps=None)
+    launches = _launches(**args, out=torch.empty_like(case["q"]), num_splits=splits, block_n=None, num_warps=None,
+                         **options_for(case, options, 73))
     assert len(launches) == (2 if splits > 1 else 1)
     for kernel, _grid, values, consts in launches:
         names = kernel.arg_names

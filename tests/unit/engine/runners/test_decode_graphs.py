@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.models import Collector, assert_close, drain, tiny, tiny_llama
+from tests.helpers.models import Collector, assert_close, drain, tiny, tiny_family, tiny_llama
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.engine import Engine
 from tritonlm.engine.kv_cache import KVCacheManager
@@ -71,6 +71,19 @@ def test_padded_kernel_steps_equal_the_general_path(interpret, model: str):
     assert runner.decode_graphs is not None and not runner.decode_graphs.use_graphs  # no capture on the CPU
     assert_close(got, want, atol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_windowed_and_softcapped_kernel_steps_equal_the_general_path(interpret, family: str):
+    """The Triton kernel takes each layer's sliding window (Mistral's on every layer, Gemma
+    2's on every other one) and Gemma 2's logit soft-cap: decode steps that run past the
+    window give the gather path's logits (transformers', tests/unit/engine/runners/test_families.py)."""
+    hf = tiny_family(family)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    want = decode_logits(TorchRunner(hf, attention="gather"), False, prompts, steps=7)
+    runner = kernel_runner(hf)
+    got = decode_logits(runner, True, prompts, steps=7)
+    assert_close(got, want, atol=1e-4)
 
 
 @pytest.mark.parametrize("all_logits", [True, False])

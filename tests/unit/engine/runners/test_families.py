@@ -18,10 +18,12 @@ from tests.helpers.models import (
     FAMILY_NAMES,
     WINDOW,
     assert_close,
+    block_table_rows,
     forward_rows,
     hf_logits,
     paged_cache,
     random_tokens,
+    stack_and_loop_logits,
     tiny_family,
 )
 from tritonlm.engine.runners.families import REFUSED, fast_paths
@@ -37,8 +39,10 @@ def family(request):
 
 # what each family's layers allow: (the paged-attention kernel, the one-call decoder stack)
 EXPECTED_PATHS = {
-    "llama": (True, True), "qwen2": (True, True), "granite": (True, True), "phi3": (False, False),
-    "qwen3": (True, False), "mistral": (False, False), "smollm3": (True, False), "olmo2": (True, False),
+    "llama": (True, True), "qwen2": (True, True), "granite": (True, True), "phi3": (True, True),
+    "qwen3": (True, False), "mistral": (True, True), "smollm3": (True, False), "olmo2": (True, False),
+    # Gemma: the stack has no GeGLU (the kernels take Gemma 2 / 3's windows and Gemma 2's soft-cap)
+    "gemma": (True, False), "gemma2": (True, False), "gemma3_text": (True, False),
 }
 
 
@@ -98,7 +102,7 @@ def test_windowed_and_full_layers_in_one_model(attention):
     model = tiny_family("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     assert [b.sliding_window for b in block_specs(model.config)] == [None, WINDOW]
     runner = TorchRunner(model, attention=attention)
-    assert runner.attention == "gather"
+    assert runner.attention == ("paged" if attention == "auto" else "gather"), runner.attention_why
     seq = random_tokens(24, seed=6)
     ref = hf_logits(model, seq)
     mgr = paged_cache(runner)
@@ -108,6 +112,46 @@ def test_windowed_and_full_layers_in_one_model(attention):
         assert_close(forward_rows(runner, mgr, [(1, p, [seq[p]])])[0], ref[p])
     whole = hf_logits(tiny_family("qwen2"), seq)
     assert (whole[WINDOW:] - ref[WINDOW:]).abs().max() > 1e-2  # the window changed the answer
+
+
+def test_a_gemma3_with_sliding_layers_only_loads_and_matches():
+    """Gemma 3 types every layer sliding but each 6th: a 2-layer model has no full-attention
+    layer, so no full-attention RoPE table, and is served all the same."""
+    model = tiny_family("gemma3_text", num_hidden_layers=2, layer_types=None,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    assert set(model.config.layer_types) == {"sliding_attention"}
+    runner = TorchRunner(model)
+    seq = random_tokens(20, seed=8)
+    ref = hf_logits(model, seq)
+    mgr = paged_cache(runner)
+    mgr.allocate(1, len(seq))
+    assert_close(forward_rows(runner, mgr, [(1, 0, seq[:12])], all_logits=True)[0], ref[:12])
+    for p in range(12, len(seq)):
+        assert_close(forward_rows(runner, mgr, [(1, p, [seq[p]])])[0], ref[p])
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3"])
+def test_windowed_decode_steps_run_in_one_call_and_match_transformers(name):
+    """Mistral / Phi-3 with a window shorter than the sequence: the paged kernel and the
+    one-call decode step take every layer's window (decode_step_ready), each decode step's
+    logits are transformers' past the window, and the C++ decoder stack gives the Python
+    loop's bits with the window (decode, and verification-width steps)."""
+    model = tiny_family(name)
+    runner = TorchRunner(model)
+    assert runner.attention == "paged" and runner.transformer.decode_step_ready, runner.attention_why
+    assert {L.block.sliding_window for L in runner.transformer.layers} == {WINDOW}
+    seq = random_tokens(30, seed=8)
+    ref = hf_logits(model, seq)
+    mgr = paged_cache(runner)
+    mgr.allocate(1, len(seq))
+    assert_close(block_table_rows(runner, mgr, [(1, 0, seq[:5])])[0], ref[4])
+    for p in range(5, len(seq)):  # one token per step: Transformer.decode_step, past the window from p = 8
+        assert_close(block_table_rows(runner, mgr, [(1, p, [seq[p]])])[0], ref[p])
+    for widths in ([1] * 4, [3, 1, 2, 8]):
+        loop, stack = stack_and_loop_logits(runner, widths, first_past=5, blocks=60)
+        for a, b in zip(loop, stack):
+            assert torch.equal(a, b), f"max abs diff {(a - b).abs().max().item():.3g}"
 
 
 @pytest.mark.parametrize("name", ["mistral", "phi3"])
@@ -204,10 +248,94 @@ def test_fast_paths_name_what_switches_them_off():
     from tritonlm.engine.runners.families import BlockSpec
 
     assert fast_paths([BlockSpec()] * 2).why == ""
-    windowed = fast_paths([BlockSpec(), BlockSpec(sliding_window=8)])
-    assert not windowed.attention_kernel and not windowed.decoder_stack and "sliding-window" in windowed.why
+    windowed = fast_paths([BlockSpec(), BlockSpec(sliding_window=8)])  # the kernels take the window per layer
+    assert windowed.attention_kernel and windowed.decoder_stack and windowed.why == ""
     normed = fast_paths([BlockSpec(qk_norm="per_head")])
     assert normed.attention_kernel and not normed.decoder_stack and "q/k norm" in normed.why
+    capped = fast_paths([BlockSpec(softcap=50.0)])  # and the soft-cap
+    assert capped.attention_kernel and capped.decoder_stack and capped.why == ""
+    geglu = fast_paths([BlockSpec(mlp="gelu")])
+    assert geglu.attention_kernel and not geglu.decoder_stack and "GeGLU" in geglu.why
+
+
+@pytest.mark.parametrize("name, off", [
+    ("gemma2", dict(attn_logit_softcapping=None)),
+    ("gemma2", dict(final_logit_softcapping=None)),
+    ("gemma2", dict(query_pre_attn_scalar=16)),  # = head_dim: 1/sqrt(D), the scale without the scalar
+    ("gemma3_text", dict(rope_parameters={t: {"rope_type": "default", "rope_theta": 10000.0}
+                                          for t in ("sliding_attention", "full_attention")})),
+], ids=["attn-softcap", "final-softcap", "query-pre-attn-scalar", "rope-per-layer-type"])
+def test_the_gemma_features_are_exercised(name, off):
+    """Each Gemma feature the tiny models switch on changes transformers' logits on the tests'
+    sequences (so serving without it would fail the tests above)."""
+    seq = random_tokens(20, seed=1)
+    assert (hf_logits(tiny_family(name), seq) - hf_logits(tiny_family(name, **off), seq)).abs().max() > 1e-2
+
+
+def test_gemma_layers_read_their_own_window_rope_and_norms():
+    """Gemma 3's BlockSpecs: a window and the local RoPE table on the sliding layers, the
+    global table (linear scaling) and no window on the full one; sandwich norms, per-head q/k
+    norm, no soft-cap (Gemma 3 ignores attn_logit_softcapping); Gemma 2's alternate."""
+    from tritonlm.engine.runners.families import block_specs
+    from tritonlm.engine.runners.model import Transformer
+
+    g3 = block_specs(tiny_family("gemma3_text").config)
+    assert [b.sliding_window for b in g3] == [WINDOW, WINDOW, None, WINDOW]
+    assert [b.rope_table for b in g3] == ["sliding_attention"] * 2 + ["full_attention", "sliding_attention"]
+    assert all(b.norm == "sandwich" and b.qk_norm == "per_head" and b.softcap is None and b.mlp == "gelu" for b in g3)
+    g2 = block_specs(tiny_family("gemma2").config)
+    assert [b.sliding_window for b in g2] == [WINDOW, None, WINDOW, None] and {b.softcap for b in g2} == {4.0}
+    model = Transformer.from_hf(tiny_family("gemma3_text"))
+    local, full = model.rope_tables["sliding_attention"], model.rope_tables["full_attention"]
+    assert not torch.equal(local[0], full[0]) and torch.equal(model.inv_freq, full[0])
+
+
+def test_gemma3_multimodal_is_refused_pointing_to_the_text_model():
+    from tritonlm.engine.runners.families import check_config
+
+    config = type("Config", (), {"model_type": "gemma3"})()
+    with pytest.raises(ValueError) as e:
+        check_config(config)
+    assert "'gemma3'" in str(e.value) and "gemma3_text" in str(e.value) and "Gemma3ForCausalLM" in str(e.value)
+
+
+# Gemma's chat format (turns as <start_of_turn>role ... <end_of_turn>, the assistant named
+# "model", a system message folded into the first user turn: Gemma 3's template's rules)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}{%- set prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set turns = messages[1:] -%}{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ (prefix if loop.first else '') + m['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def test_a_gemma_chat_template_renders_through_the_chat_path(tmp_path):
+    """The OpenAI frontend's chat path (openai.chat.ChatTemplates) renders a Gemma-format
+    template as transformers does, and a conversation it refuses is a 400 naming messages."""
+    import asyncio
+
+    from tritonlm.models.builtin import tiny_tokenizer
+    from tritonlm.openai.chat import ChatTemplates
+    from tritonlm.openai.errors import OpenAIError
+
+    tok = tiny_tokenizer()
+    tok.chat_template = GEMMA_TEMPLATE
+    tok.save_pretrained(tmp_path)
+    templates = ChatTemplates(tokenizers={"*": tmp_path})
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "A colour?"}]
+    text = asyncio.run(templates.render("tiny-gemma", {}, messages))
+    assert text == (f"{tok.bos_token}<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+                    "Hello<end_of_turn>\n<start_of_turn>user\nA colour?<end_of_turn>\n<start_of_turn>model\n")
+    assert text == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    with pytest.raises(OpenAIError, match="messages: the chat template of 'tiny-gemma' refused them"):
+        asyncio.run(templates.render("tiny-gemma", {}, messages[1:2] * 2))
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
@@ -261,10 +389,10 @@ def _golden_maker():
     return module
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mistral", "granite", "smollm3", "olmo2"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "granite", "smollm3", "olmo2", "gemma2", "gemma3_text"])
 def test_parallel_shares_keep_the_family_features(name):
     """Two tensor-parallel ranks and two pipeline stages of the family (the shares carry each
-    layer's BlockSpec and q/k norms) give the whole model's logits; OLMo 2's whole-projection
+    layer's BlockSpec, q/k and sandwich norms, Gemma's ends and RoPE tables) give the whole model's logits; OLMo 2's whole-projection
     q/k norm, whose RMS spans every rank's heads, is refused by tensor slicing, naming it."""
     from tritonlm.engine.parallel.shard import tensor_slice
     from tritonlm.engine.runners.model import Transformer
