@@ -174,6 +174,7 @@ class Engine:
             if self._stop:
                 raise ServerBusyError("the model is shutting down; retry on another instance")
             self.scheduler.check_room(self.scheduler.num_waiting + len(self._inbox))
+            self.scheduler.check_slo(seq, self._inbox)
             if self._idle:  # owed a step from now, not from the last step before the idle time
                 self._step_at = time.time()  # before the append: a beat never pairs the request with the old mark
             self._inbox.append(seq)
@@ -301,6 +302,7 @@ class Engine:
 
         With overlap the previous step's text and events are made between launching this
         step's forward pass and reading its logits: on a GPU, while the pass runs."""
+        started = time.monotonic()
         self._intake()
         plan = self.scheduler.schedule()
         if not plan:
@@ -323,6 +325,7 @@ class Engine:
             self._deferred = self.output.append(outputs)
         else:  # speculative rows (several tokens, of which a stop string may cut some): at once
             self.output.process(outputs)
+        self.scheduler.step_done(plan, time.monotonic() - started)
 
     def _complete_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []

@@ -170,6 +170,8 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_num_seqs),
         max_queue_size=settings.max_queue_size,
+        slo_ttft_s=settings.slo_ttft_ms / 1000 if settings.slo_ttft_ms > 0 else None,
+        slo_tpot_s=settings.slo_tpot_ms / 1000 if settings.slo_tpot_ms > 0 else None,
     )
     return Engine(
         runner,

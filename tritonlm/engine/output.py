@@ -275,7 +275,7 @@ class OutputProcessor:
         self._observe("on_finish", "error", None)
 
     def _retire(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq)  # leaves the batch, cache back to the pool (the draft's too)
+        self.scheduler.finish(seq, reason)  # leaves the batch, cache back to the pool (the draft's too)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def _emit(self, seq: Sequence, event: GenerationEvent) -> None:

@@ -8,6 +8,10 @@ token each (they go first, so streams never stall), prefilling ones a chunk of
 their prompt from what is left of the step's token budget (chunked prefill
 keeps a long prompt from freezing everyone else's stream).
 
+With latency SLOs set (slo_ttft_ms / slo_tpot_ms), an SloController (slo/) chooses the
+step's token budget and the running cap within those two limits, and sheds at arrival a
+request that would miss its time to first token; the engine reports each finished step.
+
 The scheduler is the only component that allocates, frees, advances or rolls back
 a sequence's cache: the engine, the executor and the drafter ask it for batches
 (slot tables built from its block tables) and report what a pass wrote.
@@ -22,6 +26,7 @@ from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVCacheManager, block_digest
 from tritonlm.engine.request import ServerBusyError
 from tritonlm.engine.sequence import Sequence, SeqState
+from tritonlm.engine.slo import LatencyLedger, SloController, SloShedError, SloTargets
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one forward pass
     max_num_batched_tokens: int = 512  # new tokens in one forward pass (decode + prefill chunks)
     max_queue_size: int = 1024  # waiting requests; past it: "server busy"
+    # latency SLOs (slo/); None: not set. With either set, the two limits above become
+    # ceilings that the SLO controller sizes each step under
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, how many of its pending tokens run this step)
@@ -46,6 +55,9 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._live: dict[int, Sequence] = {}  # waiting + running, by request id
+        targets = SloTargets(config.slo_ttft_s, config.slo_tpot_s)
+        self.ledger = LatencyLedger(targets)  # what each request got, for the metrics
+        self.slo = SloController(targets, config.max_num_seqs, config.max_num_batched_tokens) if targets.active else None
 
     # ---- the queue -------------------------------------------------------------------
     def check_room(self, pending: int) -> None:
@@ -59,6 +71,18 @@ class Scheduler:
                 f"server busy: {pending} requests already waiting "
                 f"(max_queue_size={self.config.max_queue_size}); retry later"
             )
+
+    def check_slo(self, seq: Sequence, queued: list[Sequence]) -> None:
+        """SloShedError when the request would miss slo_ttft behind the waiting queue and
+        `queued` (accepted, not yet in it). Called off the engine thread: the lists are
+        copied, and a count one step old only shifts the prediction by a step."""
+        if self.slo is None:
+            return
+        try:
+            self.slo.admit(seq.num_prompt_tokens, list(self.running), list(self.waiting) + list(queued))
+        except SloShedError:
+            self.ledger.shed += 1
+            raise
 
     def add(self, seq: Sequence) -> None:
         """Queue a request the caller let in with check_room."""
@@ -78,12 +102,13 @@ class Scheduler:
         if self.cache.prefix_caching:
             for seq in self.running:
                 self._register_full_blocks(seq)
+        # the SLO's budget and running cap, from the batch before this step's admissions
+        budget = self.slo.decide(self.running).budget if self.slo is not None else self.config.max_num_batched_tokens
         self._admit()
         if self.recompute:
             for seq in self.running:
                 if not seq.in_prefill:
                     seq.num_computed = 0
-        budget = self.config.max_num_batched_tokens
         plan: ScheduledBatch = []
         prefilling = []
         for seq in self.running:
@@ -104,10 +129,19 @@ class Scheduler:
             plan.append((seq, min(len(seq.pending_tokens), self.config.max_num_batched_tokens)))
         return plan
 
+    def step_done(self, plan: ScheduledBatch, seconds: float) -> None:
+        """The engine ran `plan` in `seconds` (its outputs processed): the step-time model
+        learns from it and the ledger takes each row's gap since its previous token."""
+        self.ledger.step_done([seq for seq, _ in plan if seq.state is not SeqState.FINISHED])
+        if self.slo is not None:
+            # each row's cached positions after the pass: what its attention read
+            self.slo.observe_step(sum(n for _, n in plan), sum(seq.num_computed for seq, _ in plan), seconds)
+
     def _admit(self) -> None:
         """Move waiting sequences to running, oldest first, while their cache reservation fits.
         With prefix caching, the prompt's cached leading blocks are shared and count only once."""
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        cap = self.slo.cap if self.slo is not None else self.config.max_num_seqs
+        while self.waiting and len(self.running) < cap:
             seq = self.waiting[0]
             prompt = seq.request.prompt_ids
             if self.cache.prefix_caching and not seq.block_digests:
@@ -160,8 +194,12 @@ class Scheduler:
             raise ValueError(f"cannot roll sequence {seq.id} back from {seq.num_computed} to {keep} tokens")
         seq.num_computed = keep
 
-    def finish(self, seq: Sequence) -> None:
-        """Leave the batch or the queue now and give the cache back."""
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Leave the batch or the queue now and give the cache back; `reason` (stop, length,
+        cancelled, error) decides whether the ledger judges it against the SLOs."""
+        self.ledger.finished(seq, reason)
+        if self.slo is not None and reason in ("stop", "length"):
+            self.slo.request_finished(seq.num_output_tokens, seq.request.params.max_tokens)
         if seq.state is SeqState.RUNNING:
             if self.cache.prefix_caching:
                 self._register_full_blocks(seq)  # what its last step completed: a next turn may reuse it

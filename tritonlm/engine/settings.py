@@ -5,6 +5,7 @@ load with a message naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -71,6 +72,10 @@ class EngineSettings:
     max_num_batched_tokens: int = 512
     max_queue_size: int = 1024
     queue_timeout_s: float = 0.0  # 0: wait as long as it takes
+    # latency SLOs (tritonlm/engine/slo/, docs/slo.md); 0: not set. Either one set turns on
+    # the SLO controller, which sizes each step under max_num_batched_tokens / max_num_seqs
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
     # how often every live request is asked whether its client cancelled: each ask is a
     # round trip to tritonserver, and TensorRT-LLM's backend polls every 100 ms too
     cancellation_check_period_ms: int = 100
@@ -207,6 +212,8 @@ class EngineSettings:
             # every request passes through the queue on its way into the batch: 0 would refuse all
             max_queue_size=get_int("max_queue_size", 1024, 1),
             queue_timeout_s=get_float("queue_timeout_s", 0.0) or 0.0,
+            slo_ttft_ms=get_float("slo_ttft_ms", 0.0) or 0.0,
+            slo_tpot_ms=get_float("slo_tpot_ms", 0.0) or 0.0,
             cancellation_check_period_ms=get_int("cancellation_check_period_ms", 100, 1),
             stream_interval=get_int("stream_interval", 1, 1),
             default_max_tokens=get_int("default_max_tokens", 16, 1),
@@ -250,6 +257,10 @@ class EngineSettings:
             )
         if s.queue_timeout_s < 0:
             raise SettingsError(f"queue_timeout_s: must be >= 0 seconds (0: wait as long as it takes), got {s.queue_timeout_s}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(s, name)
+            if not value >= 0 or value == float("inf"):
+                raise SettingsError(f"{name}: must be a finite number of milliseconds >= 0 (0: no SLO), got {value}")
         if s.runtime == "onnx" and s.onnx_model is None:
             raise SettingsError("onnx_model: required with runtime 'onnx' (path to the exported model.onnx)")
         if s.speculative == "draft" and s.draft_model is None:
@@ -320,6 +331,12 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("max_num_batched_tokens", "512", "most new tokens in one forward pass (prefill is chunked to fit)"),
     _P("max_queue_size", "1024", "requests that may wait; one more is refused as \"server busy\""),
     _P("queue_timeout_s", "0", "seconds a request may wait in the queue before it fails; 0: no limit"),
+    _P("slo_ttft_ms", "0",
+       "time-to-first-token SLO in ms; set, a request predicted to miss it is refused at arrival (503 with "
+       "Retry-After at the OpenAI API: [slo.md](slo.md)); 0: none"),
+    _P("slo_tpot_ms", "0",
+       "time-per-output-token SLO in ms; set, each step's token budget and the running sequences are sized "
+       "to keep it, under `max_num_batched_tokens` / `max_num_seqs` ([slo.md](slo.md)); 0: none"),
     _P("cancellation_check_period_ms", "100",
        "how often each live request is asked whether its client cancelled or left; each ask is a round trip "
        "to tritonserver"),
@@ -342,8 +359,8 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
        "([serving.md](serving.md#cpu-threads)); a number: exactly that many, never changed"),
     _P("attention_backend", "auto",
        "torch runtime, how decode steps read the KV cache. `paged`: tritonlm's C++ kernels read K/V in place"
-       " (CPU with float32 compute: `dtype` float32, int8 or int8_weight_only; compiled for the host CPU at the first load, "
-       "needs g++); `gather`: copy each sequence's K/V, then torch's SDPA; `auto`: `paged` where it runs, "
+       " (CPU with float32 compute: `dtype` float32, int8 or int8_weight_only; prebuilt per x86-64 ISA level by "
+       "`make setup`, the best the CPU runs loaded); `gather`: copy each sequence's K/V, then torch's SDPA; `auto`: `paged` where it runs, "
        "else `gather` (logged)"),
     _P("cuda_graphs", "auto",
        "torch runtime on a GPU: `auto` replays each decode step as a CUDA graph (one per batch-size bucket "

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+ITL_BUCKETS = TPOT_BUCKETS + [2.5, 5.0]  # a gap can hold a long prefill chunk of another request
+SLO_OUTCOMES = ("met", "missed", "shed")
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PASS_BUCKETS = [1, 2, 3, 4, 5, 6, 8, 10, 16]
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -113,6 +115,18 @@ class TritonMetrics:
         self.prefix_hits = counter("tritonlm_prefix_cache_hits_total", "Prefix cache: prompt tokens found cached")
         self.prefix_queries = counter("tritonlm_prefix_cache_queries_total", "Prefix cache: prompt tokens looked up")
         self.prefix_blocks = gauge("tritonlm_prefix_cache_blocks", "Prefix cache: KV blocks holding a shared prefix (in use or kept)")
+        self.itl = _Histogram(
+            "tritonlm_inter_token_latency_seconds", "Per step that gave a request tokens: the time since its previous ones",
+            labels, ITL_BUCKETS)
+        # latency SLOs (tritonlm/engine/slo/): vLLM's goodput is the rate of "met"
+        fam = family("tritonlm_slo_requests_total",
+                     "Requests judged against slo_ttft_ms / slo_tpot_ms: met both, missed one, or shed at arrival",
+                     pb_utils.MetricFamily.COUNTER)
+        self.slo_requests = {o: counter("", "", {"outcome": o}, fam) for o in SLO_OUTCOMES}
+        self.slo_budget = gauge("tritonlm_slo_token_budget", "SLO controller: new tokens allowed in the next step")
+        self.slo_cap = gauge("tritonlm_slo_running_cap", "SLO controller: sequences allowed to run")
+        self.slo_ttft = gauge("tritonlm_slo_predicted_ttft_seconds", "SLO controller: the last arrival's predicted time to first token")
+        self.slo_tpot = gauge("tritonlm_slo_predicted_tpot_seconds", "SLO controller: the next step's predicted seconds (the running streams' TPOT)")
 
         self._lock = threading.Lock()  # guards _recorded, _urgent, _admitted (engine thread vs publishers)
         self._recorded = _Recorded()
@@ -121,6 +135,7 @@ class TritonMetrics:
         self._publish_lock = threading.Lock()  # one publisher at a time: gauges never go back
         self._shown: dict[str, float] = {}  # gauge name -> value last set
         self._prefix_seen = (0, 0)  # (hits, queries) already counted
+        self._slo_seen = dict.fromkeys(SLO_OUTCOMES, 0)  # the ledger's counts already counted
         self._proposed = self._accepted = 0  # totals, for the acceptance rate
         self._engine = None
         self._stop = threading.Event()
@@ -196,6 +211,26 @@ class TritonMetrics:
                 self.prefix_hits.increment(hits - self._prefix_seen[0])
                 self.prefix_queries.increment(queries - self._prefix_seen[1])
                 self._prefix_seen = (hits, queries)
+            self._publish_slo(engine.scheduler)
+
+    def _publish_slo(self, scheduler) -> None:
+        """The ledger's inter-token gaps and SLO counts, and the controller's state."""
+        ledger = scheduler.ledger
+        self.itl.observe_all(ledger.drain_gaps())
+        for outcome in SLO_OUTCOMES:
+            count = getattr(ledger, outcome)
+            if count != self._slo_seen[outcome]:
+                self.slo_requests[outcome].increment(count - self._slo_seen[outcome])
+                self._slo_seen[outcome] = count
+        slo = scheduler.slo
+        if slo is None:  # no SLO: the configured knobs are the decisions
+            self._set("slo_budget", scheduler.config.max_num_batched_tokens)
+            self._set("slo_cap", scheduler.config.max_num_seqs)
+            return
+        self._set("slo_budget", slo.budget)
+        self._set("slo_cap", slo.cap)
+        self._set("slo_ttft", slo.predicted_ttft_s)
+        self._set("slo_tpot", slo.step_s)
 
     def _set(self, gauge: str, value: float) -> None:
         if self._shown.get(gauge) != value:
