@@ -75,6 +75,9 @@ INPUTS: tuple[Tensor, ...] = (
     _in("end_id", "INT32", "token id that ends generation; absent: the tokenizer's EOS; -1: none"),
     _in("top_k", "INT32", "sample among the k most likely tokens; 0: off, 1: greedy", 0),
     _in("num_draft_tokens", "INT32", "speculative decoding: most draft tokens per step; absent: the model's setting; 0: off"),
+    _in("lora_name", "BYTES",
+        "the LoRA adapter this request runs under, by the name the model serves it (`lora_adapters`, `multi_lora.json`: "
+        "[lora.md](lora.md)); absent or empty: the base model"),
     _in("temperature", "FP32", "sampling temperature; absent or 0: greedy"),
     _in("top_p", "FP32", "sample among the most likely tokens whose probabilities add up to top_p; 1: off", 1.0),
     _in("repetition_penalty", "FP32", "penalty on tokens already in the prompt or the answer; 1: off", 1.0),
@@ -99,7 +102,7 @@ INPUTS: tuple[Tensor, ...] = (
         "`logprobs` (true or 0: the chosen token's; N up to 20: and the N most likely), `prompt_logprobs` (as the "
         "`prompt_log_probs` input), `guided_decoding` (structured output, vLLM's names: one of `json` (a JSON Schema, "
         "object or string), `json_object` true, `regex`, `grammar`, `choice` (a list of strings); also as "
-        "`structured_outputs`, an object or its JSON text); `n`, `best_of` 1; "
+        "`structured_outputs`, an object or its JSON text), `lora_name` (as the `lora_name` input); `n`, `best_of` 1; "
         "other keys are refused by name"),
     _in("return_logprobs", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends it with every request): true asks for the chosen "
@@ -250,6 +253,7 @@ class ParsedRequest:
     num_draft_tokens: int | None
     bad_words_text: tuple[str, ...]  # turned into token ids by the caller (needs the tokenizer)
     vllm_logprobs: bool = False  # return_logprobs: also the vLLM backend's `logprobs` output
+    lora_name: str | None = None  # the LoRA adapter asked for, by name (resolved by the caller); None: the base
     # field -> what the request called it, where that differs ("sampling_parameters.max_tokens",
     # "min_length"): later errors about the field name what was sent (rename_error)
     renames: dict[str, str] = field(default_factory=dict)
@@ -355,6 +359,7 @@ SAMPLING_KEYS: dict[str, tuple[str | None, str]] = {
     # the same object under vLLM's current SamplingParams name; NVIDIA's OpenAI frontend sends
     # it (as JSON text) for a named or required tool_choice
     "structured_outputs": ("guided", "guide"),
+    "lora_name": ("lora_name", "text"),  # vLLM's Triton backend reads it here too
     "top_logprobs": (None, "no_alternatives"),
     "n": (None, "one"),
     "best_of": (None, "one"),
@@ -443,6 +448,10 @@ def parse_sampling_parameters(text: str, limits: RequestLimits) -> dict:
                 raise _sp_error(key, f"only 1 is supported (one sequence per request: send several requests), got {v}")
         elif kind == "bias":
             out[name] = _sp_bias(key, v)
+        elif kind == "text":
+            if not isinstance(v, str):
+                raise _sp_error(key, f"expected a string, got {json.dumps(v)[:40]}")
+            out[name] = v
         elif kind == "guide":
             if name in out:
                 raise _sp_error(key, "sent with another guide (guided_decoding / structured_outputs); send one")
@@ -573,6 +582,7 @@ def parse_request(
         bad_words_text=words("bad_words"),
         renames=renames,
         vllm_logprobs=bool(_value(inputs, "return_logprobs")),
+        lora_name=get("lora_name") or None,
     )
 
 

@@ -225,3 +225,17 @@ def test_vllm_logprobs_output_is_the_vllm_backends_json():
                    {"7": {"logprob": -0.2, "rank": 1, "decoded_token": "<7>"}}]
     unranked = GenerationEvent(request_id=1, token_ids=[9], log_probs=[-1.5], ranks=[None])
     assert json.loads(vllm_logprobs(unranked, str)) == [{"9": {"logprob": -1.5, "decoded_token": "9"}}]
+
+
+def test_lora_name_as_an_input_or_in_sampling_parameters():
+    """vLLM's Triton backend takes the adapter both ways; empty or absent is the base model."""
+    assert parse_request({"text_input": TEXT}, 4).lora_name is None
+    assert parse_request({"text_input": TEXT, "lora_name": np.array([b""], dtype=object)}, 4).lora_name is None
+    assert parse_request({"text_input": TEXT, "lora_name": np.array([b"sql"], dtype=object)}, 4).lora_name == "sql"
+    parsed = parse_request({"text_input": TEXT, "sampling_parameters": np.array([b'{"lora_name": "chat"}'], dtype=object)}, 4)
+    assert parsed.lora_name == "chat" and parsed.renames["lora_name"] == "sampling_parameters.lora_name"
+    with pytest.raises(InvalidRequestError, match=r"^sampling_parameters.lora_name: expected a string, got 3"):
+        parse_request({"text_input": TEXT, "sampling_parameters": np.array([b'{"lora_name": 3}'], dtype=object)}, 4)
+    with pytest.raises(InvalidRequestError, match=r"^lora_name: sent both as an input and in sampling_parameters"):
+        parse_request({"text_input": TEXT, "lora_name": np.array([b"a"], dtype=object),
+                       "sampling_parameters": np.array([b'{"lora_name": "b"}'], dtype=object)}, 4)

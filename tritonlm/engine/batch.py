@@ -31,6 +31,9 @@ class StepBatch:
     all_logits: bool = False  # True: logits for every new token (speculative verify); False: last valid one only
     block_table: torch.Tensor | None = None  # [B, M] int32 on the pool's device, each row's blocks in order
     block_size: int = 0  # tokens per block, with block_table
+    # per row: the lora.LoraAdapter it runs under, or None for the base model; None: every row
+    # is the base (runners.torch_runner applies them; other runners take none)
+    adapters: list | None = None
 
     @property
     def batch_size(self) -> int:

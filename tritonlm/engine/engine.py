@@ -84,6 +84,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.compute: ComputeThread | None = None  # build_engine's: the thread that loaded the model runs the loop
         self.threads: ThreadGovernor | None = None  # build_engine's with num_threads auto: sizes the OpenMP team
+        self.lora_registry = None  # build_engine's with lora_adapters: lora.registry.LoraRegistry, adapters by name
         self._last_expiry_check = 0.0
         self._dispatcher: EventDispatcher | None = None
         self._poller: CancellationPoller | None = None
@@ -144,6 +145,8 @@ class Engine:
                 f"max_tokens: {p.max_tokens} new tokens after a {n}-token prompt exceed the context of "
                 f"{self.max_context} tokens; ask for at most {self.max_context - n}"
             )
+        if request.lora is not None and getattr(getattr(self.runner, "transformer", None), "lora", None) is None:
+            raise InvalidRequestError(f"lora: this model serves no LoRA adapters, so {request.lora.name!r} cannot run")
         vocab = self.runner.spec.vocab_size
         for seq in p.bad_words:
             if any(not 0 <= t < vocab for t in seq):

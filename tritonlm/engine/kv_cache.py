@@ -16,8 +16,8 @@ Who touches what:
                      and frees. How many tokens of a sequence are in the cache is
                      `Sequence.num_computed`, not kept here a second time.
 
-Prefix caching: a FULL block is identified by a chain digest of the model, its token ids
-and the digest of the block before it (`block_digest`). Once a sequence's cache holds a
+Prefix caching: a FULL block is identified by a chain digest of the model (and the request's
+LoRA adapter: `chain_root`), its token ids and the digest of the block before it (`block_digest`). Once a sequence's cache holds a
 full block, the scheduler registers it; a later request whose prompt starts with the same
 blocks shares them (a reference count per block) and its prefill starts after them.
 A block whose references drop to 0 stays cached, unreferenced, until a new allocation
@@ -80,6 +80,8 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+
+LORA_ROOT_PERSON = b"tritonlm.kvlora"  # BLAKE2b personalization of a chain root under a LoRA adapter
 
 PoolFactory = Callable[[int], "KVPool | None"]  # num_slots -> the runner's pool (None: held by worker ranks)
 
@@ -187,10 +189,21 @@ class KVCacheManager:
         return len(self._tables)
 
     # ---- prefix cache -----------------------------------------------------
-    def prompt_digests(self, prompt: list[int]) -> list[bytes]:
+    def chain_root(self, adapter_digest: bytes | None = None) -> bytes:
+        """The digest a prompt's chain starts from: the model's (root_digest), or, for a request
+        under a LoRA adapter, a digest of the model's and the adapter's content digest
+        (lora.LoraAdapter.digest) under a personalization of its own. Blocks computed under one
+        adapter, another or none are then never shared, whatever the adapters are named, and an
+        adapter reloaded with new weights starts new chains (its old blocks age out)."""
+        if adapter_digest is None:
+            return self.root_digest
+        return hashlib.blake2b(self.root_digest + adapter_digest, digest_size=16, person=LORA_ROOT_PERSON).digest()
+
+    def prompt_digests(self, prompt: list[int], root: bytes | None = None) -> list[bytes]:
         """Chain digests of the prompt's full blocks that may be shared: those before the
-        block of its last token, whose logits the first output token needs."""
-        bs, out, parent = self.block_size, [], self.root_digest
+        block of its last token, whose logits the first output token needs. root: the
+        chain's start (chain_root); the model's when None."""
+        bs, out, parent = self.block_size, [], self.root_digest if root is None else root
         for i in range((len(prompt) - 1) // bs):
             parent = block_digest(parent, prompt[i * bs : (i + 1) * bs])
             out.append(parent)

@@ -97,12 +97,40 @@ def _load_and_build(settings: EngineSettings, observer: EngineObserver | None, r
     try:
         check_attention_backend(settings, runner)
         engine = _build_engine(settings, observer, runner, tokenizer)
+        engine.lora_registry = load_lora_registry(settings, runner)
     except BaseException:
         runner.close()
         raise
     if not settings.num_threads and settings.runtime == "torch" and settings.device == "cpu" and not settings.is_parallel:
         engine.threads = ThreadGovernor(threads, torch.set_num_threads)
     return engine
+
+
+def load_lora_registry(settings: EngineSettings, runner):
+    """The model's LoRA adapters by name (lora.registry.LoraRegistry), or None without any.
+    Attached after the runner has quantized and packed its weights (the wrappers keep the
+    base projections as they are); every adapter is loaded once here, so a broken one refuses
+    the model at load, naming it, rather than failing its first request."""
+    if not settings.lora_adapters:
+        return None
+    from tritonlm.engine.lora import attach_lora
+    from tritonlm.engine.lora.registry import LoraRegistry
+
+    model = getattr(runner, "transformer", None)
+    if model is None:
+        raise SettingsError("lora_adapters: this runner cannot take LoRA adapters; use runtime 'torch' without model parallelism")
+    attach_lora(model)
+    registry = LoraRegistry(model, dict(settings.lora_adapters), settings.max_lora_rank, settings.max_cpu_loras)
+    folders = dict(settings.lora_adapters)
+    for name in registry.names:
+        try:
+            adapter = registry.get(name)
+        except ValueError as e:
+            raise SettingsError(f"lora_adapters: {e}") from None
+        log.info("LoRA adapter %r: %s, rank %d", name, folders[name], adapter.rank)
+    log.info("LoRA adapters: %d served (%s), up to %d loaded at once, rank at most %d", len(registry.names),
+             ", ".join(registry.names), settings.max_cpu_loras, settings.max_lora_rank)
+    return registry
 
 
 def check_attention_backend(settings: EngineSettings, runner) -> None:

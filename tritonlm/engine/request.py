@@ -168,3 +168,5 @@ class GenerationRequest:
     arrival: float = field(default_factory=time.monotonic)
     num_draft_tokens: int | None = None  # speculative decoding: None = model default, 0 = off
     is_cancelled: Callable[[], bool] | None = None  # asked by the CancellationPoller (client gone / cancelled)
+    # the lora.LoraAdapter the request runs under, loaded for this engine's model; None: the base
+    lora: object | None = None

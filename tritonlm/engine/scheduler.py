@@ -145,7 +145,7 @@ class Scheduler:
             seq = self.waiting[0]
             prompt = seq.request.prompt_ids
             if self.cache.prefix_caching and not seq.block_digests:
-                seq.block_digests = self.cache.prompt_digests(prompt)
+                seq.block_digests = self.cache.prompt_digests(prompt, self._chain_root(seq))
             # a prompt whose log-probabilities are asked runs whole: cached positions have no logits
             hits = [] if seq.request.params.prompt_log_probs is not None else self.cache.find_prefix(seq.block_digests, prompt)
             if not self.cache.can_allocate(seq.reserve_tokens, hits):
@@ -166,21 +166,31 @@ class Scheduler:
         final = min(seq.num_computed, seq.num_tokens)
         for i in range(seq.num_registered_blocks, final // bs):
             if i >= len(seq.block_digests):
-                parent = seq.block_digests[-1] if seq.block_digests else self.cache.root_digest
+                parent = seq.block_digests[-1] if seq.block_digests else self._chain_root(seq)
                 seq.block_digests.append(block_digest(parent, seq.token_ids[i * bs : (i + 1) * bs]))
             self.cache.register(seq.id, i, seq.block_digests[i], seq.token_ids[i * bs : (i + 1) * bs])
         seq.num_registered_blocks = max(seq.num_registered_blocks, final // bs)
 
+    def _chain_root(self, seq: Sequence) -> bytes:
+        """Where the sequence's prefix-cache chain starts: its LoRA adapter's content keys it."""
+        return self.cache.chain_root(getattr(seq.request.lora, "digest", None))
+
     def batch(self, rows: list[tuple[Sequence, list[int]]], past: list[int], all_logits: bool = False) -> StepBatch:
         """A forward pass's batch: rows[b] = (sequence, new tokens) on top of past[b] cached
-        tokens (the target's num_computed, or a drafter's own count)."""
+        tokens (the target's num_computed, or a drafter's own count); each row under its
+        request's LoRA adapter, if any (StepBatch.adapters)."""
         ids = [seq.id for seq, _ in rows]
         if self.cache.device_table is not None:  # the runner maps slots on its device
             blocks = self.cache.device_table.gather(ids)  # [B, M] int32
-            return StepBatch.from_block_table([toks for _, toks in rows], past, blocks, self.cache.block_size, all_logits)
-        lengths = [p + len(toks) for (_, toks), p in zip(rows, past)]
-        table = self.cache.slot_table(ids, lengths)  # [B, L]
-        return StepBatch.from_slot_table([toks for _, toks in rows], past, table, all_logits)
+            batch = StepBatch.from_block_table([toks for _, toks in rows], past, blocks, self.cache.block_size, all_logits)
+        else:
+            lengths = [p + len(toks) for (_, toks), p in zip(rows, past)]
+            table = self.cache.slot_table(ids, lengths)  # [B, L]
+            batch = StepBatch.from_slot_table([toks for _, toks in rows], past, table, all_logits)
+        adapters = [seq.request.lora for seq, _ in rows]
+        if any(a is not None for a in adapters):
+            batch.adapters = adapters
+        return batch
 
     def advance(self, seq: Sequence, num_tokens: int) -> None:
         """A pass wrote num_tokens more positions of the sequence's cache."""

@@ -111,6 +111,11 @@ class EngineSettings:
     pipeline_parallel_size: int = 1  # consecutive layer ranges on N stages
     pipeline_micro_batches: int = 0  # micro-batches per step with pipeline parallel; 0: one per stage
     parallel_timeout_s: float = 60.0  # a collective op (or a worker start) waiting longer fails
+    # multi-LoRA (docs/lora.md): (name, PEFT adapter folder) pairs from `lora_adapters` and a
+    # multi_lora.json beside the model; none: the model serves its base only
+    lora_adapters: tuple[tuple[str, Path], ...] = ()
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 8  # adapters loaded at once; more are loaded again at their next use
 
     @property
     def is_parallel(self) -> bool:
@@ -235,6 +240,9 @@ class EngineSettings:
             pipeline_parallel_size=get_int("pipeline_parallel_size", 1, 1),
             pipeline_micro_batches=get_int("pipeline_micro_batches", 0, 0),
             parallel_timeout_s=get_float("parallel_timeout_s", 60.0),
+            lora_adapters=lora_folders(params.get("lora_adapters", ""), model_dir),
+            max_lora_rank=get_int("max_lora_rank", 64, 1),
+            max_cpu_loras=get_int("max_cpu_loras", 8, 1),
         )
         if s.parallel_timeout_s <= 0:
             raise SettingsError(f"parallel_timeout_s: must be > 0, got {s.parallel_timeout_s}")
@@ -265,7 +273,77 @@ class EngineSettings:
             raise SettingsError("onnx_model: required with runtime 'onnx' (path to the exported model.onnx)")
         if s.speculative == "draft" and s.draft_model is None:
             raise SettingsError("draft_model: required with speculative 'draft' (a draft model's Hugging Face folder)")
+        if s.lora_adapters and (s.runtime != "torch" or s.is_parallel):
+            raise SettingsError(
+                "lora_adapters: LoRA adapters run on the torch runtime without model parallelism; "
+                f"this model has runtime {s.runtime!r}, tensor_parallel_size {s.tensor_parallel_size}, "
+                f"pipeline_parallel_size {s.pipeline_parallel_size}"
+            )
         return s
+
+
+MULTI_LORA_FILE = "multi_lora.json"  # beside config.pbtxt, as vLLM's Triton backend reads it
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+
+
+def adapter_pairs(text: str, field: str = "lora_adapters") -> list[tuple[str, str]]:
+    """`name=folder,name=folder` (vLLM's --lora-modules form) or a JSON object {name: folder}
+    -> [(name, folder)], names checked, no paths touched (the OpenAI frontend reads the names
+    from the config parameter this way)."""
+    text = text.strip()
+    if not text:
+        return []
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise SettingsError(f"{field}: not valid JSON ({e}); write {{\"name\": \"folder\", ...}}") from None
+        if not all(isinstance(v, str) for v in obj.values()):
+            raise SettingsError(f"{field}: every adapter's folder must be a string (a path relative to the model folder)")
+        pairs = list(obj.items())
+    else:
+        pairs = []
+        for item in text.split(","):
+            name, sep, folder = item.partition("=")
+            if not sep or not folder.strip():
+                raise SettingsError(f"{field}: {item.strip()!r} is not name=folder; write e.g. 'sql=adapters/sql,chat=adapters/chat'")
+            pairs.append((name.strip(), folder.strip()))
+    seen: set[str] = set()
+    for name, _ in pairs:
+        if not _ADAPTER_NAME.fullmatch(name):
+            raise SettingsError(f"{field}: adapter name {name!r}: use letters, digits and . _ : / - (starting with a letter or digit)")
+        if name in seen:
+            raise SettingsError(f"{field}: adapter {name!r} is named twice")
+        seen.add(name)
+    return pairs
+
+
+def lora_folders(text: str, model_dir: Path) -> tuple[tuple[str, Path], ...]:
+    """The model's adapters: `lora_adapters`, then the multi_lora.json beside config.pbtxt (a
+    name in both is refused); each folder relative to the model folder, inside the repository."""
+    sources = [("lora_adapters", adapter_pairs(text))]
+    json_file = Path(model_dir) / MULTI_LORA_FILE
+    if json_file.is_file():
+        try:
+            content = json_file.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SettingsError(f"{MULTI_LORA_FILE}: cannot be read ({e})") from None
+        if not content.strip().startswith("{"):
+            raise SettingsError(f"{MULTI_LORA_FILE}: expected a JSON object {{\"name\": \"folder\", ...}}")
+        sources.append((MULTI_LORA_FILE, adapter_pairs(content, MULTI_LORA_FILE)))
+    out: dict[str, Path] = {}
+    for field, pairs in sources:
+        for name, raw in pairs:
+            if name in out:
+                raise SettingsError(f"{field}: adapter {name!r} is also named in lora_adapters; name it once")
+            path = inside_repository(f"{field}: adapter {name!r}", raw, model_dir)
+            if not (path / "adapter_config.json").is_file():
+                raise SettingsError(
+                    f"{field}: adapter {name!r}: {raw!r} holds no adapter_config.json (looked at {path}); "
+                    "give a folder as PEFT's save_pretrained writes it"
+                )
+            out[name] = path
+    return tuple(out.items())
 
 
 # ---- the parameters' documentation ---------------------------------------------------------
@@ -390,6 +468,15 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("parallel_timeout_s", "60",
        "model parallelism: seconds one collective op (or a worker's start) may take before the model goes "
        "out of service"),
+    _P("lora_adapters", None,
+       "LoRA adapters served on this model ([lora.md](lora.md)): `name=folder,name=folder` or a JSON object "
+       "`{\"name\": \"folder\"}`, each a PEFT adapter folder relative to the model folder, inside the model "
+       "repository; a `multi_lora.json` (`{\"name\": \"folder\"}`) beside `config.pbtxt` adds more. A request "
+       "picks one by `lora_name` (Triton) or `model` (OpenAI). Torch runtime without model parallelism",
+       "none: the base model only"),
+    _P("max_lora_rank", "64", "the highest LoRA rank an adapter may have; a higher one is refused at its first use"),
+    _P("max_cpu_loras", "8",
+       "LoRA adapters kept loaded; past it, the least recently used is dropped and loaded again at its next use"),
 )
 
 # the forward-pass models run inside the tritonlm backend (task "forward", `tritonlm export

@@ -83,6 +83,7 @@ class GenerateHandler:
             params = type(params)(**{**params.__dict__, "bad_words": bad_word_token_ids(self.engine.tokenizer, parsed.bad_words_text)})
         prefix = "" if (parsed.exclude_input_in_output or parsed.stream) else parsed.text
         want_logprobs = params.return_log_probs
+        lora = self._adapter(parsed)
         prompt_ids = self.engine.encode(parsed.text)
         token_text = self._token_text if parsed.vllm_logprobs else None
 
@@ -108,10 +109,25 @@ class GenerateHandler:
                     stream=parsed.stream,
                     num_draft_tokens=parsed.num_draft_tokens,
                     is_cancelled=link.is_cancelled,
+                    lora=lora,
                 )
             )
         except InvalidRequestError as e:  # name the field as the request did (a sampling_parameters key)
             raise InvalidRequestError(rename_error(str(e), parsed.renames)) from None
+
+    def _adapter(self, parsed):
+        """The LoRA adapter a request names (lora.LoraAdapter), or None for the base model."""
+        if parsed.lora_name is None:
+            return None
+        field = parsed.renames.get("lora_name", "lora_name")
+        registry = self.engine.lora_registry
+        if registry is None:
+            raise InvalidRequestError(f"{field}: model '{self.name}' serves no LoRA adapters, so {parsed.lora_name!r} "
+                                      "cannot run; leave it out for the base model")
+        try:
+            return registry.get(parsed.lora_name)
+        except ValueError as e:
+            raise InvalidRequestError(f"{field}: {e}") from None
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one handler per model process
     def _token_text(self, token: int) -> str:

@@ -104,6 +104,31 @@ def test_without_prefix_caching_nothing_is_kept():
     assert mgr.cached_blocks == 0 and mgr.find_prefix(mgr.prompt_digests(list(range(48))), list(range(48))) == []
 
 
+def test_lora_adapters_key_their_own_chains():
+    """The same prompt under adapter A, adapter B and the base never shares blocks; A's blocks
+    are shared under A; an adapter digest equal to a base chain digest (a name or key made to look
+    like another) still starts a chain of its own; new adapter content (a reload) misses."""
+    import hashlib
+
+    mgr = manager(20)
+    a_digest, b_digest = (hashlib.blake2b(n, digest_size=16).digest() for n in (b"A", b"B"))
+    prompt = list(range(40))  # 2 shareable blocks
+    mgr.allocate(1, 48)
+    for i, digest in enumerate(mgr.prompt_digests(prompt, mgr.chain_root(a_digest))):
+        mgr.register(1, i, digest, prompt[i * BS : (i + 1) * BS])
+    mgr.free(1)
+    assert mgr.cached_blocks == 2
+    assert len(mgr.find_prefix(mgr.prompt_digests(prompt, mgr.chain_root(a_digest)), prompt)) == 2
+    assert mgr.find_prefix(mgr.prompt_digests(prompt, mgr.chain_root(b_digest)), prompt) == []
+    assert mgr.find_prefix(mgr.prompt_digests(prompt), prompt) == []  # the base
+    assert mgr.find_prefix(mgr.prompt_digests(prompt, mgr.chain_root(None)), prompt) == []
+    reloaded = hashlib.blake2b(b"A, retrained", digest_size=16).digest()
+    assert mgr.find_prefix(mgr.prompt_digests(prompt, mgr.chain_root(reloaded)), prompt) == []
+    base_chain = mgr.prompt_digests(prompt)
+    lookalike = mgr.prompt_digests(prompt, mgr.chain_root(base_chain[0]))
+    assert not set(lookalike) & set(base_chain + [mgr.root_digest]) and mgr.chain_root(a_digest) != mgr.root_digest
+
+
 # ---------------------------------------------------------------------------- through the engine
 
 

@@ -1,0 +1,121 @@
+"""Multi-LoRA through a real tritonserver and the OpenAI frontend (docs/lora.md): a tiny Llama
+serving two PEFT adapters, one named by the `lora_adapters` parameter and one by a
+multi_lora.json beside it. Greedy text under each adapter (the `lora_name` input, the
+`sampling_parameters` key, the OpenAI `model` field) equals PEFT's merge_and_unload() model's
+own generate(); the base stays the base; an unknown adapter is a clear error naming the known
+ones and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+
+from tests.helpers.lora import make_adapter
+from tests.helpers.servers import HANG_GUARD_S
+from tritonlm.client.generate import GenerateError, generate_grpc
+from tritonlm.export.repository import write_generation_model
+from tritonlm.openai.server import OpenAIServer
+from tritonlm.server import free_ports
+
+PROMPTS = ["Hello world", "The cat sat on the"]
+MAX_TOKENS = 12
+ADAPTERS = {  # name -> how PEFT makes it: different ranks and targets, so each changes the text its own way
+    "sql": dict(seed=1, r=8, lora_alpha=16, target_modules="all-linear"),
+    "chat": dict(seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def served_models(tmp_path_factory):
+    """(repository, tokenizer, {None: base, adapter name: PEFT's merged model})."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tritonlm.models.builtin import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,  # varied greedy continuations
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(11)
+    base = LlamaForCausalLM(config).eval()
+    repo = tmp_path_factory.mktemp("lorarepo")
+    folder = write_generation_model(repo, "tiny", base, tok, lora_adapters="sql=adapters/sql", max_cpu_loras=1)
+    models = {None: base}
+    for name, kw in ADAPTERS.items():
+        kw = dict(kw)
+        models[name] = make_adapter(base, folder / "adapters" / name, kw.pop("seed"), **kw)
+    (folder / "multi_lora.json").write_text(json.dumps({"chat": "adapters/chat"}))  # vLLM backend's file
+    return repo, tok, models
+
+
+@pytest.fixture(scope="module")
+def triton_repo(served_models):
+    return served_models[0]
+
+
+@pytest.fixture(scope="module")
+def frontend(triton_server, triton_repo):
+    (port,) = free_ports(1)
+    with OpenAIServer(triton_server.grpc_url, port=port, repo=triton_repo) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(frontend):
+    return openai.OpenAI(base_url=frontend.url + "/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
+
+
+@torch.no_grad()
+def peft_text(served_models, adapter: str | None, prompt: str) -> str:
+    """transformers' greedy generate() on the merged model: the text after the prompt, to EOS."""
+    _, tok, models = served_models
+    ids = tok(prompt, return_tensors="pt")
+    out = models[adapter].generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id)
+    new = out[0, ids.input_ids.shape[1]:].tolist()
+    if tok.eos_token_id in new:
+        new = new[: new.index(tok.eos_token_id)]
+    return tok.decode(new)
+
+
+def grpc(server, prompt: str, **params):
+    return generate_grpc(server.grpc_url, "tiny", prompt, exclude_input_in_output=True, max_tokens=MAX_TOKENS, **params)
+
+
+def test_each_adapter_and_the_base_equal_peft_through_triton(triton_server, served_models):
+    texts = {}
+    for prompt in PROMPTS:
+        for adapter in (None, "sql", "chat"):
+            want = peft_text(served_models, adapter, prompt)
+            got = grpc(triton_server, prompt, lora_name=adapter).text
+            assert got == want, (prompt, adapter)
+            texts[prompt, adapter] = got
+            if adapter is not None:  # vLLM backend's form: the name inside sampling_parameters
+                sp = json.dumps({"lora_name": adapter, "max_tokens": MAX_TOKENS})
+                assert generate_grpc(triton_server.grpc_url, "tiny", prompt, exclude_input_in_output=True,
+                                     sampling_parameters=sp).text == want
+    # the adapters change the text (else equality with PEFT would not show they ran)
+    assert any(texts[p, "sql"] != texts[p, None] for p in PROMPTS)
+    assert any(texts[p, "chat"] != texts[p, None] for p in PROMPTS)
+
+
+def test_openai_model_field_names_an_adapter_and_models_lists_it(client, served_models):
+    cards = {m.id: m for m in client.models.list().data}
+    assert "tiny" in cards and "sql" in cards
+    assert cards["sql"].model_extra.get("parent") == "tiny"
+    for prompt in PROMPTS:
+        r = client.completions.create(model="sql", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.model == "sql" and r.choices[0].text == peft_text(served_models, "sql", prompt)
+
+
+def test_an_unknown_adapter_is_a_clear_error_and_the_server_keeps_serving(triton_server, client, served_models):
+    with pytest.raises(GenerateError, match=r"lora_name: unknown LoRA adapter 'nope'; this model serves: 'chat', 'sql'"):
+        grpc(triton_server, PROMPTS[0], lora_name="nope")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt=PROMPTS[0], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "sql" in e.value.body["message"]
+    assert grpc(triton_server, PROMPTS[0], lora_name="chat").text == peft_text(served_models, "chat", PROMPTS[0])
