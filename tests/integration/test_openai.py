@@ -608,7 +608,7 @@ def test_nvidia_frontends_named_tool_choice_is_guided(triton_server):
 
 
 @pytest.mark.parametrize("sampling, pattern", [
-    ({"lora_name": "adapter"}, r"sampling_parameters: unknown key\(s\) \['lora_name'\]"),
+    ({"lora_int_id": 1}, r"sampling_parameters: unknown key\(s\) \['lora_int_id'\]"),
     ({"guided_decoding": "[0-9]+", "max_tokens": 4}, r"sampling_parameters\.guided_decoding: expected an object"),
     ({"structured_outputs": "{}"}, r"sampling_parameters\.structured_outputs: exactly one of json, "),
     ({"n": 2}, r"sampling_parameters\.n: only 1"),
