@@ -305,6 +305,12 @@ class Generation:
         piece = parse_response(result)
         if piece.final:
             self._end()
+            if piece.finish_reason is None:
+                # the model's last response always says why it ended; a final one without a reason
+                # is Triton closing the request for a model process that went away, not an answer
+                reason = await self.backend.reason(self.model, self._epoch)
+                raise OpenAIError(503, reason, code="model_unavailable") if reason is not None else \
+                    OpenAIError(500, f"Triton ended the stream of {self.model} without a finish reason")
         return piece
 
     def _end(self) -> None:
