@@ -183,6 +183,16 @@ class TritonMetrics:
         with self._publish_lock:
             with self._lock:
                 rec, self._recorded, self._urgent = self._recorded, _Recorded(), False
+            engine = self._engine
+            if engine is not None:
+                # Gauges first: the engine frees a finished request's cache before it records
+                # the finish, so a scrape that sees the finish counted also sees the cache back.
+                # The engine thread changes these while we read them: each read is one int, and
+                # a value one step old is corrected by the next publish.
+                self._set("running", engine.scheduler.num_running)
+                self._set("waiting", engine.scheduler.num_waiting)
+                self._set("kv_used", engine.cache.used_bytes)
+                self._set("prefix_blocks", engine.cache.cached_blocks)
             if rec.tokens:
                 self.tokens.increment(rec.tokens)
             for reason, n in rec.finished.items():
@@ -197,15 +207,8 @@ class TritonMetrics:
                 self.draft_accepted.increment(rec.accepted)
                 self._set("acceptance", self._accepted / self._proposed)
                 self.tokens_per_pass.observe_all(rec.tokens_per_pass)
-            engine = self._engine
             if engine is None:
                 return
-            # the engine thread changes these while we read them: each read is one int, and
-            # a value one step old is corrected by the next publish
-            self._set("running", engine.scheduler.num_running)
-            self._set("waiting", engine.scheduler.num_waiting)
-            self._set("kv_used", engine.cache.used_bytes)
-            self._set("prefix_blocks", engine.cache.cached_blocks)
             hits, queries = engine.cache.hit_tokens, engine.cache.query_tokens
             if queries != self._prefix_seen[1]:
                 self.prefix_hits.increment(hits - self._prefix_seen[0])
