@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tritonlm.engine.runners.layers import apply_rope, rope_cos_sin
+from tritonlm.engine.runners.rope import apply_rope, rope_cos_sin
 
 
 class StaticDecoder:

@@ -69,8 +69,8 @@ def tiny_llama(**overrides):
 
 
 # the Llama-shaped families served (runners.families.FAMILIES), each as a tiny seeded model
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2", "gemma", "gemma2",
-                "gemma3_text")
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2", "glm", "glm4", "gemma",
+                "gemma2", "gemma3_text")
 WINDOW = 8  # sliding window of the tiny windowed models: prompts plus answers run past it
 
 
@@ -99,6 +99,9 @@ def tiny_family(family: str, **overrides):
                         logits_scaling=4.0),
         "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=2),
         "olmo2": {},
+        # GLM-4: half of each head's dims rotate, pairs interleaved; q/k/v biases
+        "glm": dict(head_dim=32, partial_rotary_factor=0.5, attention_bias=True),
+        "glm4": dict(head_dim=24, partial_rotary_factor=0.5, attention_bias=True),  # 12 rotating, 12 passing
         "gemma": dict(hidden_act="gelu_pytorch_tanh"),
         "gemma2": dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
                        attn_logit_softcapping=4.0, final_logit_softcapping=8.0),
@@ -112,7 +115,7 @@ def tiny_family(family: str, **overrides):
     args.update(extra)
     args.update(overrides)
     names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
-             "granite": "Granite", "smollm3": "SmolLM3", "olmo2": "Olmo2", "gemma": "Gemma", "gemma2": "Gemma2",
+             "granite": "Granite", "smollm3": "SmolLM3", "olmo2": "Olmo2", "glm": "Glm", "glm4": "Glm4", "gemma": "Gemma", "gemma2": "Gemma2",
              "gemma3_text": "Gemma3Text"}
     config = getattr(transformers, f"{names[family]}Config")(**args)
     torch.manual_seed(77)
@@ -120,7 +123,7 @@ def tiny_family(family: str, **overrides):
     model = getattr(transformers, causal_lm)(config).eval()
     with torch.no_grad():  # transformers initializes biases to zero and norms to one: make them matter
         for layer in model.model.layers:
-            if family == "qwen2":
+            if family in ("qwen2", "glm", "glm4"):
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
             if family in ("qwen3", "olmo2"):

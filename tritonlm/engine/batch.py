@@ -34,6 +34,9 @@ class StepBatch:
     # per row: the lora.LoraAdapter it runs under, or None for the base model; None: every row
     # is the base (runners.torch_runner applies them; other runners take none)
     adapters: list | None = None
+    # [B] int64: each row's prompt tokens, which fix a length-dependent RoPE's tables token by
+    # token however the prompt is chunked (runners.rope); None: each row's longest position
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -69,6 +69,7 @@ class Engine:
         self.num_draft_tokens = num_draft_tokens if drafter is not None and use_kv_cache else 0
         self.eos_id = tokenizer.eos_token_id
         self.scheduler = Scheduler(scheduler_config, cache, recompute=not use_kv_cache)
+        self.scheduler.rope_key = getattr(runner, "rope_key", None)
         self.executor = ModelExecutor(runner, self.scheduler, drafter)
         self.output = OutputProcessor(self.scheduler, max_context, observer, stream_interval)
         if overlap is None:

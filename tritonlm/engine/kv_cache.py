@@ -82,6 +82,7 @@ class KVPool:
 
 
 LORA_ROOT_PERSON = b"tritonlm.kvlora"  # BLAKE2b personalization of a chain root under a LoRA adapter
+ROPE_ROOT_PERSON = b"tritonlm.kvrope"  # ... and of one under a length-dependent RoPE's long tables
 
 PoolFactory = Callable[[int], "KVPool | None"]  # num_slots -> the runner's pool (None: held by worker ranks)
 
@@ -189,15 +190,20 @@ class KVCacheManager:
         return len(self._tables)
 
     # ---- prefix cache -----------------------------------------------------
-    def chain_root(self, adapter_digest: bytes | None = None) -> bytes:
+    def chain_root(self, adapter_digest: bytes | None = None, rope_key: bytes | None = None) -> bytes:
         """The digest a prompt's chain starts from: the model's (root_digest), or, for a request
         under a LoRA adapter, a digest of the model's and the adapter's content digest
         (lora.LoraAdapter.digest) under a personalization of its own. Blocks computed under one
         adapter, another or none are then never shared, whatever the adapters are named, and an
-        adapter reloaded with new weights starts new chains (its old blocks age out)."""
-        if adapter_digest is None:
-            return self.root_digest
-        return hashlib.blake2b(self.root_digest + adapter_digest, digest_size=16, person=LORA_ROOT_PERSON).digest()
+        adapter reloaded with new weights starts new chains (its old blocks age out).
+        rope_key: which tables of a length-dependent RoPE rotated the sequence's keys
+        (runners.rope.LengthRope.key); None for the tables of short sequences."""
+        root = self.root_digest
+        if adapter_digest is not None:
+            root = hashlib.blake2b(root + adapter_digest, digest_size=16, person=LORA_ROOT_PERSON).digest()
+        if rope_key is not None:
+            root = hashlib.blake2b(root + rope_key, digest_size=16, person=ROPE_ROOT_PERSON).digest()
+        return root
 
     def prompt_digests(self, prompt: list[int], root: bytes | None = None) -> list[bytes]:
         """Chain digests of the prompt's full blocks that may be shared: those before the

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVCacheManager, block_digest
@@ -53,6 +56,9 @@ class Scheduler:
         if recompute:
             cache.prefix_caching = False  # recomputing rewrites every block: nothing may be shared
         self.waiting: collections.deque[Sequence] = collections.deque()
+        # prompt tokens -> which tables of the model's length-dependent RoPE rotate such a
+        # sequence's keys (None: a short sequence's); set by the Engine from its runner
+        self.rope_key: Callable[[int], bytes | None] | None = None
         self.running: list[Sequence] = []
         self._live: dict[int, Sequence] = {}  # waiting + running, by request id
         targets = SloTargets(config.slo_ttft_s, config.slo_tpot_s)
@@ -172,8 +178,10 @@ class Scheduler:
         seq.num_registered_blocks = max(seq.num_registered_blocks, final // bs)
 
     def _chain_root(self, seq: Sequence) -> bytes:
-        """Where the sequence's prefix-cache chain starts: its LoRA adapter's content keys it."""
-        return self.cache.chain_root(getattr(seq.request.lora, "digest", None))
+        """Where the sequence's prefix-cache chain starts: its LoRA adapter's content keys it,
+        and under a length-dependent RoPE the tables its prompt's length chose (rope_key)."""
+        rope = None if self.rope_key is None else self.rope_key(seq.num_prompt_tokens)
+        return self.cache.chain_root(getattr(seq.request.lora, "digest", None), rope)
 
     def batch(self, rows: list[tuple[Sequence, list[int]]], past: list[int], all_logits: bool = False) -> StepBatch:
         """A forward pass's batch: rows[b] = (sequence, new tokens) on top of past[b] cached
@@ -187,6 +195,7 @@ class Scheduler:
             lengths = [p + len(toks) for (_, toks), p in zip(rows, past)]
             table = self.cache.slot_table(ids, lengths)  # [B, L]
             batch = StepBatch.from_slot_table([toks for _, toks in rows], past, table, all_logits)
+        batch.prompt_lens = torch.tensor([seq.num_prompt_tokens for seq, _ in rows], dtype=torch.int64)
         adapters = [seq.request.lora for seq, _ in rows]
         if any(a is not None for a in adapters):
             batch.adapters = adapters

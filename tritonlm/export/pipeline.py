@@ -43,7 +43,7 @@ ALL_FORMATS = list(FORMATS)
 # skipped by default and refused when named, with its reason from FORWARD_REFUSED
 FORWARD_FORMATS: dict[str, tuple[str, ...]] = {
     family: tuple(ALL_FORMATS)
-    for family in ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2",
+    for family in ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2", "glm", "glm4",
                    "gemma", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss")
 }
 # family -> format -> why its export is not done (the message names it)
@@ -290,7 +290,7 @@ def export(opts: ExportOptions, out=print) -> ExportResult:
         except ModelLoadError as e:
             raise ExportError(str(e)) from None
     name = opts.name or info.name
-    formats = _family_formats(info.architecture, formats, asked, out)
+    formats = _family_formats(info.architecture, formats, asked, out, model.config)
     from tritonlm.engine.model_shape import ModelShape
 
     spec = ModelShape.from_hf_config(model.config)
@@ -377,17 +377,23 @@ def export(opts: ExportOptions, out=print) -> ExportResult:
     return result
 
 
-def _family_formats(family: str, formats: list[str], asked: bool, out) -> list[str]:
+def _family_formats(family: str, formats: list[str], asked: bool, out, config=None) -> list[str]:
     """The forward formats to write for `family`: those of `formats` whose export is verified
-    for it; the others skipped with a message, or, when asked for by name, an ExportError
-    naming the family, the formats and why."""
+    for it (none for a length-dependent RoPE); the others skipped with a message, or, when
+    asked for by name, an ExportError naming the family, the formats and why."""
+    from tritonlm.engine.runners.families import LENGTH_ROPE_TYPES, family_name, rope_parameters, rope_tables
+
     verified = FORWARD_FORMATS.get(family, ())
+    reasons = FORWARD_REFUSED.get(family, {})
+    plain = config is None or family == "gpt2" or rope_tables(config)  # no length-dependent RoPE there
+    rope_type = "default" if plain else rope_parameters(config)[0]
+    if rope_type in LENGTH_ROPE_TYPES:  # a traced graph keeps the branch of the length it was traced at
+        verified = ()
+        reasons = dict.fromkeys(ALL_FORMATS, f"its {rope_type} RoPE changes its tables with the sequence's length, "
+                                             "which a traced graph cannot follow")
     missing = [f for f in formats if f not in verified]
     if not missing:
         return formats
-    from tritonlm.engine.runners.families import family_name
-
-    reasons = FORWARD_REFUSED.get(family, {})
     why = "; ".join(dict.fromkeys(f"{f}: {reasons[f]}" for f in missing if f in reasons))
     what = (f"{', '.join(missing)} forward-model export is not supported for {family_name(family)} ({family})"
             + (f" ({why})" if why else ""))

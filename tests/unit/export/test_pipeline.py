@@ -186,11 +186,13 @@ def test_refused_families_are_named(tmp_path, model_type, name):
     assert f"architecture {model_type!r} ({name}" in message and "supported: gpt2" in message and "qwen3:" in message
 
 
-def test_partial_rotary_is_refused_naming_the_family(tmp_path):
-    """Phi-4-mini's partial rotary (a Phi-3 config) is not done: refused when the model loads."""
-    folder = _folder(tmp_path, "phi3")
+def test_partial_rotary_where_the_family_has_none_is_refused_naming_it(tmp_path):
+    """A partial rotary factor in a Qwen3 config (whose transformers forward rotates every head
+    dim) is refused when the model loads, naming the family and the families that have one."""
+    folder = _folder(tmp_path, "qwen3")
     cfg = json.loads((folder / "config.json").read_text())
     cfg.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})["partial_rotary_factor"] = 0.75
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ExportError, match=r"Phi-3: rope partial_rotary_factor=0.75 is not supported"):
+    with pytest.raises(ExportError, match=r"Qwen3 dense: rope partial_rotary_factor=0.75 is not supported for qwen3 "
+                                          r"\(only 1.0; partial rotary: phi3, glm, glm4\)"):
         export(ExportOptions(model=str(folder), repo=tmp_path / "repo"), out=lambda s: None)

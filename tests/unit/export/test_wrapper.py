@@ -32,7 +32,8 @@ from tritonlm.export.verify import eager_decoder_fn, verify_decoder
 from tritonlm.export.wrapper import attention_bias
 from tritonlm.models.builtin import tiny_tokenizer
 
-DENSE = ("qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2", "gemma", "gemma2", "gemma3_text")
+DENSE = ("qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2", "glm", "glm4", "gemma", "gemma2",
+         "gemma3_text")
 FAMILIES = DENSE + MOE_NAMES
 SUBSET = ("mistral", "gemma2", "qwen2_moe")
 ALL = os.environ.get("TRITONLM_EXPORT_ALL_FAMILIES") == "1"
@@ -151,3 +152,22 @@ def test_unverified_format_is_skipped_by_default_and_refused_by_name(tmp_path, m
                                           r"torchscript.*--formats none"):
         export(ExportOptions(model=str(folder), repo=tmp_path / "repo2", formats=["onnx-fp16"]), out=lambda s: None)
     assert not (tmp_path / "repo2").exists()
+
+
+def test_a_length_dependent_rope_exports_the_generation_model_alone(tmp_path):
+    """Phi-4-mini's longrope (tables that change with the sequence's length): the default export
+    writes the generation model and skips every forward format, saying why; naming one is refused."""
+    from tests.unit.engine.runners.test_rope import tiny_variant
+
+    folder = tmp_path / "Tiny-phi4"
+    tiny_variant("phi4_mini").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    lines: list[str] = []
+    result = export(ExportOptions(model=str(folder), repo=tmp_path / "repo", runtime="python", max_context=64),
+                    out=lines.append)
+    assert result.artifacts == [] and any((tmp_path / "repo").iterdir())
+    assert any("its longrope RoPE changes its tables with the sequence's length" in s
+               and "exporting the generation model alone" in s for s in lines), lines
+    with pytest.raises(ExportError, match=r"--formats: onnx forward-model export is not supported for Phi-3 / Phi-4-mini "
+                                          r"\(phi3\) \(onnx: its longrope RoPE"):
+        export(ExportOptions(model=str(folder), repo=tmp_path / "repo2", formats=["onnx"]), out=lambda s: None)

@@ -39,9 +39,11 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 DIGEST_PERSON = b"tritonlm.lora"  # BLAKE2b personalization: an adapter digest is no other kind of digest
 
-# the Llama-shaped families whose projections are exactly transformers' modules' outputs
-# (Granite's multipliers scale o / down and the ends, which a LoRA update would have to follow)
-LORA_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma", "gemma2",
+# the Llama-shaped families whose projections are exactly transformers' modules' outputs, up
+# to the q/k head-dim order a partial or interleaved RoPE sets (Transformer.qkv_order, which
+# the updates follow); Granite's multipliers scale o / down and the ends, which a LoRA update
+# would have to follow
+LORA_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "glm", "glm4", "gemma", "gemma2",
                  "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 
 # PEFT module name -> (tritonlm projection, which column block of it: index among the parts)
@@ -322,6 +324,9 @@ def load_adapter(folder: str | Path, model, name: str | None = None, max_rank: i
             a_all[:, at : at + r] = a.float().t()
             b_all[at : at + r, lo:hi] = b.float().t() * scale
             at += r
+        order = getattr(model, "qkv_order", None)
+        if proj == "qkv" and order is not None:  # the base's q/k head dims are reordered for its RoPE
+            b_all = b_all[:, order]
         adapter.deltas[layer, proj] = LoraDelta(a_all.to(model.device), b_all.to(model.device))
     adapter.targets = tuple(sorted(pairs))
     _saved_modules(adapter, config, tensors, model)

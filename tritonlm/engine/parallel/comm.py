@@ -53,6 +53,7 @@ def batch_fields(batch: StepBatch) -> dict:
         "past_len": batch.past_len.cpu().numpy().astype(np.int64, copy=False),
         "slot_table": batch.slot_table.cpu().numpy().astype(np.int64, copy=False),
         "all_logits": bool(batch.all_logits),
+        "prompt_lens": None if batch.prompt_lens is None else batch.prompt_lens.cpu().numpy().astype(np.int64, copy=False),
     }
 
 
@@ -63,6 +64,7 @@ def batch_from_fields(f: dict) -> StepBatch:
         past_len=torch.from_numpy(np.ascontiguousarray(f["past_len"])),
         slot_table=torch.from_numpy(np.ascontiguousarray(f["slot_table"])),
         all_logits=bool(f["all_logits"]),
+        prompt_lens=None if f.get("prompt_lens") is None else torch.from_numpy(np.ascontiguousarray(f["prompt_lens"])),
     )
 
 
@@ -74,6 +76,7 @@ def slice_batch(batch: StepBatch, lo: int, hi: int) -> StepBatch:
         past_len=batch.past_len[lo:hi],
         slot_table=batch.slot_table[lo:hi],
         all_logits=batch.all_logits,
+        prompt_lens=None if batch.prompt_lens is None else batch.prompt_lens[lo:hi],
     )
 
 

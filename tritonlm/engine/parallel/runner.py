@@ -44,6 +44,7 @@ from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.parallel.shard import split_range
 from tritonlm.engine.parallel.steps import load_shard, memory_line, micro_batch_bounds, run_pp_step, run_tp_step
 from tritonlm.engine.runners.base import plan_step
+from tritonlm.engine.runners.rope import LengthRope, rope_key
 from tritonlm.engine.settings import SettingsError
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.engine.threads import named_thread
@@ -195,7 +196,10 @@ class ParallelRunner:
         self.config = config
         self.mode = config.mode
         self.world = config.size
-        spec = ModelShape.from_hf_config(AutoConfig.from_pretrained(config.hf_dir))
+        hf_config = AutoConfig.from_pretrained(config.hf_dir)
+        spec = ModelShape.from_hf_config(hf_config)
+        # a length-dependent RoPE keys the prefix cache by its tables, as TorchRunner's does
+        self.length_rope = LengthRope.from_config(hf_config, spec.head_dim)
         validate_parallel(
             spec,
             config.size if config.mode == "tensor" else 1,
@@ -394,6 +398,10 @@ class ParallelRunner:
     __call__ = forward
 
     # ---- KV cache -------------------------------------------------------------------------
+    def rope_key(self, prompt_tokens: int) -> bytes | None:
+        """TorchRunner.rope_key: which RoPE tables a sequence of that prompt's length is rotated by."""
+        return rope_key(self.length_rope, prompt_tokens)
+
     def allocate_kv(self, num_slots: int) -> None:
         """Every rank allocates its share of num_slots slots. None: the ranks hold the
         tensors (memory_report() has each rank's bytes)."""

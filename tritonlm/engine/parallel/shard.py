@@ -109,6 +109,7 @@ def tensor_slice(model: Transformer, rank: int, world: int) -> Transformer:
         act=model.act, inv_freq=owned_copy(model.inv_freq), rope_scaling=model.rope_scaling,
         max_positions=model.max_positions, device=model.device, heads=h1 - h0, kv_heads=g1 - g0,
         vocab_lo=v0, pos_lo=p0, head_widths=widths, ends=model.ends, rope_tables=model.rope_tables,
+        length_rope=model.length_rope,
     )
 
 
@@ -126,5 +127,5 @@ def layer_slice(model: Transformer, stage: int, stages: int) -> Transformer:
         ln_f=_clone(model.ln_f) if last else None, lm_head=head,
         act=model.act, inv_freq=owned_copy(model.inv_freq), rope_scaling=model.rope_scaling,
         max_positions=model.max_positions, device=model.device, heads=model.heads, kv_heads=model.kv_heads,
-        ends=model.ends, rope_tables=model.rope_tables,
+        ends=model.ends, rope_tables=model.rope_tables, length_rope=model.length_rope, qkv_order=model.qkv_order,
     )

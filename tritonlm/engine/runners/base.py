@@ -81,6 +81,9 @@ class ForwardBatch:
     block_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     block_size: int = 0
+    # [B] int64 on the host: each row's prompt tokens (StepBatch.prompt_lens), which a
+    # length-dependent RoPE reads (runners.rope.LengthRope); None: not given
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -164,6 +167,7 @@ def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None 
         max_past=int(past_len.max()),
         max_total=max_total,
         packed=None if packed is None else dev(packed),
+        prompt_lens=batch.prompt_lens,
     )
 
 
@@ -208,6 +212,7 @@ def _device_plan(
         block_table=table,
         seq_lens=d_total.to(torch.int32),
         block_size=batch.block_size,
+        prompt_lens=batch.prompt_lens,
     )
 
 

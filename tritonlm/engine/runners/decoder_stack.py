@@ -48,7 +48,8 @@ class StackModel(Protocol):
     ln_f: Norm | None
     lm_head: Linear | None  # [C, V']
     inv_freq: torch.Tensor | None  # [D/2]
-    rope_scaling: float
+    rope_scaling: float | torch.Tensor  # a float, or [D] (a partial rotary's)
+    length_rope: object | None  # runners.rope.LengthRope: cos / sin that position alone does not give
 
     @property
     def vocab_parallel(self) -> bool: ...
@@ -62,7 +63,8 @@ def build_decoder_stack(model: StackModel) -> object | None:
     Transformer.use_paged_kernel); each layer's sliding window, soft-cap and sinks go with it
     (DecoderStack.set_attention). When the model also holds its float32 embedding and final
     norm and an LM head of those kinds (a whole model, not a pipeline stage or a vocabulary
-    shard), the stack gets them too (stack.has_ends()): torch.ops.tritonlm.decode_step."""
+    shard) and a RoPE of positions alone, the stack gets them too (stack.has_ends()):
+    torch.ops.tritonlm.decode_step."""
     if not model.layers:
         return None
     rms = model.layers[0].ln_attn.rms
@@ -107,7 +109,10 @@ def build_decoder_stack(model: StackModel) -> object | None:
         window, softcap = L.block.sliding_window, L.block.softcap
         if window is not None or softcap is not None or L.sinks is not None:  # as paged_attention_qkv takes them
             stack.set_attention(window or 0, softcap or 0.0, L.sinks)
-    if model.wte is not None and model.ln_f is not None and not model.vocab_parallel and runs_in_stack(model.lm_head):
+    # decode_step computes cos / sin from positions, inv_freq and one scaling factor
+    position_rope = model.length_rope is None and not isinstance(model.rope_scaling, torch.Tensor)
+    if (model.wte is not None and model.ln_f is not None and not model.vocab_parallel and runs_in_stack(model.lm_head)
+            and position_rope):
         if all(t is None or t.dtype == torch.float32 for t in (model.wte, model.wpe, model.ln_f.w, model.ln_f.b)):
             add(model.lm_head)
             f = model.ln_f

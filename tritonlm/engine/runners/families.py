@@ -45,7 +45,7 @@ FAMILIES: dict[str, str] = {
     "qwen2": "Qwen2 / Qwen2.5 (q/k/v biases)",
     "qwen3": "Qwen3 dense (per-head q/k RMSNorm)",
     "mistral": "Mistral (sliding window attention)",
-    "phi3": "Phi-3 (fused qkv and gate_up; not partial rotary: Phi-4-mini)",
+    "phi3": "Phi-3 / Phi-4-mini (fused qkv and gate_up; partial rotary, longrope)",
     "granite": "Granite 3 dense (embedding, attention, residual and logits multipliers)",
     "smollm3": "SmolLM3 (NoPE layers)",
     "olmo2": "OLMo 2 (norms after attention and MLP, q/k RMSNorm over the whole projection)",
@@ -55,6 +55,8 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "Qwen2-MoE (mixture of experts plus a sigmoid-gated shared expert; q/k/v biases)",
     "gpt_oss": "gpt-oss (mixture of experts with a router bias and clamped SwiGLU; attention sinks, "
                "alternating sliding windows, q/k/v/o biases; float weights: MXFP4 experts as transformers dequantizes them)",
+    "glm": "GLM-4 (Glm: interleaved partial rotary, q/k/v biases, fused gate_up)",
+    "glm4": "GLM-4-0414 (Glm4: as GLM-4, with norms around attention and MLP)",
     "gemma": "Gemma (GeGLU, (1 + w) RMSNorm, scaled embeddings)",
     "gemma2": "Gemma 2 (attention and final logit soft-capping, sandwich norms, alternating sliding windows)",
     "gemma3_text": "Gemma 3 text (Gemma3ForCausalLM: a RoPE base per layer type, q/k norm, sandwich norms)",
@@ -151,8 +153,7 @@ def refusal(model_type: str) -> str:
 
 def check_config(config) -> None:
     """ValueError naming the family and the feature when a config of a served family asks for
-    something the decoder block does not do (partial rotary, length-dependent RoPE, other
-    attention layer types)."""
+    something the decoder block does not do (other RoPE types, other attention layer types)."""
     model_type = getattr(config, "model_type", "")
     reason = refusal(model_type)
     if reason:
@@ -199,7 +200,10 @@ def _check_gemma(config) -> None:
         raise ValueError(f"{name}: use_bidirectional_attention=True is not supported (causal attention only)")
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+LENGTH_ROPE_TYPES = ("longrope", "dynamic")  # frequencies that change with the sequence's length (runners.rope)
+# families whose transformers forward rotates only the first partial_rotary_factor of each head
+PARTIAL_ROTARY_FAMILIES = ("phi3", "glm", "glm4")
 
 
 def rope_tables(config) -> list[str]:
@@ -212,9 +216,9 @@ def rope_tables(config) -> list[str]:
 
 def rope_parameters(config, layer_type: str | None = None) -> tuple[str, float, dict]:
     """(rope_type, theta, the parameters) of a config's RoPE (of layer_type's table, where
-    rope_tables names it); ValueError for what layers.rope_inv_freq cannot compute: partial
-    rotary, and length-dependent variants (dynamic, longrope), whose frequencies change with
-    the sequence length."""
+    rope_tables names it); ValueError for what runners.rope cannot compute: other RoPE types,
+    a partial rotary where transformers' own forward of the family has none, and
+    length-dependent variants (dynamic, longrope) per layer type."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     legacy = getattr(config, "rope_scaling", None)
     if not params and isinstance(legacy, dict):
@@ -230,10 +234,15 @@ def rope_parameters(config, layer_type: str | None = None) -> tuple[str, float, 
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-    if partial != 1.0:
-        raise ValueError(f"rope partial_rotary_factor={partial} is not supported (only 1.0)")
+    model_type = getattr(config, "model_type", "")
+    if partial != 1.0 and model_type not in PARTIAL_ROTARY_FAMILIES:
+        # transformers' own forward of these families rotates every head dim
+        raise ValueError(f"rope partial_rotary_factor={partial} is not supported for {model_type or 'this model'} "
+                         f"(only 1.0; partial rotary: {', '.join(PARTIAL_ROTARY_FAMILIES)})")
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported by TorchRunner (supported: {', '.join(ROPE_TYPES)})")
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if rope_type in LENGTH_ROPE_TYPES and (layer_type is not None or rope_tables(config)):
+        raise ValueError(f"rope_type {rope_type!r} per layer type is not supported (one RoPE for every layer only)")
     return rope_type, theta, params
 
 
@@ -270,7 +279,7 @@ def block_specs(config) -> list[BlockSpec]:
     rope = [bool(r) for r in config.no_rope_layers] if model_type == "smollm3" else [True] * layers
     qk_norm = {"qwen3": "per_head", "olmo2": "whole", "gemma3_text": "per_head", "qwen3_moe": "per_head",
                "olmoe": "whole"}.get(model_type, "none")
-    norm = {"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(model_type, "pre")
+    norm = {"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich", "glm4": "sandwich"}.get(model_type, "pre")
     tables = [config.layer_types[i] for i in range(layers)] if rope_tables(config) else [""] * layers
     # Gemma 3 reads attn_logit_softcapping into its attention but never applies it: only Gemma 2's counts
     softcap = getattr(config, "attn_logit_softcapping", None) if model_type == "gemma2" else None
@@ -308,13 +317,16 @@ def multipliers(config) -> Multipliers:
     )
 
 
-def fast_paths(blocks: list[BlockSpec], ends: GemmaEnds = GemmaEnds()) -> FastPaths:
+def fast_paths(blocks: list[BlockSpec], ends: GemmaEnds = GemmaEnds(), length_rope: bool = False) -> FastPaths:
     """The paged-attention kernels (C++ and Triton) take q/k as the layer hands them over (q/k
     norm applied before it), RoPE per call (None for a NoPE layer), and each layer's sliding
     window, soft-cap and sinks per call: every layer's attention runs on them. The decoder
     stack runs Llama's block only (each layer's window, soft-cap and sinks included): q/k
     norm, a NoPE layer or post-norm blocks switch it off, and Gemma's GeGLU, sandwich norms,
-    RoPE table per layer or ends (ends: the model's, which its one-call decode step runs)."""
+    RoPE table per layer or ends (ends: the model's, which its one-call decode step runs).
+    A length-dependent RoPE (longrope, dynamic: each token's tables follow its sequence's
+    length) is computed per step in Python: no CUDA graphs (nor the one-call decode step,
+    runners.decoder_stack)."""
     reasons = []
     plain = all(b.qk_norm == "none" and b.rope and b.norm == "pre" for b in blocks)
     if not plain:
@@ -328,5 +340,8 @@ def fast_paths(blocks: list[BlockSpec], ends: GemmaEnds = GemmaEnds()) -> FastPa
     if moe:
         reasons.append("mixture-of-experts layers run the Python layer loop (the decoder stack has dense MLPs only) "
                        "and no CUDA graphs (each step reads its per-expert row counts on the host)")
+    if length_rope:
+        reasons.append("a longrope / dynamic RoPE's tables follow each sequence's length: cos / sin per step "
+                       "in Python, no CUDA graphs and no one-call decode step")
     return FastPaths(attention_kernel=True, decoder_stack=plain and not gemma and not moe,
-                     why="; ".join(reasons), cuda_graphs=not moe)
+                     why="; ".join(reasons), cuda_graphs=not moe and not length_rope)

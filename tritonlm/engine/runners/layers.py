@@ -7,7 +7,6 @@
                   alone) and WeightOnlyInt8Linear (int8 weights, float activations). Slicing and quantization read FloatLinear's plain weights
                   (`Linear.plain`); the other formats are made from it last.
     norms         Norm (LayerNorm or RMSNorm)
-    RoPE          rope_inv_freq, rope_cos_sin, apply_rope
     attention     paged_attention: the new K/V written into the pool in place, each row's
                   keys and values gathered through its slot table, SDPA with the key mask
                   (the C++ paged_attention_qkv op does the same in one call for
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonlm.engine.runners.base import ForwardBatch, gather_kv
-from tritonlm.engine.runners.families import BlockSpec, rope_parameters
+from tritonlm.engine.runners.families import BlockSpec
 
 # ---------------------------------------------------------------------------- projections
 
@@ -465,44 +464,6 @@ class Layer:
 
 
 PROJECTION_NAMES = ("qkv", "o", "down", "fc", "gate_up")  # a Layer's projection fields
-
-
-# ---------------------------------------------------------------------------- rotary
-
-
-def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2] float32, attention_scaling) for the config's RoPE (layer_type's table
-    where the config has one per layer type: families.rope_tables).
-
-    Static RoPE variants only: default, linear, llama3, yarn. Length-dependent ones
-    (dynamic, longrope) change the frequencies with the sequence length and are refused."""
-    rope_type, theta, _ = rope_parameters(config, layer_type)  # ValueError for what is not computed here
-    if rope_type == "default":
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
-        return inv, 1.0
-    if rope_type in ("linear", "llama3", "yarn"):
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        kwargs = {} if layer_type is None else {"layer_type": layer_type}
-        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
-        return inv.float(), float(scaling)
-    raise AssertionError(f"rope_type {rope_type!r} passed rope_parameters")  # pragma: no cover
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
-    """positions [B, T] -> cos, sin [B, T, 1, D] (broadcast over heads)."""
-    freqs = positions.unsqueeze(-1).float() * inv_freq  # [B, T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-    cos = (emb.cos() * scaling).to(dtype).unsqueeze(2)
-    sin = (emb.sin() * scaling).to(dtype).unsqueeze(2)
-    return cos, sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D] rotated by half: x*cos + rotate_half(x)*sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 # ---------------------------------------------------------------------------- attention

@@ -31,6 +31,7 @@ F MLP width, V vocab (V' a rank's share).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -69,16 +70,30 @@ from tritonlm.engine.runners.layers import (
     StepContext,
     WeightOnlyInt8Linear,
     activation,
-    apply_rope,
     blocked_rows,
     decode_attention,
     int8_kernel,
     paged_attention,
     panels_available,
-    rope_cos_sin,
-    rope_inv_freq,
 )
 from tritonlm.engine.runners.moe import MoE
+from tritonlm.engine.runners.rope import (
+    LengthRope,
+    apply_rope,
+    qkv_columns,
+    rope_cos_sin,
+    rope_inv_freq,
+    rotary_order,
+)
+
+
+def reordered_norm(norm: Norm, order: torch.Tensor) -> Norm:
+    """A q / k RMSNorm whose weight follows head dims reordered by order [D]: a per-head
+    weight [D], or one over the whole projection [H*D] reordered head by head."""
+    w = norm.w
+    d = order.numel()
+    w = w[order] if w.numel() == d else w.view(-1, d)[:, order].reshape(-1)
+    return dataclasses.replace(norm, w=w.contiguous())
 
 
 def tensor_bytes(*objs) -> int:
@@ -119,8 +134,8 @@ class Transformer:
     ln_f: Norm | None  # None before the last stage
     lm_head: Linear | None  # [C, V'] (tied: a view of wte)
     act: Callable[[torch.Tensor], torch.Tensor]
-    inv_freq: torch.Tensor | None  # [D/2] Llama's RoPE
-    rope_scaling: float
+    inv_freq: torch.Tensor | None  # [D/2] Llama's RoPE (runners.rope: partial rotary at frequency 0)
+    rope_scaling: float | torch.Tensor  # cos / sin times this: a float, or [D] (a partial rotary's)
     max_positions: int | None  # GPT-2's learned positions are a hard limit; RoPE has none
     device: torch.device
     heads: int  # query heads held (a TP rank: heads [h0, h1))
@@ -146,7 +161,14 @@ class Transformer:
     ends: GemmaEnds = GemmaEnds()
     # {layer type: (inv_freq [D/2], scaling)} where each layer type has its own RoPE (Gemma 3;
     # a layer's BlockSpec.rope_table names its table); empty: inv_freq serves every layer
-    rope_tables: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)
+    rope_tables: dict[str, tuple[torch.Tensor, float | torch.Tensor]] = field(default_factory=dict)
+    # longrope / dynamic: each token's frequencies follow its sequence's length (runners.rope);
+    # inv_freq is then the table of a short sequence
+    length_rope: LengthRope | None = None
+    # [(H + 2 Hkv) D] the qkv output columns' order against the model's own q/k/v projections
+    # (a partial or interleaved RoPE's head dims reordered, runners.rope.rotary_order): what
+    # a LoRA adapter's q / k updates are reordered by; None: the model's own order
+    qkv_order: torch.Tensor | None = field(default=None, repr=False)
     _has_ends: bool = field(default=False, repr=False)
     # LoRA adapters (lora.apply.attach_lora): the running step's rows per adapter, read by the
     # wrapped projections and by embed(); None: no adapters attached
@@ -222,6 +244,7 @@ class Transformer:
             wte, wpe = t(tr.wte.weight), t(tr.wpe.weight)  # [V, C], [P, C]
             ln_f = Norm(t(tr.ln_f.weight), t(tr.ln_f.bias), eps, rms=False)
             act, inv_freq, scaling, max_positions = activation(cfg.activation_function), None, 1.0, spec.max_positions
+            length_rope, qkv_order = None, None
             mult = Multipliers()
         else:
             check_config(cfg)  # ValueError naming the family and what it asks for that is not done
@@ -237,10 +260,14 @@ class Transformer:
                     return Norm(t(m.weight), None, eps, rms=True, weight_first=cfg.model_type == "gpt_oss")
                 # 1 + w in float32 from w at the compute dtype, as transformers' 1.0 + weight.float()
                 return Norm(1.0 + t(m.weight).float(), None, eps, rms=True, weight_first=True)
+            order = rotary_order(cfg, spec.head_dim)  # [D] or None: RoPE as a rotate-half over all D dims
+            qkv_order = None if order is None else qkv_columns(order, spec.num_heads, spec.num_kv_heads)
             for blk, block in zip(base.layers, block_specs(cfg)):
                 at, mlp = blk.self_attn, blk.mlp
                 # Phi-3 ships q/k/v and gate/up fused already, in the order the fused layout wants
                 qkv = lin(at.qkv_proj) if hasattr(at, "qkv_proj") else lin(at.q_proj, at.k_proj, at.v_proj)
+                if qkv_order is not None:  # q's and k's head dims in rotate-half order
+                    qkv = FloatLinear(qkv.w[:, qkv_order].contiguous(), None if qkv.b is None else qkv.b[qkv_order])
                 moe = MoE.from_hf(mlp, cfg, t) if block.moe else None  # router and stacked experts instead
                 gate_up = (None if moe else lin(mlp.gate_up_proj) if hasattr(mlp, "gate_up_proj")
                            else lin(mlp.gate_proj, mlp.up_proj))
@@ -248,13 +275,17 @@ class Transformer:
                 if block.qk_norm != "none":  # weights [D] (per head) or [H*D] / [Hkv*D] (whole)
                     qk_eps = at.q_norm.eps if gemma else at.q_norm.variance_epsilon
                     qk = dict(q_norm=rms(at.q_norm, qk_eps), k_norm=rms(at.k_norm, qk_eps))
-                if block.norm == "sandwich":  # Gemma 2 / 3: both blocks' inputs and outputs normed
+                    if order is not None:  # their weights follow the head dims they scale
+                        qk = {k: reordered_norm(n, order) for k, n in qk.items()}
+                if block.norm == "sandwich" and gemma:  # Gemma 2 / 3: both blocks' inputs and outputs normed
                     qk.update(post_attn=rms(blk.post_attention_layernorm, eps),
                               post_mlp=rms(blk.post_feedforward_layernorm, eps))
+                elif block.norm == "sandwich":  # GLM-4-0414: the same norms, other names
+                    qk.update(post_attn=rms(blk.post_self_attn_layernorm, eps), post_mlp=rms(blk.post_mlp_layernorm, eps))
                 # the norm of each block: on its input (pre, sandwich), or on its output (OLMo 2's post)
                 if block.norm == "post":
                     attn_norm, mlp_norm = blk.post_attention_layernorm, blk.post_feedforward_layernorm
-                elif block.norm == "sandwich":
+                elif block.norm == "sandwich" and gemma:
                     attn_norm, mlp_norm = blk.input_layernorm, blk.pre_feedforward_layernorm
                 else:
                     attn_norm, mlp_norm = blk.input_layernorm, blk.post_attention_layernorm
@@ -277,6 +308,11 @@ class Transformer:
                 else rope_inv_freq(cfg, spec.head_dim)
             act = activation(gemma_activation(cfg) if gemma else cfg.hidden_act)
             inv_freq, max_positions = inv_freq.to(device), None
+            if isinstance(scaling, torch.Tensor):
+                scaling = scaling.to(device)
+            length_rope = LengthRope.from_config(cfg, spec.head_dim)
+            if length_rope is not None:
+                length_rope = length_rope.to(device)
         # the LM head stays a view [C, V] of whatever lm_head holds (of wte when tied): no second copy
         lm_head = FloatLinear(t(model.lm_head.weight).t(), t(model.lm_head.bias))
         if mult != Multipliers():
@@ -289,6 +325,7 @@ class Transformer:
             device=device, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
             ends=GemmaEnds() if spec.architecture == "gpt2" else gemma_ends(cfg, dtype),
             rope_tables={} if spec.architecture == "gpt2" else tables,
+            length_rope=length_rope, qkv_order=qkv_order,
         )
 
     # ---- weights ------------------------------------------------------------------------
@@ -403,7 +440,7 @@ class Transformer:
     def fast_paths(self) -> FastPaths:
         """Which fast paths these layers' BlockSpecs allow (families.fast_paths): the one place
         a family's features switch the C++ / Triton paths off, at load."""
-        return fast_paths([L.block for L in self.layers], self.ends)
+        return fast_paths([L.block for L in self.layers], self.ends, self.length_rope is not None)
 
     def use_decode_kernel(self) -> tuple[bool, str]:
         """Turn on the Triton paged decode kernel where it runs: a CUDA device with the
@@ -419,7 +456,12 @@ class Transformer:
 
     def _context(self, plan: ForwardBatch, pool: KVPool) -> StepContext:
         rope = None
-        if self.inv_freq is not None:
+        if self.length_rope is not None:
+            # each row's prompt length; without one (a pass outside the engine), transformers'
+            # rule for one forward pass: the row's longest position
+            lengths = plan.prompt_lens if plan.prompt_lens is not None else plan.total_len
+            rope = self.length_rope.cos_sin(plan.positions, lengths, self.inv_freq, self.rope_scaling, self.dtype)
+        elif self.inv_freq is not None:
             rope = rope_cos_sin(plan.positions, self.inv_freq, self.rope_scaling, self.dtype)
         ropes = {k: rope_cos_sin(plan.positions, inv, scale, self.dtype) for k, (inv, scale) in self.rope_tables.items()}
         if self.decode_kernel and plan.width == 1 and plan.block_table is not None:

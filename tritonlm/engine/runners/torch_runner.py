@@ -23,6 +23,7 @@ from tritonlm.engine.runners.base import check_pool, plan_step
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.moe import refuse_precision
 from tritonlm.engine.runners.quant import calibrate, quantize_int8, rotate_residual
+from tritonlm.engine.runners.rope import rope_key
 from tritonlm.engine.runners.weight_only import quantize_weight_only
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,11 @@ class TorchRunner:
                    max_batch=max_batch, max_context=max_context, compile_decode=compile_decode,
                    int8_weight_only=int8_weight_only)
 
+    def rope_key(self, prompt_tokens: int) -> bytes | None:
+        """Which tables of a length-dependent RoPE rotate a sequence of that prompt (None: no
+        such RoPE, or a short prompt's): keys its prefix-cache chain (Scheduler._chain_root)."""
+        return rope_key(self.transformer.length_rope, prompt_tokens)
+
     def allocate_kv(self, num_slots: int) -> KVPool:
         return KVPool.for_shape(self.spec, num_slots, self.device)
 
@@ -157,8 +163,9 @@ class TorchRunner:
         return f"{what} for batch buckets {self.decode_graphs.buckets}" + (", compiled" if self.compile_decode else "")
 
     def _decode_graphs(self, batch: StepBatch, pool: KVPool):
-        """The DecodeGraphs that runs this batch, or None for the general path."""
-        if not self.transformer.decode_kernel or batch.block_table is None:
+        """The DecodeGraphs that runs this batch, or None for the general path (always for a
+        length-dependent RoPE: its padded steps know no prompt lengths)."""
+        if not self.transformer.decode_kernel or batch.block_table is None or self.transformer.length_rope is not None:
             return None
         graphs = self.decode_graphs
         if graphs is None or graphs.pool is not pool:

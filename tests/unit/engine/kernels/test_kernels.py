@@ -30,7 +30,8 @@ def test_paged_attention_kernel_equals_the_gather_path(heads, kv_heads, head_dim
     from tritonlm.engine.kernels import kernels_available
     from tritonlm.engine.kv_cache import KVPool
     from tritonlm.engine.runners.base import kv_rows, plan_step
-    from tritonlm.engine.runners.layers import StepContext, apply_rope, paged_attention, rope_cos_sin
+    from tritonlm.engine.runners.layers import StepContext, paged_attention
+    from tritonlm.engine.runners.rope import apply_rope, rope_cos_sin
 
     assert kernels_available()[0]
     g = torch.Generator().manual_seed(heads * 100 + head_dim + width)

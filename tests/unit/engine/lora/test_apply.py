@@ -112,10 +112,12 @@ def test_greedy_answers_equal_peft_generate(llama_adapters):
     assert answers[1] != hf_greedy_ids(model, prompts[1], new)  # the adapter changed the text
 
 
-def test_qwen3_adapter_matches_peft_merged(tmp_path):
-    """Qwen3 (per-head q/k norms after the qkv projection, an explicit head_dim): an all-linear
-    rank-8 adapter's rows beside base rows, prefill and a decode step."""
-    model = tiny_family("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "glm"])
+def test_adapter_matches_peft_merged_where_q_k_are_not_plain(tmp_path, family):
+    """Qwen3 (per-head q/k norms after the qkv projection, an explicit head_dim) and GLM (an
+    interleaved partial rotary: q's and k's head dims reordered at load, and so the adapter's
+    q / k updates): an all-linear rank-8 adapter's rows beside base rows, prefill and a decode step."""
+    model = tiny_family(family)
     merged = make_adapter(model, tmp_path / "q", seed=3, r=8, lora_alpha=16, target_modules="all-linear")
     runner = TorchRunner(model)
     attach_lora(runner.transformer)

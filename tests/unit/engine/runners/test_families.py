@@ -39,7 +39,7 @@ def family(request):
 
 # what each family's layers allow: (the paged-attention kernel, the one-call decoder stack)
 EXPECTED_PATHS = {
-    "llama": (True, True), "qwen2": (True, True), "granite": (True, True), "phi3": (True, True),
+    "llama": (True, True), "qwen2": (True, True), "granite": (True, True), "phi3": (True, True), "glm": (True, True), "glm4": (True, False),
     "qwen3": (True, False), "mistral": (True, True), "smollm3": (True, False), "olmo2": (True, False),
     # Gemma: the stack has no GeGLU (the kernels take Gemma 2 / 3's windows and Gemma 2's soft-cap)
     "gemma": (True, False), "gemma2": (True, False), "gemma3_text": (True, False),
@@ -351,13 +351,14 @@ def test_refused_families_are_named_with_the_supported_list(model_type):
     assert all(k in message for k in FAMILIES)
 
 
-def test_partial_rotary_phi3_is_refused_by_name():
-    """Phi-4-mini's partial rotary is not done: refused naming the family and the feature."""
+def test_partial_rotary_where_transformers_rotates_every_dim_is_refused_by_name():
+    """A partial rotary factor in the config of a family whose transformers forward rotates
+    every head dim (Llama) is refused naming the family, not served half-rotated."""
     from tritonlm.engine.runners.families import check_config
 
-    config = tiny_family("phi3").config
+    config = tiny_family("llama").config
     config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 0.75}
-    with pytest.raises(ValueError, match=r"Phi-3: rope partial_rotary_factor=0.75 is not supported"):
+    with pytest.raises(ValueError, match=r"Llama: rope partial_rotary_factor=0.75 is not supported for llama"):
         check_config(config)
 
 

@@ -51,9 +51,12 @@ def test_llama_rope_variants_and_untied_head(rope):
     assert_close(out, hf_logits(model, seq))
 
 
-def test_llama_length_dependent_rope_is_refused():
-    model = tiny_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
-    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+def test_an_unknown_rope_type_is_refused():
+    model = tiny_llama(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 2.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 64})
+    model.config.rope_parameters["rope_type"] = "proportional"
+    with pytest.raises(ValueError, match="rope_type 'proportional' is not supported"):
         TorchRunner(model)
 
 
