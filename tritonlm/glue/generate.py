@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from tritonlm.engine.cpu_cores import instances_in_config
 from tritonlm.engine.loader import build_engine
+from tritonlm.engine.slo import SloShedError
 from tritonlm.engine.request import GenerationEvent, GenerationRequest, InvalidRequestError, ServerBusyError
 from tritonlm.engine.settings import EngineSettings
 from tritonlm.glue.heartbeat import Heartbeat
@@ -69,6 +70,8 @@ class GenerateHandler:
             try:
                 self._submit(request, sender)
             except (InvalidRequestError, ServerBusyError) as e:
+                if isinstance(e, SloShedError):  # counted before the client hears of it, as a finish is
+                    self.metrics.publish()
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
             except Exception as e:  # never leave a client without its final response
                 log.exception("request failed")
