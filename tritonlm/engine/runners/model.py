@@ -461,7 +461,7 @@ class Transformer:
             # rule for one forward pass: the row's longest position
             lengths = plan.prompt_lens if plan.prompt_lens is not None else plan.total_len
             rope = self.length_rope.cos_sin(plan.positions, lengths, self.inv_freq, self.rope_scaling, self.dtype)
-        elif self.inv_freq is not None:
+        elif self.inv_freq is not None and not self.rope_tables:  # with tables (Gemma 3) every layer names one
             rope = rope_cos_sin(plan.positions, self.inv_freq, self.rope_scaling, self.dtype)
         ropes = {k: rope_cos_sin(plan.positions, inv, scale, self.dtype) for k, (inv, scale) in self.rope_tables.items()}
         if self.decode_kernel and plan.width == 1 and plan.block_table is not None:
