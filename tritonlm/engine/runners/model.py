@@ -545,11 +545,7 @@ class Transformer:
         """x [..., C] -> [..., F] ([B, T] or packed [N] rows), everything before the down projection."""
         if layer.fc is not None:
             return self.act(layer.fc(x))
-        gate_up = layer.gate_up(x)  # [B, T, 2F]
-        if self.paged_kernel and self.act is F.silu and gate_up.dtype == torch.float32:
-            return torch.ops.tritonlm.silu_mul(gate_up.contiguous())  # one pass, no [B, T, F] temporaries
-        gate, up = gate_up.chunk(2, dim=-1)  # [B, T, F] each
-        return self.act(gate) * up
+        return self.glu(layer.gate_up(x))  # gate_up [B, T, 2F]
 
     def mlp(self, x: torch.Tensor, layer: Layer, comm: Comm) -> torch.Tensor:
         """x [..., C] -> [..., C]: the layer's MLP, dense (row-parallel down) or a mixture of experts."""
@@ -558,10 +554,11 @@ class Transformer:
         return row_parallel(layer.down, self.mlp_inner(x, layer), comm)
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[..., 2F] -> [..., F]: act(gate) * up, one C++ pass for float32 SiLU with the kernels on."""
+        """[..., 2F] -> [..., F]: act(gate) * up; for float32 SiLU with the kernels on, one C++
+        pass with no [..., F] temporaries (dense MLPs and each expert's rows alike)."""
         if self.paged_kernel and self.act is F.silu and gate_up.dtype == torch.float32:
             return torch.ops.tritonlm.silu_mul(gate_up.contiguous())
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)  # [..., F] each
         return self.act(gate) * up
 
     def _fused_norm(self, norm: Norm, x: torch.Tensor) -> bool:
