@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.greedy import assert_engine_greedy_equal
 from tests.helpers.models import (
     FAMILY_NAMES,
     WINDOW,
@@ -28,9 +29,6 @@ from tests.helpers.models import (
 )
 from tritonlm.engine.runners.families import REFUSED, fast_paths
 from tritonlm.engine.runners.torch_runner import TorchRunner
-
-NEAR_TIE = 1e-5  # transformers' own top-1 / top-2 margin below which either token is greedy's answer
-
 
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
 def family(request):
@@ -170,58 +168,15 @@ def test_without_a_window_every_fast_path_runs(name):
         assert_close(forward_rows(runner, mgr, [(1, p, [seq[p]])])[0], ref[p])
 
 
-def _generate(model, prompt: list[int], new: int) -> torch.Tensor:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-    return out[0, len(prompt):]
-
-
-def assert_greedy_equal(model, prompt: list[int], got: list[int], want: list[int]) -> None:
-    """Equal token for token, up to the first position where transformers' own top-1 / top-2
-    margin is below NEAR_TIE: there either token is greedy's, and the answers may part."""
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            top2 = hf_logits(model, prompt + want[:i])[-1].topk(2).values
-            assert float(top2[0] - top2[1]) < NEAR_TIE, f"token {i}: {g} != {w} (margin {float(top2[0] - top2[1]):.3g})"
-            return
-    assert len(got) == len(want)
-
-
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 def test_engine_greedy_equals_generate(family, prefix_caching):
     """An Engine over the family: prompts prefilled in 5-token chunks, batched with each
     other's decode steps, every answer equal to transformers' generate(); with the prefix
     cache on, the second round's shared prompt comes from the cache."""
-    from tritonlm.engine.engine import Engine
-    from tritonlm.engine.kv_cache import KVCacheManager
-    from tritonlm.engine.request import GenerationRequest, SamplingParams
-    from tritonlm.engine.scheduler import SchedulerConfig
-    from tritonlm.models.builtin import tiny_tokenizer
-
-    from tests.helpers.models import Collector, drain
-
     _, model = family
-    runner = TorchRunner(model)
-    cache = KVCacheManager(runner.spec, 64 * 4 * runner.spec.bytes_per_token, 4, allocate_kv=runner.allocate_kv,
-                           prefix_caching=prefix_caching)
-    engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(max_num_batched_tokens=5), max_context=128)
     shared = random_tokens(13, seed=11)
     prompts = [shared, random_tokens(6, seed=12), shared + random_tokens(3, seed=13)]
-    new = 12
-    col = Collector()
-    for round_ in range(2):
-        ids = []
-        for prompt in prompts:
-            req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
-            col.events[req.request_id] = []
-            engine.submit(req)
-            ids.append(req.request_id)
-        drain(engine)
-        for prompt, rid in zip(prompts, ids):
-            assert_greedy_equal(model, prompt, col.ids(rid), _generate(model, prompt, new).tolist())
-        if round_ == 1 and prefix_caching:
-            assert col.final(ids[0]).num_cached_tokens > 0
+    assert_engine_greedy_equal(model, TorchRunner(model), prompts, 12, prefix_caching)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int8_weight_only", "bfloat16"])

@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.greedy import assert_engine_greedy_equal, assert_greedy_equal, engine_answers, hf_generate
 from tests.helpers.models import (
     MOE_NAMES, assert_close, forward_rows, hf_logits, paged_cache, random_tokens, tiny_moe,
 )
 from tritonlm.engine.runners.moe import MoE, route
 from tritonlm.engine.runners.torch_runner import TorchRunner
 
-NEAR_TIE = 1e-5  # transformers' own top-1 / top-2 margin below which either token is greedy's answer
 
 
 @pytest.fixture(scope="module", params=MOE_NAMES)
@@ -93,58 +93,15 @@ def test_mixed_batch_rows_take_different_experts(family):
     assert_close(out[2, :3], hf_logits(model, c)[14:17])
 
 
-def _generate(model, prompt: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def assert_greedy_equal(model, prompt: list[int], got: list[int], want: list[int]) -> None:
-    """Equal token for token, up to the first position where transformers' own top-1 / top-2
-    margin is below NEAR_TIE: there either token is greedy's, and the answers may part."""
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            top2 = hf_logits(model, prompt + want[:i])[-1].topk(2).values
-            assert float(top2[0] - top2[1]) < NEAR_TIE, f"token {i}: {g} != {w} (margin {float(top2[0] - top2[1]):.3g})"
-            return
-    assert len(got) == len(want)
-
-
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
 def test_engine_greedy_equals_generate(family, prefix_caching):
     """An Engine over the family: prompts prefilled in 5-token chunks, batched with each other's
     decode steps, every answer equal to transformers' generate(); with the prefix cache on, the
     second round's shared prompt comes from the cache."""
-    from tritonlm.engine.engine import Engine
-    from tritonlm.engine.kv_cache import KVCacheManager
-    from tritonlm.engine.request import GenerationRequest, SamplingParams
-    from tritonlm.engine.scheduler import SchedulerConfig
-    from tritonlm.models.builtin import tiny_tokenizer
-
-    from tests.helpers.models import Collector, drain
-
     _, model = family
-    runner = TorchRunner(model)
-    cache = KVCacheManager(runner.spec, 64 * 4 * runner.spec.bytes_per_token, 4, allocate_kv=runner.allocate_kv,
-                           prefix_caching=prefix_caching)
-    engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(max_num_batched_tokens=5), max_context=128)
     shared = random_tokens(13, seed=11)
     prompts = [shared, random_tokens(6, seed=12), shared + random_tokens(3, seed=13)]
-    new = 12
-    col = Collector()
-    for round_ in range(2):
-        ids = []
-        for prompt in prompts:
-            req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
-            col.events[req.request_id] = []
-            engine.submit(req)
-            ids.append(req.request_id)
-        drain(engine)
-        for prompt, rid in zip(prompts, ids):
-            assert_greedy_equal(model, prompt, col.ids(rid), _generate(model, prompt, new))
-        if round_ == 1 and prefix_caching:
-            assert col.final(ids[0]).num_cached_tokens > 0
+    assert_engine_greedy_equal(model, TorchRunner(model), prompts, 12, prefix_caching)
 
 
 @pytest.mark.parametrize("drafter", ["self", "lookup"])
@@ -154,12 +111,9 @@ def test_speculative_decoding_greedy_equals_generate(family, drafter):
     to transformers' generate()."""
     from tritonlm.engine.engine import Engine
     from tritonlm.engine.kv_cache import KVCacheManager
-    from tritonlm.engine.request import GenerationRequest, SamplingParams
     from tritonlm.engine.scheduler import SchedulerConfig
     from tritonlm.engine.speculative import DraftModelDrafter, PromptLookupDrafter
     from tritonlm.models.builtin import tiny_tokenizer
-
-    from tests.helpers.models import Collector, drain
 
     _, model = family
     runner = TorchRunner(model)
@@ -170,16 +124,9 @@ def test_speculative_decoding_greedy_equals_generate(family, drafter):
     loop = random_tokens(5, seed=21)
     prompts = [loop * 3, random_tokens(7, seed=22) + loop * 2]
     new = 12
-    col = Collector()
-    ids = []
-    for prompt in prompts:
-        req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
-        col.events[req.request_id] = []
-        engine.submit(req)
-        ids.append(req.request_id)
-    drain(engine)
+    ((col, ids),) = engine_answers(engine, prompts, new)
     for prompt, rid in zip(prompts, ids):
-        assert_greedy_equal(model, prompt, col.ids(rid), _generate(model, prompt, new))
+        assert_greedy_equal(model, prompt, col.ids(rid), hf_generate(model, prompt, new))
     proposed = sum(col.final(rid).draft_tokens for rid in ids)
     assert proposed > 0  # verification steps several tokens wide did run
     if drafter == "self":  # the target drafting for itself is always right

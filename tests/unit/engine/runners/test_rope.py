@@ -21,8 +21,8 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.models import LLAMA_VOCAB, Collector, assert_close, drain, forward_rows, paged_cache, random_tokens
-from tests.unit.engine.runners.test_families import assert_greedy_equal
+from tests.helpers.greedy import assert_engine_greedy_equal, assert_greedy_equal, engine_answers
+from tests.helpers.models import LLAMA_VOCAB, assert_close, forward_rows, paged_cache, random_tokens
 from tritonlm.engine.runners.rope import rotary_order
 from tritonlm.engine.runners.torch_runner import TorchRunner
 
@@ -128,33 +128,12 @@ def test_engine_greedy_equals_generate(variant, prefix_caching):
     """Prompts below and above THRESHOLD prefilled in 5-token chunks, batched with each other's
     decode steps, two rounds (the second from the prefix cache where it is on): every answer
     is generate()'s, however the prompt was chunked."""
-    from tritonlm.engine.engine import Engine
-    from tritonlm.engine.kv_cache import KVCacheManager
-    from tritonlm.engine.request import GenerationRequest, SamplingParams
-    from tritonlm.engine.scheduler import SchedulerConfig
-    from tritonlm.models.builtin import tiny_tokenizer
-
     name, model = variant
-    runner = TorchRunner(model)
-    cache = KVCacheManager(runner.spec, 96 * 4 * runner.spec.bytes_per_token, 4, allocate_kv=runner.allocate_kv,
-                           prefix_caching=prefix_caching)
-    engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(max_num_batched_tokens=5), max_context=128)
     shared = random_tokens(21, seed=21)
     prompts = [shared, shared + random_tokens(19, seed=22), random_tokens(9, seed=23)]  # 21, 40 and 9 tokens
     new = THRESHOLD - 21 if name in RECOMPUTES_AT_THRESHOLD else 20  # Phi-3: up to the threshold
-    col = Collector()
-    for round_ in range(2):
-        ids = []
-        for prompt in prompts:
-            req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
-            col.events[req.request_id] = []
-            engine.submit(req)
-            ids.append(req.request_id)
-        drain(engine)
-        for prompt, rid in zip(prompts, ids):
-            assert_greedy_equal(model, prompt, col.ids(rid), generate(model, prompt, new)[0])
-        if round_ == 1 and prefix_caching:
-            assert col.final(ids[0]).num_cached_tokens > 0
+    assert_engine_greedy_equal(model, TorchRunner(model), prompts, new, prefix_caching,
+                               reference=lambda prompt, n: generate(model, prompt, n)[0], kv_tokens=384)
 
 
 @pytest.mark.parametrize("model_type, rotating, pairs", [
@@ -185,7 +164,6 @@ def test_the_gpu_decode_path_keeps_each_rows_tables(monkeypatch, name):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from tritonlm.engine.engine import Engine
     from tritonlm.engine.kv_cache import KVCacheManager
-    from tritonlm.engine.request import GenerationRequest, SamplingParams
     from tritonlm.engine.scheduler import SchedulerConfig
     from tritonlm.models.builtin import tiny_tokenizer
 
@@ -198,9 +176,5 @@ def test_the_gpu_decode_path_keeps_each_rows_tables(monkeypatch, name):
                            device_tables=True)
     engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(max_num_batched_tokens=5), max_context=128)
     prompt, new = random_tokens(40, seed=40), 6
-    col = Collector()
-    req = GenerationRequest(prompt, SamplingParams(max_tokens=new, end_id=-1), col._on_event)
-    col.events[req.request_id] = []
-    engine.submit(req)
-    drain(engine)
-    assert_greedy_equal(model, prompt, col.ids(req.request_id), generate(model, prompt, new)[0])
+    ((col, (rid,)),) = engine_answers(engine, [prompt], new)
+    assert_greedy_equal(model, prompt, col.ids(rid), generate(model, prompt, new)[0])
