@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.lora import make_adapter
-from tests.helpers.servers import HANG_GUARD_S
+from tests.helpers.servers import HANG_GUARD_S, metric
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.export.repository import write_generation_model
 from tritonlm.openai.server import OpenAIServer
@@ -119,3 +119,22 @@ def test_an_unknown_adapter_is_a_clear_error_and_the_server_keeps_serving(triton
         client.completions.create(model="nope", prompt=PROMPTS[0], max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and "sql" in e.value.body["message"]
     assert grpc(triton_server, PROMPTS[0], lora_name="chat").text == peft_text(served_models, "chat", PROMPTS[0])
+
+
+def test_adapter_metrics_count_requests_loads_and_evictions(triton_server, served_models):
+    """Requests per adapter, cold loads, evictions (max_cpu_loras=1: every switch of adapter
+    loads one and drops the other) and residency, counted by the time each answer is back."""
+    def read():
+        return ({a: metric(triton_server, "tritonlm_lora_requests_total", "tiny", default=0, adapter=a) for a in ADAPTERS},
+                metric(triton_server, "tritonlm_lora_loads_total", "tiny"),
+                metric(triton_server, "tritonlm_lora_evictions_total", "tiny"))
+
+    grpc(triton_server, PROMPTS[0], lora_name="sql")  # sql resident, whatever ran before
+    requests, loads, evictions = read()
+    for adapter in ("chat", "sql", "sql"):
+        grpc(triton_server, PROMPTS[0], lora_name=adapter)
+    after, loads_after, evictions_after = read()
+    assert after["chat"] - requests["chat"] == 1 and after["sql"] - requests["sql"] == 2
+    assert loads_after - loads == 2 and evictions_after - evictions == 2  # chat in, then sql back in
+    assert metric(triton_server, "tritonlm_lora_adapters_resident", "tiny") == 1
+    assert metric(triton_server, "tritonlm_lora_load_seconds_count", "tiny") == loads_after

@@ -28,6 +28,7 @@ TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 ITL_BUCKETS = TPOT_BUCKETS + [2.5, 5.0]  # a gap can hold a long prefill chunk of another request
 SLO_OUTCOMES = ("met", "missed", "shed")
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+LORA_LOAD_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 PASS_BUCKETS = [1, 2, 3, 4, 5, 6, 8, 10, 16]
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 PUBLISH_S = 0.1  # the metrics thread publishes what was recorded this often
@@ -128,6 +129,19 @@ class TritonMetrics:
         self.slo_ttft = gauge("tritonlm_slo_predicted_ttft_seconds", "SLO controller: the last arrival's predicted time to first token")
         self.slo_tpot = gauge("tritonlm_slo_predicted_tpot_seconds", "SLO controller: the next step's predicted seconds (the running streams' TPOT)")
 
+        # LoRA adapters (engine.lora_registry): requests per adapter, residency, loads and evictions
+        self._labels = labels
+        self._lora_requests = family("tritonlm_lora_requests_total", "Requests that named a LoRA adapter, by adapter",
+                                     pb_utils.MetricFamily.COUNTER)
+        self._lora_request_metrics: dict[str, object] = {}  # adapter -> its counter, made at its first request
+        self.lora_resident = gauge("tritonlm_lora_adapters_resident", "LoRA adapters loaded in memory (max_cpu_loras)")
+        self.lora_loads = counter("tritonlm_lora_loads_total", "LoRA adapters loaded from their folders")
+        self.lora_evictions = counter("tritonlm_lora_evictions_total",
+                                      "LoRA adapters dropped from memory for another (least recently used first)")
+        self.lora_load_s = _Histogram("tritonlm_lora_load_seconds", "Seconds each cold LoRA adapter load took", labels,
+                                      LORA_LOAD_BUCKETS)
+        self._lora_seen: tuple[dict, int, int] = ({}, 0, 0)  # (requests by adapter, loads, evictions) counted
+
         self._lock = threading.Lock()  # guards _recorded, _urgent, _admitted (engine thread vs publishers)
         self._recorded = _Recorded()
         self._urgent = False  # a first token, a finish or an admission waits to be shown
@@ -215,6 +229,26 @@ class TritonMetrics:
                 self.prefix_queries.increment(queries - self._prefix_seen[1])
                 self._prefix_seen = (hits, queries)
             self._publish_slo(engine.scheduler)
+            registry = getattr(engine, "lora_registry", None)
+            if registry is not None:
+                self._publish_lora(registry)
+
+    def _publish_lora(self, registry) -> None:
+        """The registry's counts since the last publish, its residency and its cold loads."""
+        seen, loads, evictions = self._lora_seen
+        requests = dict(registry.requests)  # one C-level copy: request threads add names
+        for name, count in requests.items():
+            if count != seen.get(name, 0):
+                if name not in self._lora_request_metrics:
+                    self._lora_request_metrics[name] = self._lora_requests.Metric(labels={**self._labels, "adapter": name})
+                self._lora_request_metrics[name].increment(count - seen.get(name, 0))
+        if registry.loads != loads:
+            self.lora_loads.increment(registry.loads - loads)
+        if registry.evictions != evictions:
+            self.lora_evictions.increment(registry.evictions - evictions)
+        self._lora_seen = (requests, registry.loads, registry.evictions)
+        self._set("lora_resident", len(registry.resident))
+        self.lora_load_s.observe_all(registry.drain_load_seconds())
 
     def _publish_slo(self, scheduler) -> None:
         """The ledger's inter-token gaps and SLO counts, and the controller's state."""

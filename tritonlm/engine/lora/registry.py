@@ -9,11 +9,16 @@ Any number of adapter folders may be named; at most max_cpu_loras stay loaded, t
 recently used dropped first. A dropped adapter that requests still hold stays alive with them
 (they keep their LoraAdapter), so eviction never fails a request: the next get() loads it
 again. An unknown name is a ValueError naming the known ones.
+
+What it did is kept for the metrics (glue.metrics): requests per adapter, loads, evictions,
+and each cold load's seconds (drained by the publisher).
 """
 
 from __future__ import annotations
 
 import collections
+import threading
+import time
 from pathlib import Path
 
 from tritonlm.engine.lora.adapter import LoraAdapter, load_adapter
@@ -35,6 +40,9 @@ class LoraRegistry:
         self._loaded: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()  # LRU first
         self.loads = 0  # adapters loaded from their folders (first uses, reloads after evictions)
         self.evictions = 0
+        self.requests: collections.Counter[str] = collections.Counter()  # get() calls (one per request), by name
+        self._lock = threading.Lock()  # guards _load_seconds (request threads vs the metrics publisher)
+        self._load_seconds: list[float] = []  # each cold load's seconds, not yet published
         for name, folder in (folders or {}).items():
             self.add(name, folder)
 
@@ -65,14 +73,25 @@ class LoraRegistry:
         adapter = self._loaded.get(name)
         if adapter is not None:
             self._loaded.move_to_end(name)
+            self.requests[name] += 1
             return adapter
+        start = time.perf_counter()
         adapter = load_adapter(self._folder(name), self.model, name, self.max_rank)
+        with self._lock:
+            self._load_seconds.append(time.perf_counter() - start)
         self.loads += 1
+        self.requests[name] += 1
         while len(self._loaded) >= self.max_cpu_loras:
             self._loaded.popitem(last=False)
             self.evictions += 1
         self._loaded[name] = adapter
         return adapter
+
+    def drain_load_seconds(self) -> list[float]:
+        """The cold loads' seconds since the last call."""
+        with self._lock:
+            out, self._load_seconds = self._load_seconds, []
+        return out
 
     def _folder(self, name: str) -> Path:
         folder = self._folders.get(name)

@@ -57,9 +57,12 @@ def test_twenty_adapters_through_four_places(twenty):
     assert_close(out[0], hf_logits(merged, seq)[-1])
     assert_close(out[20], hf_logits(model, seq)[-1])
     assert len({round(float(row.max()), 5) for row in out}) == 21  # every adapter did something of its own
+    assert len(registry.drain_load_seconds()) == 20 and registry.drain_load_seconds() == []  # each cold load, once
     registry.get("a17")  # a hit: no load, now the most recent
     assert registry.loads == 20 and registry.resident[-1] == "a17"
     assert registry.get("a0") is not adapters[0] and registry.loads == 21  # evicted earlier: loaded again
+    assert registry.requests["a17"] == 2 and registry.requests["a0"] == 2 and registry.requests["a5"] == 1
+    assert len(registry.drain_load_seconds()) == 1
 
 
 def test_unknown_names_and_settings_are_refused(twenty):
