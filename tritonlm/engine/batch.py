@@ -37,6 +37,11 @@ class StepBatch:
     # [B] int64: each row's prompt tokens, which fix a length-dependent RoPE's tables token by
     # token however the prompt is chunked (runners.rope); None: each row's longest position
     prompt_lens: torch.Tensor | None = None
+    # sliding_window_kv 'window' (window_kv.py): the windowed layers' own tables, rings of
+    # blocks, in the same form as the main ones (block_table [B, M'] or slot_table [B, L]);
+    # None: every layer reads the main tables
+    window_block_table: torch.Tensor | None = None
+    window_slot_table: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -28,6 +28,11 @@ its last token).
 Tensors (per layer, one for K and one for V):
     [num_blocks * block_size, num_kv_heads, head_dim]   ("slots": one token each)
 Slot 0 is reserved as a scratch slot that padding entries point at.
+
+Rings (`ring_blocks`): a manager for layers that only ever read their last `window` keys
+(window_kv.py) gives a sequence at most `ring_blocks` blocks of its own and a block table
+that repeats them, entry m = ring[m % R], as long as a full reservation: a position maps
+to a slot of the ring, so the slot tables, device block tables and kernels work unchanged.
 """
 
 from __future__ import annotations
@@ -69,6 +74,16 @@ class KVPool:
         )
 
     @staticmethod
+    def allocate_layers(
+        layer_slots: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+    ) -> "KVPool":
+        """A pool whose layer li has layer_slots[li] slots (layers of two block groups: window_kv.py)."""
+        return KVPool(
+            k=[torch.zeros((n, num_kv_heads, head_dim), dtype=dtype, device=device) for n in layer_slots],
+            v=[torch.zeros((n, num_kv_heads, head_dim), dtype=dtype, device=device) for n in layer_slots],
+        )
+
+    @staticmethod
     def for_shape(spec: ModelShape, num_slots: int, device: str | torch.device = "cpu") -> "KVPool":
         return KVPool.allocate(num_slots, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
 
@@ -98,6 +113,10 @@ def block_digest(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
 
 
 class KVCacheManager:
+    # the sliding-window layers' own blocks when they keep rings of their own (window_kv.HybridKVCache);
+    # None: every layer's K/V sits in this manager's blocks
+    window_group: "KVCacheManager | None" = None
+
     def __init__(
         self,
         spec: ModelShape,
@@ -106,6 +125,7 @@ class KVCacheManager:
         allocate_kv: PoolFactory | None = None,
         prefix_caching: bool = False,
         device_tables: bool | None = None,
+        ring_blocks: int | None = None,
     ):
         """budget_bytes counts the whole model's K/V (spec.bytes_per_token per token).
         allocate_kv: the runner's `allocate_kv`, called once with the number of slots;
@@ -114,7 +134,9 @@ class KVCacheManager:
         device_tables: keep every live sequence's blocks in a DeviceBlockTable on the pool's
         device as well (default: whenever there is a pool), so a step's slots are mapped from
         them with tensor ops where the pool is (Scheduler.batch, runners.base.plan_step)
-        instead of built row by row on the host."""
+        instead of built row by row on the host.
+        ring_blocks: each sequence holds at most this many blocks, its table repeating them
+        (for sliding-window layers, window_kv.py); None: a block per block_size positions."""
         if block_size <= 0:
             raise CacheBudgetError(f"kv_block_size must be positive, got {block_size}")
         self.spec = spec
@@ -128,6 +150,9 @@ class KVCacheManager:
                 f"({self.block_bytes} bytes each at {spec.bytes_per_token} bytes/token); raise it"
             )
         self.num_blocks = num_blocks
+        if ring_blocks is not None and (ring_blocks < 1 or prefix_caching):
+            raise ValueError(f"ring_blocks={ring_blocks}: must be >= 1, and rings share no prefix (prefix_caching off)")
+        self.ring_blocks = ring_blocks
         self.prefix_caching = prefix_caching
         self.root_digest = hashlib.blake2b(repr(spec).encode(), digest_size=16).digest()  # "the model" in every chain
         self.pool: KVPool | None = allocate_kv(self.num_slots) if allocate_kv is not None else None
@@ -181,10 +206,15 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def owned_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of num_tokens holds: one per block_size positions, or its ring."""
+        need = self.blocks_for(num_tokens)
+        return need if self.ring_blocks is None else min(need, self.ring_blocks)
+
     def can_allocate(self, num_tokens: int, hits: list[int] = ()) -> bool:
         """Room for num_tokens when the blocks `hits` (from find_prefix) are shared."""
         taken_from_free = sum(1 for b in hits if b in self._evictable)
-        return self.blocks_for(num_tokens) - len(hits) <= self.free_blocks - taken_from_free
+        return self.owned_blocks_for(num_tokens) - len(hits) <= self.free_blocks - taken_from_free
 
     def live_sequences(self) -> int:
         return len(self._tables)
@@ -244,12 +274,15 @@ class KVCacheManager:
         if seq_id in self._tables:
             raise KeyError(f"sequence {seq_id} already has a cache")
         if not self.can_allocate(num_tokens, hits):
-            raise CacheBudgetError(f"need {self.blocks_for(num_tokens) - len(hits)} new blocks, {self.free_blocks} free")
+            raise CacheBudgetError(f"need {self.owned_blocks_for(num_tokens) - len(hits)} new blocks, {self.free_blocks} free")
         for block in hits:
             self._evictable.pop(block, None)
             self._refs[block] += 1
-        fresh = [self._take() for _ in range(self.blocks_for(num_tokens) - len(hits))]
-        self._tables[seq_id] = list(hits) + fresh
+        fresh = [self._take() for _ in range(self.owned_blocks_for(num_tokens) - len(hits))]
+        blocks = list(hits) + fresh
+        if self.ring_blocks is not None:  # the ring repeated: entry m = ring[m % R], a full table's length
+            blocks = [blocks[m % len(blocks)] for m in range(self.blocks_for(num_tokens))]
+        self._tables[seq_id] = blocks
         if self.device_table is not None:
             self.device_table.add(seq_id, self._tables[seq_id])
 
@@ -268,13 +301,18 @@ class KVCacheManager:
         blocks = self._tables.pop(seq_id, None)
         if self.device_table is not None:
             self.device_table.remove(seq_id)
-        for block in reversed(blocks or []):  # the tail first: evicted before the prefix it extends
+        # a ring's table repeats its blocks: each is given back once
+        for block in reversed(list(dict.fromkeys(blocks or []))):  # the tail first: evicted before the prefix it extends
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if block in self._content:
                     self._evictable[block] = None  # most recently used last
                 else:
                     self._free.append(block)
+
+    def reserved_bytes(self, seq_id: int) -> int:
+        """Bytes of the distinct blocks the sequence holds."""
+        return len(set(self._tables[seq_id])) * self.block_bytes
 
     def capacity(self, seq_id: int) -> int:
         """Tokens reserved for the sequence."""

@@ -15,6 +15,7 @@ from tritonlm.engine.scheduler import SchedulerConfig
 from tritonlm.engine.precision import Precision, PrecisionError, resolve_precision
 from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.engine.tokenizer import check_same_tokenizer, error_summary, load_tokenizer
+from tritonlm.engine.window_kv import HybridKVCache
 
 log = logging.getLogger(__name__)
 
@@ -173,26 +174,40 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
     if settings.enable_prefix_caching and settings.speculative == "draft":
         log.info("prefix caching is off: a draft model's cache is not shared between requests")
     try:
-        cache = KVCacheManager(
-            spec, budget, settings.kv_block_size, allocate_kv=runner.allocate_kv, prefix_caching=prefix_caching
-        )
+        cache = _window_cache(settings, runner, budget, max_context)
+        if cache is None:
+            cache = KVCacheManager(
+                spec, budget, settings.kv_block_size, allocate_kv=runner.allocate_kv, prefix_caching=prefix_caching
+            )
     except CacheBudgetError as e:
         raise SettingsError(f"kv_cache_bytes: {e}") from None
-    if cache.max_tokens_per_sequence < max_context:
+    if isinstance(cache, HybridKVCache):
+        if cache.max_tokens_per_sequence < max_context:
+            raise SettingsError(
+                f"kv_cache_bytes: {budget} bytes hold {cache.max_tokens_per_sequence} tokens with sliding_window_kv "
+                f"'window', less than one full-context sequence of {max_context}; raise it or lower max_context"
+            )
+        log.info("KV cache (sliding_window_kv 'window'): budget %d bytes = %d for the full-attention layers, %d for "
+                 "the windowed layers' rings of %d blocks of %d tokens", cache.total_bytes,
+                 cache.full.total_bytes if cache.full is not None else 0, cache.window.total_bytes,
+                 cache.ring_blocks, cache.block_size)
+    elif cache.max_tokens_per_sequence < max_context:
         need = (cache.blocks_for(max_context) + 1) * cache.block_bytes
         raise SettingsError(
             f"kv_cache_bytes: {budget} bytes hold {cache.max_tokens_per_sequence} tokens, less than one "
             f"full-context sequence ({max_context} tokens at {spec.bytes_per_token} bytes/token); "
             f"give at least {need} bytes or lower max_context"
         )
-    log.info(
-        "KV cache: %d bytes/token, budget %d bytes = %d blocks of %d tokens (%d full-context sequences of %d)",
-        spec.bytes_per_token, cache.total_bytes, cache.usable_blocks, cache.block_size,
-        cache.max_tokens_per_sequence // max_context, max_context,
-    )
+    else:
+        log.info(
+            "KV cache: %d bytes/token, budget %d bytes = %d blocks of %d tokens (%d full-context sequences of %d)",
+            spec.bytes_per_token, cache.total_bytes, cache.usable_blocks, cache.block_size,
+            cache.max_tokens_per_sequence // max_context, max_context,
+        )
     if hasattr(runner, "max_context"):  # bounds the CUDA graphs' block tables
         runner.max_context = max_context
-    if hasattr(runner, "prepare_decode") and cache.device_table is not None and runner.device.type == "cuda":
+    if (hasattr(runner, "prepare_decode") and cache.device_table is not None and runner.device.type == "cuda"
+            and cache.window_group is None):
         log.info("decode steps: %s", runner.prepare_decode(cache.pool, cache.block_size))
     sched = SchedulerConfig(
         max_num_seqs=settings.max_num_seqs,
@@ -215,6 +230,29 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
         drafter=build_drafter(settings, runner, cache, tokenizer, max_context),
         num_draft_tokens=settings.num_draft_tokens,
     )
+
+
+def _window_cache(settings: EngineSettings, runner, budget: int, max_context: int) -> HybridKVCache | None:
+    """sliding_window_kv 'window': the KV cache of two block groups, the windowed layers' in rings
+    (window_kv.py); None for 'full', and for a model without a sliding-window layer (logged)."""
+    if settings.sliding_window_kv != "window":
+        return None
+    model = getattr(runner, "transformer", None)
+    if model is None:
+        raise SettingsError("sliding_window_kv: 'window' needs the torch runtime's own forward pass; "
+                            "set sliding_window_kv to 'full'")
+    windows = [layer.block.sliding_window for layer in model.layers]
+    if all(w is None for w in windows):
+        log.info("sliding_window_kv: 'window' ignored: %s has no sliding-window layer, every layer keeps every position",
+                 model.spec.family)
+        return None
+    # the most new tokens one row brings to a step: a prefill chunk, or a token and its draft
+    step_tokens = max(settings.max_num_batched_tokens, settings.max_num_seqs, 1 + settings.num_draft_tokens)
+    cache = HybridKVCache(model.spec, budget, settings.kv_block_size, windows, step_tokens, settings.max_num_seqs,
+                          max_context, device=runner.device)
+    if cache.window_group is not None:
+        log.info("sliding_window_kv 'window': %s", model.use_window_groups().why)
+    return cache
 
 
 def _load_runner_or_explain(field: str, kind: str, path, **kwargs):

@@ -188,13 +188,18 @@ class Scheduler:
         tokens (the target's num_computed, or a drafter's own count); each row under its
         request's LoRA adapter, if any (StepBatch.adapters)."""
         ids = [seq.id for seq, _ in rows]
+        lengths = [p + len(toks) for (_, toks), p in zip(rows, past)]
         if self.cache.device_table is not None:  # the runner maps slots on its device
             blocks = self.cache.device_table.gather(ids)  # [B, M] int32
             batch = StepBatch.from_block_table([toks for _, toks in rows], past, blocks, self.cache.block_size, all_logits)
         else:
-            lengths = [p + len(toks) for (_, toks), p in zip(rows, past)]
             table = self.cache.slot_table(ids, lengths)  # [B, L]
             batch = StepBatch.from_slot_table([toks for _, toks in rows], past, table, all_logits)
+        window = self.cache.window_group  # the windowed layers' rings (window_kv.py), when kept apart
+        if window is not None and window.device_table is not None:
+            batch.window_block_table = window.device_table.gather(ids)  # [B, M'] int32
+        elif window is not None:
+            batch.window_slot_table = window.slot_table(ids, lengths)  # [B, L]
         batch.prompt_lens = torch.tensor([seq.num_prompt_tokens for seq, _ in rows], dtype=torch.int64)
         adapters = [seq.request.lora for seq, _ in rows]
         if any(a is not None for a in adapters):

@@ -91,6 +91,9 @@ class EngineSettings:
     max_request_bytes: int = 0  # 0: the limits above added up + 64 KiB
     use_kv_cache: bool = True  # False only for benchmarks: recompute the whole sequence every step
     enable_prefix_caching: bool = True  # share the KV blocks of common prompt prefixes across requests
+    # "full": every layer keeps every position's K/V; "window": sliding-window layers keep only a
+    # ring of blocks over their window (engine/window_kv.py)
+    sliding_window_kv: str = "full"
     num_threads: int = 0  # compute threads; 0 ("auto"): the cores this process gets (cpu_cores.py), adapted while serving
     cpu_share: int = 1  # processes that split the cores (the model's CPU instances); set by the Triton glue
     # torch runtime: how decode steps read the paged KV cache. "paged": tritonlm's C++
@@ -228,6 +231,7 @@ class EngineSettings:
             max_request_bytes=get_int("max_request_bytes", 0, 0),
             use_kv_cache=get_bool("use_kv_cache", True),
             enable_prefix_caching=get_bool("enable_prefix_caching", True),
+            sliding_window_kv=params.get("sliding_window_kv", "full") or "full",
             num_threads=get_threads(),
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
@@ -273,6 +277,7 @@ class EngineSettings:
             raise SettingsError("onnx_model: required with runtime 'onnx' (path to the exported model.onnx)")
         if s.speculative == "draft" and s.draft_model is None:
             raise SettingsError("draft_model: required with speculative 'draft' (a draft model's Hugging Face folder)")
+        check_sliding_window_kv(s)
         if s.lora_adapters and (s.runtime != "torch" or s.is_parallel):
             raise SettingsError(
                 "lora_adapters: LoRA adapters run on the torch runtime without model parallelism; "
@@ -280,6 +285,32 @@ class EngineSettings:
                 f"pipeline_parallel_size {s.pipeline_parallel_size}"
             )
         return s
+
+
+SLIDING_WINDOW_KV_MODES = ("full", "window")
+
+
+def check_sliding_window_kv(s: EngineSettings) -> None:
+    """`sliding_window_kv: window` keeps a ring of blocks per sequence in the windowed layers:
+    SettingsError for what cannot share or replay a ring, naming both settings."""
+    if s.sliding_window_kv not in SLIDING_WINDOW_KV_MODES:
+        raise SettingsError(f"sliding_window_kv: {s.sliding_window_kv!r}; use one of {', '.join(SLIDING_WINDOW_KV_MODES)}")
+    if s.sliding_window_kv != "window":
+        return
+    if s.enable_prefix_caching:
+        raise SettingsError("sliding_window_kv: 'window' rewrites a sequence's ring of blocks, which prefix caching "
+                            "cannot share between requests; set enable_prefix_caching to false, or sliding_window_kv to 'full'")
+    if not s.use_kv_cache:
+        raise SettingsError("sliding_window_kv: 'window' keeps the K/V of a window only, which use_kv_cache=false "
+                            "(the whole history recomputed every step) would read; set sliding_window_kv to 'full'")
+    if s.speculative == "draft":
+        raise SettingsError("sliding_window_kv: 'window' is not served with a draft_model (speculative 'draft': "
+                            "the draft's cache follows the target's full block tables); use speculative "
+                            "'prompt_lookup' or 'off', or sliding_window_kv 'full'")
+    if s.runtime != "torch" or s.is_parallel:
+        raise SettingsError(f"sliding_window_kv: 'window' runs on the torch runtime without model parallelism; "
+                            f"this model has runtime {s.runtime!r}, tensor_parallel_size {s.tensor_parallel_size}, "
+                            f"pipeline_parallel_size {s.pipeline_parallel_size}")
 
 
 MULTI_LORA_FILE = "multi_lora.json"  # beside config.pbtxt, as vLLM's Triton backend reads it
@@ -430,6 +461,12 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("enable_prefix_caching", "true",
        "share the KV blocks of common prompt prefixes (a system prompt, earlier turns of a chat) across "
        "requests; off with a `draft_model`"),
+    _P("sliding_window_kv", "full",
+       "`window`: a sliding-window layer keeps only a ring of blocks over its window (plus one step's tokens) "
+       "per sequence instead of every position's K/V, so a Gemma-3-shaped model holds a long sequence in a "
+       "fraction of the bytes ([models.md](models.md#sliding-window-kv-memory)); needs `enable_prefix_caching` "
+       "false, the torch runtime without model parallelism and no `draft_model`; a model without a "
+       "sliding-window layer ignores it (logged). `full`: every layer keeps every position"),
     _P("num_threads", "auto",
        "compute threads (torch intra-op, the C++ kernels, ONNX Runtime). `auto` (or 0): one per core this "
        "process may use (the affinity mask and the cgroup CPU quota, split over the model's CPU instances and "

@@ -22,6 +22,7 @@ from the batch's CPU tensors, then moved to the runner's device).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -84,6 +85,9 @@ class ForwardBatch:
     # [B] int64 on the host: each row's prompt tokens (StepBatch.prompt_lens), which a
     # length-dependent RoPE reads (runners.rope.LengthRope); None: not given
     prompt_lens: torch.Tensor | None = None
+    # sliding_window_kv 'window' (window_kv.py): the same step over the windowed layers' own
+    # tables (its write_slots, slot_table and block_table are theirs); None: one set of tables
+    window: "ForwardBatch | None" = None
 
     @property
     def batch_size(self) -> int:
@@ -105,7 +109,18 @@ class ForwardBatch:
 
 
 def plan_step(batch: StepBatch, device: torch.device, max_positions: int | None = None) -> ForwardBatch:
-    """Validate the batch and build its index tensors (host-side checks, one transfer each)."""
+    """Validate the batch and build its index tensors (host-side checks, one transfer each);
+    with the windowed layers' own tables, those planned too (ForwardBatch.window)."""
+    if batch.window_block_table is None and batch.window_slot_table is None:
+        return _plan_tables(batch, device, max_positions)
+    plan = _plan_tables(dataclasses.replace(batch, window_block_table=None, window_slot_table=None), device, max_positions)
+    ring = dataclasses.replace(batch, slot_table=batch.window_slot_table, block_table=batch.window_block_table,
+                               window_block_table=None, window_slot_table=None)
+    return dataclasses.replace(plan, window=_plan_tables(ring, device, max_positions))
+
+
+def _plan_tables(batch: StepBatch, device: torch.device, max_positions: int | None = None) -> ForwardBatch:
+    """plan_step over one set of tables (the batch's slot_table or block_table)."""
     ids = batch.input_ids
     if ids.dim() != 2:
         raise ValueError(f"StepBatch.input_ids must be [B, T], got shape {tuple(ids.shape)}")

@@ -317,7 +317,8 @@ def multipliers(config) -> Multipliers:
     )
 
 
-def fast_paths(blocks: list[BlockSpec], ends: GemmaEnds = GemmaEnds(), length_rope: bool = False) -> FastPaths:
+def fast_paths(blocks: list[BlockSpec], ends: GemmaEnds = GemmaEnds(), length_rope: bool = False,
+               window_groups: bool = False) -> FastPaths:
     """The paged-attention kernels (C++ and Triton) take q/k as the layer hands them over (q/k
     norm applied before it), RoPE per call (None for a NoPE layer), and each layer's sliding
     window, soft-cap and sinks per call: every layer's attention runs on them. The decoder
@@ -326,7 +327,9 @@ def fast_paths(blocks: list[BlockSpec], ends: GemmaEnds = GemmaEnds(), length_ro
     RoPE table per layer or ends (ends: the model's, which its one-call decode step runs).
     A length-dependent RoPE (longrope, dynamic: each token's tables follow its sequence's
     length) is computed per step in Python: no CUDA graphs (nor the one-call decode step,
-    runners.decoder_stack)."""
+    runners.decoder_stack). window_groups: the windowed layers keep rings of blocks of their
+    own (sliding_window_kv 'window', window_kv.py), a second slot table each step that the
+    decoder stack and the decode graphs (one table for every layer) do not take."""
     reasons = []
     plain = all(b.qk_norm == "none" and b.rope and b.norm == "pre" for b in blocks)
     if not plain:
@@ -343,5 +346,9 @@ def fast_paths(blocks: list[BlockSpec], ends: GemmaEnds = GemmaEnds(), length_ro
     if length_rope:
         reasons.append("a longrope / dynamic RoPE's tables follow each sequence's length: cos / sin per step "
                        "in Python, no CUDA graphs and no one-call decode step")
-    return FastPaths(attention_kernel=True, decoder_stack=plain and not gemma and not moe,
-                     why="; ".join(reasons), cuda_graphs=not moe and not length_rope)
+    if window_groups:
+        reasons.append("sliding_window_kv 'window': the windowed layers read their own ring of blocks, a second "
+                       "slot table per step, which the one-call decoder stack and the CUDA graphs (one table for "
+                       "every layer) do not take")
+    return FastPaths(attention_kernel=True, decoder_stack=plain and not gemma and not moe and not window_groups,
+                     why="; ".join(reasons), cuda_graphs=not moe and not length_rope and not window_groups)

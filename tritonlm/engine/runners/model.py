@@ -173,6 +173,9 @@ class Transformer:
     # LoRA adapters (lora.apply.attach_lora): the running step's rows per adapter, read by the
     # wrapped projections and by embed(); None: no adapters attached
     lora: object | None = field(default=None, repr=False)
+    # sliding_window_kv 'window' with full layers too: two groups of blocks, two slot tables a
+    # step (window_kv.py), which the one-call decoder stack and the decode graphs cannot take
+    window_groups: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -440,7 +443,14 @@ class Transformer:
     def fast_paths(self) -> FastPaths:
         """Which fast paths these layers' BlockSpecs allow (families.fast_paths): the one place
         a family's features switch the C++ / Triton paths off, at load."""
-        return fast_paths([L.block for L in self.layers], self.ends, self.length_rope is not None)
+        return fast_paths([L.block for L in self.layers], self.ends, self.length_rope is not None, self.window_groups)
+
+    def use_window_groups(self) -> FastPaths:
+        """The windowed layers keep blocks of their own (window_kv.py): the paths that take one
+        slot table for every layer go off. Returns the fast paths left."""
+        self.window_groups = True
+        self.decoder_stack = None
+        return self.fast_paths()
 
     def use_decode_kernel(self) -> tuple[bool, str]:
         """Turn on the Triton paged decode kernel where it runs: a CUDA device with the
@@ -580,17 +590,22 @@ class Transformer:
         """x [B, T, C] through this shard's layers (pool: their K/V); two all-reduces per layer under TP.
         A padded batch runs packed ([N, C] between the layers) and comes back [B, T, C], zeros at the padding."""
         ctx = self._context(plan, pool)
-        # every layer in one call (the stack holds the base projections: not for a step with adapters)
-        if ctx.kernel and self.decoder_stack is not None and comm.world == 1 and getattr(self.lora, "step", None) is None:
+        # sliding_window_kv 'window': the windowed layers read and write their own rings (window_kv.py)
+        ring_ctx = ctx if plan.window is None else self._context(plan.window, pool)
+        # every layer in one call (the stack holds the base projections and one slot table: not
+        # for a step with adapters, nor one whose layers keep two groups of blocks)
+        if (ctx.kernel and self.decoder_stack is not None and comm.world == 1 and plan.window is None
+                and getattr(self.lora, "step", None) is None):
             cos, sin = ctx.rope if ctx.rope is not None else (None, None)
             return torch.ops.tritonlm.decoder_stack(
                 self.decoder_stack, x, pool.k, pool.v, plan.write_slots, ctx.slot_table, plan.positions, cos, sin,
                 blocked_rows(x.shape[0] * x.shape[1]))
-        shape = x.shape
+        shape, full_ctx = x.shape, ctx
         if ctx.packed is not None:  # [B, T, C] -> [N, C]: the padding never reaches a matmul
             x = x.reshape(-1, shape[-1]).index_select(0, ctx.packed)
         delta = None  # what the last block adds to the residual stream, added with the next norm
         for li, layer in enumerate(self.layers):
+            ctx = ring_ctx if layer.block.sliding_window is not None else full_ctx
             if layer.block.norm == "post":  # OLMo 2: the blocks see x itself, their outputs are normed
                 x = x if delta is None else x + delta
                 x = x + self.norm(layer.ln_attn, row_parallel(layer.o, self.self_attention(x, layer, li, ctx, pool), comm))

@@ -122,7 +122,7 @@ class TorchRunner:
                 raise ValueError(f"sequence length exceeds the model's max_positions={self.max_positions}")
             return graphs.forward(batch)
         if (self.lean_decode and batch.width == 1 and not batch.all_logits and batch.block_table is not None
-                and self.transformer.decode_step_ready):
+                and batch.window_block_table is None and self.transformer.decode_step_ready):
             return self.transformer.decode_step(batch, pool)
         plan = plan_step(batch, self.device, self.max_positions)
         return self.transformer.forward(plan, batch.all_logits, pool)
@@ -148,6 +148,8 @@ class TorchRunner:
         uncompiled step, logged. Returns what the decode steps will run."""
         if not self.transformer.decode_kernel:
             return f"no decode graphs: {self.attention_why}"
+        if self.transformer.window_groups:
+            return f"no decode graphs: {self.transformer.fast_paths().why}"
         self.decode_graphs = self._new_decode_graphs(pool, block_size)
         try:
             self.decode_graphs.capture_all()
@@ -165,7 +167,8 @@ class TorchRunner:
     def _decode_graphs(self, batch: StepBatch, pool: KVPool):
         """The DecodeGraphs that runs this batch, or None for the general path (always for a
         length-dependent RoPE: its padded steps know no prompt lengths)."""
-        if not self.transformer.decode_kernel or batch.block_table is None or self.transformer.length_rope is not None:
+        if (not self.transformer.decode_kernel or batch.block_table is None or self.transformer.length_rope is not None
+                or batch.window_block_table is not None):  # two groups' tables: the general path
             return None
         graphs = self.decode_graphs
         if graphs is None or graphs.pool is not pool:
