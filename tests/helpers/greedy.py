@@ -3,7 +3,8 @@ Engine run over prompts that are chunked, batched and (with the prefix cache) re
 
     hf_generate(model, prompt, new)          transformers' greedy tokens (no EOS: `new` of them)
     assert_greedy_equal(model, prompt, ...)  equal, up to transformers' own near-tie
-    engine_answers(runner, prompts, new)     an Engine's answers, submitted together, in rounds
+    submit_all(engine, prompts, new)         every prompt submitted: the events, the request ids
+    engine_answers(engine, prompts, new)     an Engine's answers, submitted together, in rounds
     assert_engine_greedy_equal(...)          engine_answers against a reference, each round
 """
 
@@ -36,19 +37,24 @@ def assert_greedy_equal(model, prompt: list[int], got: list[int], want: list[int
     assert len(got) == len(want)
 
 
-def engine_answers(engine, prompts: list[list[int]], new: int, rounds: int = 1) -> list[tuple[Collector, list[int]]]:
-    """Per round, every prompt submitted at once (`new` tokens each, no EOS) and drained:
-    (the events, each prompt's request id)."""
+def submit_all(engine, prompts: list[list[int]], new: int) -> tuple[Collector, list[int]]:
+    """Every prompt submitted (`new` tokens each, no EOS): (the events, each prompt's request id)."""
     from tritonlm.engine.request import GenerationRequest, SamplingParams
 
+    col, ids = Collector(), []
+    for prompt in prompts:
+        req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
+        col.events[req.request_id] = []
+        engine.submit(req)
+        ids.append(req.request_id)
+    return col, ids
+
+
+def engine_answers(engine, prompts: list[list[int]], new: int, rounds: int = 1) -> list[tuple[Collector, list[int]]]:
+    """Per round, every prompt submitted at once and drained: (the events, each prompt's request id)."""
     out = []
     for _ in range(rounds):
-        col, ids = Collector(), []
-        for prompt in prompts:
-            req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
-            col.events[req.request_id] = []
-            engine.submit(req)
-            ids.append(req.request_id)
+        col, ids = submit_all(engine, prompts, new)
         drain(engine)
         out.append((col, ids))
     return out

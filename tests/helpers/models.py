@@ -420,3 +420,17 @@ def tiny_moe(family: str, **overrides):
                              ex.gate_up_proj_bias, ex.down_proj_bias):
                     bias.normal_(0, 0.2)
     return model
+
+
+def triton_decode_runner(model, monkeypatch) -> TorchRunner:
+    """A runner on the GPU's decode path run on the CPU: the Triton paged-decode kernel under
+    Triton's interpreter (the C++ kernels off, block tables kept where the pool is)."""
+    import pytest
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runner = TorchRunner(model, max_batch=8, max_context=128)
+    runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
+    on, why = runner.transformer.use_decode_kernel()
+    assert on, why
+    return runner

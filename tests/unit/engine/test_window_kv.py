@@ -12,38 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.models import WINDOW, Collector, drain, hf_logits, random_tokens, tiny_family
+from tests.helpers.greedy import assert_greedy_equal, engine_answers, hf_generate, submit_all
+from tests.helpers.models import WINDOW, drain, random_tokens, tiny_family, triton_decode_runner
 from tritonlm.engine.engine import Engine
 from tritonlm.engine.kernels import kernels_available
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.model_shape import ModelShape
-from tritonlm.engine.request import GenerationRequest, SamplingParams
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.engine.scheduler import SchedulerConfig
 from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.engine.window_kv import HybridKVCache, ring_blocks
 from tritonlm.models.builtin import tiny_tokenizer
 
-NEAR_TIE = 1e-5  # transformers' own top-1 / top-2 margin below which either token is greedy's answer
 CHUNK = 5  # prefill chunk: max_num_batched_tokens, the most new tokens a row runs in one step
 BLOCK = 4
-
-
-def _generate(model, prompt: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def assert_greedy_equal(model, prompt: list[int], got: list[int], want: list[int]) -> None:
-    """Equal token for token, up to where transformers' own top-1 / top-2 margin is a near tie."""
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            top2 = hf_logits(model, prompt + want[:i])[-1].topk(2).values
-            assert float(top2[0] - top2[1]) < NEAR_TIE, f"token {i}: {g} != {w} (margin {float(top2[0] - top2[1]):.3g})"
-            return
-    assert len(got) == len(want)
 
 
 def window_engine(runner: TorchRunner, budget_tokens: int = 256, max_num_seqs: int = 8, ring_seqs: int | None = None) -> Engine:
@@ -74,16 +56,9 @@ def test_engine_greedy_equals_generate_with_rings(family, attention):
     assert (cache.full is None) == (name == "mistral")
     prompts = [random_tokens(13, seed=11), random_tokens(6, seed=12), random_tokens(17, seed=13)]
     new = 20
-    col = Collector()
-    ids = []
-    for prompt in prompts:
-        req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
-        col.events[req.request_id] = []
-        engine.submit(req)
-        ids.append(req.request_id)
-    drain(engine)
+    ((col, ids),) = engine_answers(engine, prompts, new)
     for prompt, rid in zip(prompts, ids):
-        assert_greedy_equal(model, prompt, col.ids(rid), _generate(model, prompt, new))
+        assert_greedy_equal(model, prompt, col.ids(rid), hf_generate(model, prompt, new))
     assert cache.used_bytes == 0  # every ring given back once
 
 
@@ -148,18 +123,12 @@ def test_requests_wait_for_a_ring_then_finish_right():
     engine = window_engine(runner, budget_tokens=512, max_num_seqs=8, ring_seqs=2)  # rings for 2 sequences
     prompts = [random_tokens(9, seed=20 + i) for i in range(4)]
     new = 14
-    col = Collector()
-    ids = []
-    for prompt in prompts:
-        req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
-        col.events[req.request_id] = []
-        engine.submit(req)
-        ids.append(req.request_id)
+    col, ids = submit_all(engine, prompts, new)
     engine.step()
     assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 2
     drain(engine)
     for prompt, rid in zip(prompts, ids):
-        assert_greedy_equal(model, prompt, col.ids(rid), _generate(model, prompt, new))
+        assert_greedy_equal(model, prompt, col.ids(rid), hf_generate(model, prompt, new))
 
 
 @pytest.mark.parametrize("family_name", ["gemma3_text", "llama"])
@@ -184,41 +153,23 @@ def test_the_loader_builds_rings_where_a_layer_has_a_window(tmp_path, family_nam
         assert engine.runner.transformer.decoder_stack is None
         assert "sliding_window_kv" in engine.runner.transformer.fast_paths().why
         prompts = [random_tokens(11, seed=31), random_tokens(4, seed=32)]
-        col = Collector()
-        rids = []
-        for prompt in prompts:
-            req = GenerationRequest(list(prompt), SamplingParams(max_tokens=18, end_id=-1), col._on_event)
-            col.events[req.request_id] = []
-            engine.submit(req)
-            rids.append(req.request_id)
-        drain(engine)
+        ((col, rids),) = engine_answers(engine, prompts, 18)
         for prompt, rid in zip(prompts, rids):
-            assert_greedy_equal(model, prompt, col.ids(rid), _generate(model, prompt, 18))
+            assert_greedy_equal(model, prompt, col.ids(rid), hf_generate(model, prompt, 18))
     finally:
         engine.shutdown()
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Triton interpreter's numpy calls
 @pytest.mark.parametrize("family_name", ["gemma3_text", "mistral"])
 def test_the_triton_decode_path_reads_the_rings(monkeypatch, family_name):
     """The GPU's decode path (the Triton decode kernel, run by its interpreter; block tables on
     the device) over the rings: answers equal generate()'s."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tiny_family(family_name)
-    runner = TorchRunner(model, max_batch=8, max_context=128)
-    runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
-    on, why = runner.transformer.use_decode_kernel()
-    assert on, why
+    runner = triton_decode_runner(model, monkeypatch)
     engine = window_engine(runner)
     prompts = [random_tokens(13, seed=11), random_tokens(6, seed=12), random_tokens(17, seed=13)]
     new = 20
-    col = Collector()
-    rids = []
-    for prompt in prompts:
-        req = GenerationRequest(list(prompt), SamplingParams(max_tokens=new, end_id=-1), col._on_event)
-        col.events[req.request_id] = []
-        engine.submit(req)
-        rids.append(req.request_id)
-    drain(engine)
+    ((col, rids),) = engine_answers(engine, prompts, new)
     for prompt, rid in zip(prompts, rids):
-        assert_greedy_equal(model, prompt, col.ids(rid), _generate(model, prompt, new))
+        assert_greedy_equal(model, prompt, col.ids(rid), hf_generate(model, prompt, new))

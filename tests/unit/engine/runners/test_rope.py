@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from tests.helpers.greedy import assert_engine_greedy_equal, assert_greedy_equal, engine_answers
-from tests.helpers.models import LLAMA_VOCAB, assert_close, forward_rows, paged_cache, random_tokens
+from tests.helpers.models import LLAMA_VOCAB, assert_close, forward_rows, paged_cache, random_tokens, triton_decode_runner
 from tritonlm.engine.runners.rope import rotary_order
 from tritonlm.engine.runners.torch_runner import TorchRunner
 
@@ -160,18 +160,13 @@ def test_the_gpu_decode_path_keeps_each_rows_tables(monkeypatch, name):
     """The GPU's path (the Triton decode kernel, run by its interpreter; block tables on the
     device): a 40-token prompt prefilled in 5-token chunks and decoded answers as generate():
     short chunks and decode rows must not fall to padded steps that know no prompt length."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     from tritonlm.engine.engine import Engine
     from tritonlm.engine.kv_cache import KVCacheManager
     from tritonlm.engine.scheduler import SchedulerConfig
     from tritonlm.models.builtin import tiny_tokenizer
 
     model = tiny_variant(name)
-    runner = TorchRunner(model, max_batch=8, max_context=128)
-    runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
-    on, why = runner.transformer.use_decode_kernel()
-    assert on, why
+    runner = triton_decode_runner(model, monkeypatch)
     cache = KVCacheManager(runner.spec, 64 * 4 * runner.spec.bytes_per_token, 4, allocate_kv=runner.allocate_kv,
                            device_tables=True)
     engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(max_num_batched_tokens=5), max_context=128)
