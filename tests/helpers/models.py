@@ -69,7 +69,7 @@ def tiny_llama(**overrides):
 
 
 # the Llama-shaped families served (runners.families.FAMILIES), each as a tiny seeded model
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2", "glm", "glm4", "gemma",
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "phi3", "granite", "smollm3", "olmo2", "glm", "glm4", "gemma",
                 "gemma2", "gemma3_text")
 WINDOW = 8  # sliding window of the tiny windowed models: prompts plus answers run past it
 
@@ -94,6 +94,8 @@ def tiny_family(family: str, **overrides):
         "qwen2": {},  # q/k/v biases are always on in Qwen2
         "qwen3": dict(head_dim=32),  # not hidden / heads: the explicit head_dim must be read
         "mistral": dict(sliding_window=WINDOW),
+        "ministral": dict(num_hidden_layers=3, sliding_window=WINDOW, head_dim=16,  # as its checkpoints state it
+                          layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
         "phi3": dict(sliding_window=WINDOW, tie_word_embeddings=False),
         "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.1, residual_multiplier=0.4,
                         logits_scaling=4.0),
@@ -114,7 +116,7 @@ def tiny_family(family: str, **overrides):
     }[family]
     args.update(extra)
     args.update(overrides)
-    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
+    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "ministral": "Ministral", "phi3": "Phi3",
              "granite": "Granite", "smollm3": "SmolLM3", "olmo2": "Olmo2", "glm": "Glm", "glm4": "Glm4", "gemma": "Gemma", "gemma2": "Gemma2",
              "gemma3_text": "Gemma3Text"}
     config = getattr(transformers, f"{names[family]}Config")(**args)

@@ -43,7 +43,7 @@ ALL_FORMATS = list(FORMATS)
 # skipped by default and refused when named, with its reason from FORWARD_REFUSED
 FORWARD_FORMATS: dict[str, tuple[str, ...]] = {
     family: tuple(ALL_FORMATS)
-    for family in ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2", "glm", "glm4",
+    for family in ("gpt2", "llama", "qwen2", "qwen3", "mistral", "ministral", "phi3", "granite", "smollm3", "olmo2", "glm", "glm4",
                    "gemma", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss")
 }
 # family -> format -> why its export is not done (the message names it)

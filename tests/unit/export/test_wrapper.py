@@ -32,7 +32,7 @@ from tritonlm.export.verify import eager_decoder_fn, verify_decoder
 from tritonlm.export.wrapper import attention_bias
 from tritonlm.models.builtin import tiny_tokenizer
 
-DENSE = ("qwen2", "qwen3", "mistral", "phi3", "granite", "smollm3", "olmo2", "glm", "glm4", "gemma", "gemma2",
+DENSE = ("qwen2", "qwen3", "mistral", "ministral", "phi3", "granite", "smollm3", "olmo2", "glm", "glm4", "gemma", "gemma2",
          "gemma3_text")
 FAMILIES = DENSE + MOE_NAMES
 SUBSET = ("mistral", "gemma2", "qwen2_moe")

@@ -43,7 +43,7 @@ DIGEST_PERSON = b"tritonlm.lora"  # BLAKE2b personalization: an adapter digest i
 # to the q/k head-dim order a partial or interleaved RoPE sets (Transformer.qkv_order, which
 # the updates follow); Granite's multipliers scale o / down and the ends, which a LoRA update
 # would have to follow
-LORA_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "glm", "glm4", "gemma", "gemma2",
+LORA_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "phi3", "smollm3", "olmo2", "glm", "glm4", "gemma", "gemma2",
                  "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 
 # PEFT module name -> (tritonlm projection, which column block of it: index among the parts)

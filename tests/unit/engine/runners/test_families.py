@@ -38,7 +38,7 @@ def family(request):
 # what each family's layers allow: (the paged-attention kernel, the one-call decoder stack)
 EXPECTED_PATHS = {
     "llama": (True, True), "qwen2": (True, True), "granite": (True, True), "phi3": (True, True), "glm": (True, True), "glm4": (True, False),
-    "qwen3": (True, False), "mistral": (True, True), "smollm3": (True, False), "olmo2": (True, False),
+    "qwen3": (True, False), "mistral": (True, True), "ministral": (True, True), "smollm3": (True, False), "olmo2": (True, False),
     # Gemma: the stack has no GeGLU (the kernels take Gemma 2 / 3's windows and Gemma 2's soft-cap)
     "gemma": (True, False), "gemma2": (True, False), "gemma3_text": (True, False),
 }
