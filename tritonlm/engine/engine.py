@@ -70,6 +70,7 @@ class Engine:
         self.eos_id = tokenizer.eos_token_id
         self.scheduler = Scheduler(scheduler_config, cache, recompute=not use_kv_cache)
         self.scheduler.rope_key = getattr(runner, "rope_key", None)
+        self.scheduler.rope_recompute_at = getattr(runner, "rope_recompute_at", None)
         self.executor = ModelExecutor(runner, self.scheduler, drafter)
         self.output = OutputProcessor(self.scheduler, max_context, observer, stream_interval)
         if overlap is None:

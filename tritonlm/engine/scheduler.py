@@ -59,6 +59,8 @@ class Scheduler:
         # prompt tokens -> which tables of the model's length-dependent RoPE rotate such a
         # sequence's keys (None: a short sequence's); set by the Engine from its runner
         self.rope_key: Callable[[int], bytes | None] | None = None
+        # Phi-3's longrope threshold, where a sequence that passes it runs again whole (rotate_again)
+        self.rope_recompute_at: int | None = None
         self.running: list[Sequence] = []
         self._live: dict[int, Sequence] = {}  # waiting + running, by request id
         targets = SloTargets(config.slo_ttft_s, config.slo_tpot_s)
@@ -110,6 +112,7 @@ class Scheduler:
                 self._register_full_blocks(seq)
         # the SLO's budget and running cap, from the batch before this step's admissions
         budget = self.slo.decide(self.running).budget if self.slo is not None else self.config.max_num_batched_tokens
+        self.rotate_again()
         self._admit()
         if self.recompute:
             for seq in self.running:
@@ -134,6 +137,25 @@ class Scheduler:
             seq = prefilling[0]
             plan.append((seq, min(len(seq.pending_tokens), self.config.max_num_batched_tokens)))
         return plan
+
+    def rotate_again(self) -> None:
+        """Phi-3 with longrope: transformers' generate() drops its cache and runs the whole
+        sequence again, with the long factors, when a sequence first passes
+        original_max_position_embeddings; so does this. Such a sequence leaves the batch,
+        gives its blocks back (shared or cached ones stay as they were: rotated by the short
+        factors) and waits at the head of the queue to run again from position 0 with the
+        tables of its length (rope_len), its prefix-cache chain that of the long factors."""
+        at = self.rope_recompute_at
+        if at is None:
+            return
+        for seq in [s for s in self.running if s.rope_length <= at < s.num_tokens and s.num_computed <= at]:
+            self.running.remove(seq)
+            self.cache.free(seq.id)
+            seq.rope_len = seq.num_tokens
+            seq.num_computed = seq.draft_computed = seq.num_registered_blocks = 0
+            seq.block_digests = []
+            seq.state = SeqState.WAITING
+            self.waiting.appendleft(seq)
 
     def step_done(self, plan: ScheduledBatch, seconds: float) -> None:
         """The engine ran `plan` in `seconds` (its outputs processed): the step-time model
@@ -180,7 +202,7 @@ class Scheduler:
     def _chain_root(self, seq: Sequence) -> bytes:
         """Where the sequence's prefix-cache chain starts: its LoRA adapter's content keys it,
         and under a length-dependent RoPE the tables its prompt's length chose (rope_key)."""
-        rope = None if self.rope_key is None else self.rope_key(seq.num_prompt_tokens)
+        rope = None if self.rope_key is None else self.rope_key(seq.rope_length)
         return self.cache.chain_root(getattr(seq.request.lora, "digest", None), rope)
 
     def batch(self, rows: list[tuple[Sequence, list[int]]], past: list[int], all_logits: bool = False) -> StepBatch:
@@ -200,7 +222,7 @@ class Scheduler:
             batch.window_block_table = window.device_table.gather(ids)  # [B, M'] int32
         elif window is not None:
             batch.window_slot_table = window.slot_table(ids, lengths)  # [B, L]
-        batch.prompt_lens = torch.tensor([seq.num_prompt_tokens for seq, _ in rows], dtype=torch.int64)
+        batch.prompt_lens = torch.tensor([seq.rope_length for seq, _ in rows], dtype=torch.int64)
         adapters = [seq.request.lora for seq, _ in rows]
         if any(a is not None for a in adapters):
             batch.adapters = adapters

@@ -33,6 +33,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_digests: list[bytes] = field(default_factory=list)  # chain digests of its full blocks so far
     num_registered_blocks: int = 0  # leading blocks offered to the prefix cache
+    # a length-dependent RoPE's length for this sequence's tables (runners.rope): its prompt's,
+    # until a Phi-3 sequence passes its threshold and runs again whole (Scheduler.rotate_again)
+    rope_len: int | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     # what is generated but not yet sent: streaming requests send it as soon as it holds
@@ -74,6 +77,10 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def rope_length(self) -> int:
+        return self.num_prompt_tokens if self.rope_len is None else self.rope_len
 
     @property
     def num_tokens(self) -> int:

@@ -173,7 +173,7 @@ class DraftModelDrafter:
         else:
             slots = self.cache.slot_table(ids, [p + len(f) for p, f in zip(past, feeds)])
             batch = StepBatch.from_slot_table(feeds, past, slots)
-        batch.prompt_lens = torch.tensor([s.num_prompt_tokens for s in seqs], dtype=torch.int64)
+        batch.prompt_lens = torch.tensor([s.rope_length for s in seqs], dtype=torch.int64)
         logits = self.runner.forward(batch, self.pool)
         for s, f in zip(seqs, feeds):
             s.draft_computed += len(f)

@@ -44,7 +44,7 @@ from tritonlm.engine.kv_cache import KVPool
 from tritonlm.engine.parallel.shard import split_range
 from tritonlm.engine.parallel.steps import load_shard, memory_line, micro_batch_bounds, run_pp_step, run_tp_step
 from tritonlm.engine.runners.base import plan_step
-from tritonlm.engine.runners.rope import LengthRope, rope_key
+from tritonlm.engine.runners.rope import LengthRope, recompute_at, rope_key
 from tritonlm.engine.settings import SettingsError
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.engine.threads import named_thread
@@ -398,6 +398,11 @@ class ParallelRunner:
     __call__ = forward
 
     # ---- KV cache -------------------------------------------------------------------------
+    @property
+    def rope_recompute_at(self) -> int | None:
+        """TorchRunner.rope_recompute_at."""
+        return recompute_at(self.length_rope)
+
     def rope_key(self, prompt_tokens: int) -> bytes | None:
         """TorchRunner.rope_key: which RoPE tables a sequence of that prompt's length is rotated by."""
         return rope_key(self.length_rope, prompt_tokens)

@@ -43,6 +43,7 @@ from tritonlm.engine.runners.families import rope_parameters, rope_tables
 
 ROTATE_HALF_FAMILIES = ("phi3",)  # transformers rotates the first R dims by halves, the rest pass through
 INTERLEAVED_FAMILIES = ("glm", "glm4")  # transformers pairs dims (2i, 2i + 1) of the first R
+RECOMPUTE_FAMILIES = ("phi3",)  # generate() recomputes the cache when a sequence passes longrope's threshold
 
 
 def rotary_dims(config, head_dim: int, layer_type: str | None = None) -> int:
@@ -117,6 +118,9 @@ class LengthRope:
     long_inv: torch.Tensor | None  # longrope: [D/2]
     base: float = 0.0  # dynamic: the base, the factor and max_position_embeddings of its NTK rule
     factor: float = 1.0
+    # Phi-3: transformers' generate() runs a sequence again whole, with the long factors, when
+    # it first passes the threshold (Scheduler.rotate_again); elsewhere earlier keys stay
+    recompute: bool = False
 
     @staticmethod
     def from_config(config, head_dim: int) -> "LengthRope | None":
@@ -129,7 +133,8 @@ class LengthRope:
         if rope_type == "longrope":
             threshold = int(params.get("original_max_position_embeddings") or config.max_position_embeddings)
             long_inv, _ = _table(config, None, seq_len=threshold + 1)
-            return LengthRope("longrope", threshold, head_dim, rot, _padded(long_inv, head_dim))
+            return LengthRope("longrope", threshold, head_dim, rot, _padded(long_inv, head_dim),
+                              recompute=config.model_type in RECOMPUTE_FAMILIES)
         if rope_type == "dynamic":
             return LengthRope("dynamic", int(config.max_position_embeddings), head_dim, rot, None,
                               base=float(theta), factor=float(params["factor"]))
@@ -172,6 +177,11 @@ class LengthRope:
 def rope_key(rope: LengthRope | None, prompt_tokens: int) -> bytes | None:
     """LengthRope.key, None without one: what keys a sequence's prefix-cache chain."""
     return None if rope is None else rope.key(prompt_tokens)
+
+
+def recompute_at(rope: LengthRope | None) -> int | None:
+    """Where a sequence runs again whole (Phi-3's longrope threshold), None where none does."""
+    return rope.threshold if rope is not None and rope.recompute else None
 
 
 def _cos_sin(freqs: torch.Tensor, scaling: float | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from tritonlm.engine.runners.base import check_pool, plan_step
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.moe import refuse_precision
 from tritonlm.engine.runners.quant import calibrate, quantize_int8, rotate_residual
-from tritonlm.engine.runners.rope import rope_key
+from tritonlm.engine.runners.rope import recompute_at, rope_key
 from tritonlm.engine.runners.weight_only import quantize_weight_only
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,11 @@ class TorchRunner:
         return cls(model, device=device, dtype=dtype, int8=int8, attention=attention, cuda_graphs=cuda_graphs,
                    max_batch=max_batch, max_context=max_context, compile_decode=compile_decode,
                    int8_weight_only=int8_weight_only)
+
+    @property
+    def rope_recompute_at(self) -> int | None:
+        """Phi-3 with longrope: the length past which a sequence runs again whole (Scheduler.rotate_again)."""
+        return recompute_at(self.transformer.length_rope)
 
     def rope_key(self, prompt_tokens: int) -> bytes | None:
         """Which tables of a length-dependent RoPE rotate a sequence of that prompt (None: no

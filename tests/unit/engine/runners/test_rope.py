@@ -6,8 +6,8 @@ The tiny models switch tables at THRESHOLD tokens (original_max_position_embeddi
 max_position_embeddings for dynamic). Prompts start below it and answers run past it, or
 start above it; the reference is transformers' generate() on a fresh copy of the model
 (its dynamic RoPE keeps state from one call to the next). Phi-3's generate() recomputes its
-cache when a sequence first passes the threshold, which tritonlm does not (docs/models.md):
-its answers are compared up to that point. Per step, the logits of the
+cache when a sequence first passes the threshold, as the Engine does (Scheduler.rotate_again):
+the runner-level step test compares Phi-3 up to that point, the Engine tests past it. Per step, the logits of the
 runner's prefill and decode steps equal generate()'s within ATOL on the kernel and the gather
 paths; an Engine that prefills in 5-token chunks, batches the rows and reuses cached
 prefixes answers as generate() does, token for token.
@@ -59,8 +59,8 @@ VARIANTS = {
 
 
 # transformers' Phi-3 generate() recomputes the whole cache with the long factors when a
-# sequence first passes the threshold; tritonlm keeps the keys it has (docs/models.md): past
-# that point of such a sequence, the answers may part
+# sequence first passes the threshold; the Engine does too (Scheduler.rotate_again), the
+# runner's steps alone (test_steps_match_generate) cannot
 RECOMPUTES_AT_THRESHOLD = ("phi4_mini", "phi3_longrope")
 
 
@@ -127,11 +127,12 @@ def test_steps_match_generate(variant, prompt_len, attention):
 def test_engine_greedy_equals_generate(variant, prefix_caching):
     """Prompts below and above THRESHOLD prefilled in 5-token chunks, batched with each other's
     decode steps, two rounds (the second from the prefix cache where it is on): every answer
-    is generate()'s, however the prompt was chunked."""
+    is generate()'s, however the prompt was chunked (Phi-3: the 21-token prompt's answer
+    passes the threshold, and its sequence runs again whole there, as generate()'s does)."""
     name, model = variant
     shared = random_tokens(21, seed=21)
     prompts = [shared, shared + random_tokens(19, seed=22), random_tokens(9, seed=23)]  # 21, 40 and 9 tokens
-    new = THRESHOLD - 21 if name in RECOMPUTES_AT_THRESHOLD else 20  # Phi-3: up to the threshold
+    new = 20
     assert_engine_greedy_equal(model, TorchRunner(model), prompts, new, prefix_caching,
                                reference=lambda prompt, n: generate(model, prompt, n)[0], kv_tokens=384)
 
