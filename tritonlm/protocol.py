@@ -18,7 +18,8 @@ from typing import Callable, Union
 
 import numpy as np
 
-from tritonlm.engine.request import MAX_TOP_LOG_PROBS, GenerationEvent, InvalidRequestError, SamplingParams
+from tritonlm.engine.request import (MAX_TOP_LOG_PROBS, PRIORITY_RANGE, GenerationEvent, InvalidRequestError, SamplingParams,
+                                     check_priority)
 from tritonlm.guide_fields import guide_from_fields, guide_from_trtllm
 
 Default = Union[bool, int, float, None]
@@ -78,6 +79,9 @@ INPUTS: tuple[Tensor, ...] = (
     _in("lora_name", "BYTES",
         "the LoRA adapter this request runs under, by the name the model serves it (`lora_adapters`, `multi_lora.json`: "
         "[lora.md](lora.md)); absent or empty: the base model"),
+    _in("priority", "INT32",
+        "vLLM's `priority`: waiting requests are admitted lowest value first, in arrival order among equals; in "
+        f"[{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]", 0),
     _in("temperature", "FP32", "sampling temperature; absent or 0: greedy"),
     _in("top_p", "FP32", "sample among the most likely tokens whose probabilities add up to top_p; 1: off", 1.0),
     _in("repetition_penalty", "FP32", "penalty on tokens already in the prompt or the answer; 1: off", 1.0),
@@ -102,8 +106,8 @@ INPUTS: tuple[Tensor, ...] = (
         "`logprobs` (true or 0: the chosen token's; N up to 20: and the N most likely), `prompt_logprobs` (as the "
         "`prompt_log_probs` input), `guided_decoding` (structured output, vLLM's names: one of `json` (a JSON Schema, "
         "object or string), `json_object` true, `regex`, `grammar`, `choice` (a list of strings); also as "
-        "`structured_outputs`, an object or its JSON text), `lora_name` (as the `lora_name` input); `n`, `best_of` 1; "
-        "other keys are refused by name"),
+        "`structured_outputs`, an object or its JSON text), `lora_name` and `priority` (as those inputs); `n`, "
+        "`best_of` 1; other keys are refused by name"),
     _in("return_logprobs", "BOOL",
         "vLLM backend's flag (NVIDIA's OpenAI frontend sends it with every request): true asks for the chosen "
         "tokens' log-probabilities, as `return_log_probs`, and for them in the vLLM backend's form too (the `logprobs` "
@@ -254,6 +258,7 @@ class ParsedRequest:
     bad_words_text: tuple[str, ...]  # turned into token ids by the caller (needs the tokenizer)
     vllm_logprobs: bool = False  # return_logprobs: also the vLLM backend's `logprobs` output
     lora_name: str | None = None  # the LoRA adapter asked for, by name (resolved by the caller); None: the base
+    priority: int = 0  # lower is admitted earlier (GenerationRequest.priority)
     # field -> what the request called it, where that differs ("sampling_parameters.max_tokens",
     # "min_length"): later errors about the field name what was sent (rename_error)
     renames: dict[str, str] = field(default_factory=dict)
@@ -360,6 +365,7 @@ SAMPLING_KEYS: dict[str, tuple[str | None, str]] = {
     # it (as JSON text) for a named or required tool_choice
     "structured_outputs": ("guided", "guide"),
     "lora_name": ("lora_name", "text"),  # vLLM's Triton backend reads it here too
+    "priority": ("priority", "int"),
     "top_logprobs": (None, "no_alternatives"),
     "n": (None, "one"),
     "best_of": (None, "one"),
@@ -549,6 +555,7 @@ def parse_request(
     num_draft = get("num_draft_tokens")
     if num_draft is not None and num_draft < 0:
         raise InvalidRequestError(f"num_draft_tokens: must be >= 0 (0 turns speculation off), got {num_draft}")
+    priority = check_priority(get("priority"), renames.get("priority", "priority"))
     params = SamplingParams(
         max_tokens=get("max_tokens", default_max_tokens),
         min_tokens=min_tokens,
@@ -583,6 +590,7 @@ def parse_request(
         renames=renames,
         vllm_logprobs=bool(_value(inputs, "return_logprobs")),
         lora_name=get("lora_name") or None,
+        priority=priority,
     )
 
 

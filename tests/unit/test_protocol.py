@@ -239,3 +239,31 @@ def test_lora_name_as_an_input_or_in_sampling_parameters():
     with pytest.raises(InvalidRequestError, match=r"^lora_name: sent both as an input and in sampling_parameters"):
         parse_request({"text_input": TEXT, "lora_name": np.array([b"a"], dtype=object),
                        "sampling_parameters": np.array([b'{"lora_name": "b"}'], dtype=object)}, 4)
+
+
+def _sampling(text: str) -> np.ndarray:
+    return np.array([text.encode()], dtype=object)
+
+
+def test_priority_as_an_input_or_in_sampling_parameters():
+    """vLLM's `priority`: absent is 0; the input and the sampling_parameters key both set it."""
+    assert parse_request({"text_input": TEXT}, 4).priority == 0
+    assert parse_request({"text_input": TEXT, "priority": np.array([-7], dtype=np.int32)}, 4).priority == -7
+    assert parse_request({"text_input": TEXT, "sampling_parameters": _sampling('{"priority": 1000}')}, 4).priority == 1000
+    with pytest.raises(InvalidRequestError, match=r"^priority: sent both as an input and in sampling_parameters"):
+        parse_request({"text_input": TEXT, "priority": np.array([1], dtype=np.int32),
+                       "sampling_parameters": _sampling('{"priority": 2}')}, 4)
+
+
+@pytest.mark.parametrize("inputs, error", [
+    ({"priority": np.array([1001], dtype=np.int32)}, r"^priority: must be in \[-1000, 1000\].*got 1001"),
+    ({"priority": np.array([-1001], dtype=np.int32)}, r"^priority: must be in \[-1000, 1000\].*got -1001"),
+    ({"priority": np.array([1.5], dtype=np.float32)}, r"^priority: expected an integer \(INT32\), got float32"),
+    ({"priority": np.array([1, 2], dtype=np.int32)}, r"^priority: expected one value"),
+    ({"sampling_parameters": _sampling('{"priority": 5000}')}, r"^sampling_parameters\.priority: must be in \[-1000, 1000\]"),
+    ({"sampling_parameters": _sampling('{"priority": "high"}')}, r"^sampling_parameters\.priority: expected an integer"),
+    ({"sampling_parameters": _sampling('{"priority": 1.0}')}, r"^sampling_parameters\.priority: expected an integer"),
+])
+def test_a_bad_priority_is_refused_naming_the_field(inputs, error):
+    with pytest.raises(InvalidRequestError, match=error):
+        parse_request({"text_input": TEXT, **inputs}, 4)

@@ -22,7 +22,7 @@ from tritonlm.engine.executor import ModelExecutor
 from tritonlm.engine.guided import GuideCompiler
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.output import Deferred, EngineObserver, EngineStats, OutputProcessor
-from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError
+from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError, check_priority
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import Drafter
@@ -134,6 +134,7 @@ class Engine:
     def validate(self, request: GenerationRequest) -> None:
         p = request.params
         p.validate()
+        check_priority(request.priority)
         n = len(request.prompt_ids)
         if n == 0:
             raise InvalidRequestError("text_input: the prompt is empty (it encodes to no tokens); send some text")

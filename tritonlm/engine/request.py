@@ -13,6 +13,9 @@ _ids = itertools.count(1)
 MIN_TEMPERATURE = 1e-5  # below it: greedy
 MAX_TOP_LOG_PROBS = 20  # OpenAI's limit for top_logprobs
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it the penalised logits overflow or vanish
+# a request's priority (vLLM's `priority`): lower is served earlier. An order needs only a few
+# classes; a bound keeps the value well inside INT32 and the same on every path that takes it
+PRIORITY_RANGE = (-1000, 1000)
 
 
 class InvalidRequestError(ValueError):
@@ -128,6 +131,17 @@ class SamplingParams:
             raise InvalidRequestError(f"min_tokens: {self.min_tokens} is more than max_tokens={self.max_tokens}")
 
 
+def check_priority(value: object, name: str = "priority") -> int:
+    """The priority as an int, or InvalidRequestError naming `name` (the field as sent)."""
+    lo, hi = PRIORITY_RANGE
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name}: expected an integer in [{lo}, {hi}] (lower is served earlier), "
+                                  f"got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise InvalidRequestError(f"{name}: must be in [{lo}, {hi}] (lower is served earlier, 0 the default), got {value}")
+    return value
+
+
 @dataclass
 class GenerationEvent:
     """One report to the client: new text (maybe empty) and, at the end, why it finished."""
@@ -170,3 +184,5 @@ class GenerationRequest:
     is_cancelled: Callable[[], bool] | None = None  # asked by the CancellationPoller (client gone / cancelled)
     # the lora.LoraAdapter the request runs under, loaded for this engine's model; None: the base
     lora: object | None = None
+    # lower is admitted earlier (vLLM's `priority`); equal priorities keep their arrival order
+    priority: int = 0

@@ -1,8 +1,9 @@
 """Who runs in the next forward pass, and the one owner of the KV cache accounting.
 
-Continuous (iteration-level) batching: the waiting queue is FIFO and bounded;
-a waiting request is admitted when the KV cache can reserve everything it may
-need (prompt + max_tokens), so a running sequence never fails for lack of cache.
+Continuous (iteration-level) batching: the waiting queue is bounded and ordered by
+each request's priority (lower first), FIFO among equal priorities; its head is admitted
+when the KV cache can reserve everything it may need (prompt + max_tokens), so a running
+sequence never fails for lack of cache.
 Each step every running sequence brings its pending tokens: decoding ones one
 token each (they go first, so streams never stall), prefilling ones a chunk of
 their prompt from what is left of the step's token budget (chunked prefill
@@ -10,7 +11,8 @@ keeps a long prompt from freezing everyone else's stream).
 
 With latency SLOs set (slo_ttft_ms / slo_tpot_ms), an SloController (slo/) chooses the
 step's token budget and the running cap within those two limits, and sheds at arrival a
-request that would miss its time to first token; the engine reports each finished step.
+request that would miss its time to first token behind the work queued ahead of it (of better
+or equal priority); the engine reports each finished step.
 
 The scheduler is the only component that allocates, frees, advances or rolls back
 a sequence's cache: the engine, the executor and the drafter ask it for batches
@@ -55,6 +57,7 @@ class Scheduler:
         self.recompute = recompute
         if recompute:
             cache.prefix_caching = False  # recomputing rewrites every block: nothing may be shared
+        # priority order, arrival order among equals (add keeps it sorted, stably)
         self.waiting: collections.deque[Sequence] = collections.deque()
         # prompt tokens -> which tables of the model's length-dependent RoPE rotate such a
         # sequence's keys (None: a short sequence's); set by the Engine from its runner
@@ -82,19 +85,26 @@ class Scheduler:
 
     def check_slo(self, seq: Sequence, queued: list[Sequence]) -> None:
         """SloShedError when the request would miss slo_ttft behind the waiting queue and
-        `queued` (accepted, not yet in it). Called off the engine thread: the lists are
+        `queued` (accepted, not yet in it); the controller counts only those that will run
+        before it (its priority decides). Called off the engine thread: the lists are
         copied, and a count one step old only shifts the prediction by a step."""
         if self.slo is None:
             return
         try:
-            self.slo.admit(seq.num_prompt_tokens, list(self.running), list(self.waiting) + list(queued))
+            self.slo.admit(seq.num_prompt_tokens, list(self.running), list(self.waiting) + list(queued),
+                           priority=seq.request.priority)
         except SloShedError:
             self.ledger.shed += 1
             raise
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request the caller let in with check_room."""
-        self.waiting.append(seq)
+        """Queue a request the caller let in with check_room: behind every waiting request of
+        better or equal priority, ahead of those of worse."""
+        at = len(self.waiting)
+        # from the tail: with equal priorities (the usual case) this is an append
+        while at > 0 and self.waiting[at - 1].request.priority > seq.request.priority:
+            at -= 1
+        self.waiting.insert(at, seq)
         self._live[seq.id] = seq
 
     def get(self, request_id: int) -> Sequence | None:
@@ -166,7 +176,8 @@ class Scheduler:
             self.slo.observe_step(sum(n for _, n in plan), sum(seq.num_computed for seq, _ in plan), seconds)
 
     def _admit(self) -> None:
-        """Move waiting sequences to running, oldest first, while their cache reservation fits.
+        """Move waiting sequences to running, in queue order (priority, then arrival), while
+        their cache reservation fits.
         With prefix caching, the prompt's cached leading blocks are shared and count only once."""
         cap = self.slo.cap if self.slo is not None else self.config.max_num_seqs
         while self.waiting and len(self.running) < cap:

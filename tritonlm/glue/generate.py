@@ -113,6 +113,7 @@ class GenerateHandler:
                     num_draft_tokens=parsed.num_draft_tokens,
                     is_cancelled=link.is_cancelled,
                     lora=lora,
+                    priority=parsed.priority,
                 )
             )
         except InvalidRequestError as e:  # name the field as the request did (a sampling_parameters key)

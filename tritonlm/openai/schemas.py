@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tritonlm.engine.request import PRIORITY_RANGE
 from tritonlm.openai.errors import OpenAIError, bad_field, unsupported
 from tritonlm.openai.tools import Function, check_tool_choice, check_tools
 from tritonlm.openai.structured import OLDER_FIELDS, guide_options, guided_decoding
@@ -52,6 +53,8 @@ class _Request(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     ignore_eos: bool | None = None
+    # lower is served earlier; the model's range, so a bad value is a 400 before any generation
+    priority: int | None = Field(None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     # structured output (structured.py): vLLM's object, and its older single fields
     structured_outputs: Any = None
     guided_json: Any = None
@@ -121,7 +124,7 @@ class _Request(BaseModel):
         if self.new_tokens() is not None:
             out["max_tokens"] = self.new_tokens()
         for name in ("temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty", "logit_bias", "stop_token_ids"):
+                     "presence_penalty", "logit_bias", "stop_token_ids", "priority"):
             value = getattr(self, name)
             if value is not None and value != {} and value != []:
                 out[name] = value

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.models import MIXED_PROMPTS, Collector, drain, hf_greedy_text, make_engine
-from tritonlm.engine.request import InvalidRequestError
+from tritonlm.engine.request import InvalidRequestError, check_priority
 
 
 def test_overflowing_settings_are_greedy_or_refused():
@@ -19,3 +19,20 @@ def test_overflowing_settings_are_greedy_or_refused():
                        (dict(min_tokens=9, max_tokens=8), "min_tokens")):
         with pytest.raises(InvalidRequestError, match=field):
             col.request(engine, MIXED_PROMPTS[1], **bad)
+
+
+@pytest.mark.parametrize("value, error", [
+    (1001, r"^priority: must be in \[-1000, 1000\].*got 1001"),
+    (-1001, r"^priority: must be in \[-1000, 1000\].*got -1001"),
+    (True, r"^priority: expected an integer in \[-1000, 1000\].*got bool"),
+    (0.5, r"^priority: expected an integer.*got float"),
+])
+def test_check_priority_refuses_what_is_not_an_integer_in_range(value, error):
+    with pytest.raises(InvalidRequestError, match=error):
+        check_priority(value)
+
+
+def test_check_priority_names_the_field_as_sent_and_passes_the_range():
+    assert [check_priority(v) for v in (-1000, 0, 1000)] == [-1000, 0, 1000]
+    with pytest.raises(InvalidRequestError, match=r"^sampling_parameters\.priority: "):
+        check_priority(2000, "sampling_parameters.priority")

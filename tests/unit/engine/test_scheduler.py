@@ -1,12 +1,17 @@
 """tritonlm/engine/scheduler.py: admission within the KV budget and the bounded waiting
-queue, through the engine."""
+queue, through the engine; the priority order of the waiting queue, on the scheduler alone
+and through the engine."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.helpers.models import MIXED_PROMPTS, Collector, drain, hf_greedy_text, make_engine
-from tritonlm.engine.request import ServerBusyError
+from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.model_shape import ModelShape
+from tritonlm.engine.request import GenerationEvent, GenerationRequest, InvalidRequestError, SamplingParams, ServerBusyError
+from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
+from tritonlm.engine.sequence import Sequence
 
 
 def test_kv_budget_of_two_sequences_serves_twelve_requests():
@@ -40,3 +45,119 @@ def test_full_queue_says_server_busy():
         col.request(engine, "e", max_tokens=2)
     drain(engine)
     assert all(col.final(r).finish_reason == "length" for r in col.events)
+
+
+# ---- priorities ------------------------------------------------------------------------------
+PRIO_SPEC = ModelShape("gpt2", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, vocab_size=100, max_positions=256)
+
+
+def _bare_scheduler(max_num_seqs: int = 1, kv_tokens: int = 10_000) -> Scheduler:
+    """A Scheduler alone (no model): admission order is all these tests look at."""
+    cache = KVCacheManager(PRIO_SPEC, PRIO_SPEC.bytes_per_token * kv_tokens, 16)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs), cache)
+
+
+def _queued(sched: Scheduler, priority: int, prompt: int = 8, max_tokens: int = 4) -> Sequence:
+    req = GenerationRequest([1] * prompt, SamplingParams(max_tokens=max_tokens), on_event=lambda e: None, priority=priority)
+    seq = Sequence(request=req, token_ids=[1] * prompt, sampling=None, detok=None, reserve_tokens=prompt + max_tokens)
+    sched.add(seq)
+    return seq
+
+
+def _admission_order(sched: Scheduler) -> list[int]:
+    """Request ids in the order the scheduler starts them, one slot at a time."""
+    order = []
+    while sched.num_waiting:
+        sched.schedule()
+        (seq,) = sched.running
+        order.append(seq.id)
+        sched.finish(seq, "length")
+    return order
+
+
+def test_waiting_requests_start_in_priority_order_and_fifo_among_equals():
+    sched = _bare_scheduler()
+    prios = [0, 5, -3, 0, 5, -3, 0]
+    seqs = [_queued(sched, p) for p in prios]
+    want = [s.id for s in sorted(seqs, key=lambda s: s.request.priority)]  # sorted() is stable: FIFO among equals
+    assert [s.id for s in sched.waiting] == want
+    assert _admission_order(sched) == want
+
+
+def test_equal_priorities_keep_arrival_order():
+    sched = _bare_scheduler()
+    seqs = [_queued(sched, 7) for _ in range(5)]
+    assert _admission_order(sched) == [s.id for s in seqs]
+
+
+def test_a_better_priority_arrival_jumps_the_queue_but_not_the_running():
+    sched = _bare_scheduler()
+    first = _queued(sched, 0)
+    sched.schedule()
+    assert sched.running == [first]
+    late = [_queued(sched, 0), _queued(sched, 0)]
+    urgent = _queued(sched, -1)
+    sched.finish(first, "length")  # never preempted: it ran until it finished
+    assert _admission_order(sched) == [urgent.id, late[0].id, late[1].id]
+
+
+def test_head_of_line_blocking_applies_to_the_best_priority_head():
+    """A big request of the best priority waits for cache room; smaller, worse ones wait behind it."""
+    sched = _bare_scheduler(max_num_seqs=4, kv_tokens=64)
+    small = _queued(sched, 0, prompt=8, max_tokens=8)
+    sched.schedule()
+    big = _queued(sched, -1, prompt=40, max_tokens=8)  # needs blocks the small one holds
+    behind = _queued(sched, 0, prompt=8, max_tokens=8)
+    sched.schedule()
+    assert sched.running == [small] and list(sched.waiting) == [big, behind]
+    sched.finish(small, "length")
+    sched.schedule()
+    assert sched.running[0] is big
+
+
+def test_cancelling_a_queued_request_keeps_the_others_order():
+    sched = _bare_scheduler()
+    a, b, c, d = _queued(sched, 2), _queued(sched, 1), _queued(sched, 1), _queued(sched, 0)
+    sched.finish(sched.get(c.id), "cancelled")
+    assert sched.get(c.id) is None and c not in sched.waiting
+    assert _admission_order(sched) == [d.id, b.id, a.id]
+
+
+def test_priority_through_the_engine_orders_answers_cancels_and_keeps_greedy_tokens():
+    """One running slot: queued requests start by priority, a cancelled queued one ends with
+    no tokens and the rest keep their order, and each answer is the greedy one."""
+    engine = make_engine(max_num_seqs=1)
+    col = Collector()
+    first_token: list[int] = []  # request ids in the order their first tokens came
+
+    def on_event(ev: GenerationEvent) -> None:
+        if ev.token_ids and not col.events[ev.request_id]:
+            first_token.append(ev.request_id)
+        col._on_event(ev)
+
+    def request(prompt: str, priority: int) -> int:
+        req = GenerationRequest(engine.encode(prompt), SamplingParams(max_tokens=6), on_event, priority=priority)
+        col.events[req.request_id] = []
+        engine.submit(req)
+        return req.request_id
+
+    prompts = [MIXED_PROMPTS[i % len(MIXED_PROMPTS)] for i in range(5)]
+    a, b, c, d, e = (request(p, prio) for p, prio in zip(prompts, (0, 3, -2, 3, -5)))
+    engine.step()  # all five queued: the best priority starts
+    assert [s.id for s in engine.scheduler.running] == [e]
+    assert [s.id for s in engine.scheduler.waiting] == [c, a, b, d]
+    engine.cancel(c)
+    drain(engine)
+    assert col.final(c).finish_reason == "cancelled" and col.ids(c) == []
+    assert first_token == [e, a, b, d]
+    for prompt, rid in zip(prompts, (a, b, c, d, e)):
+        if rid != c:
+            assert col.ids(rid) == hf_greedy_text(prompt, 6)
+
+
+def test_a_priority_out_of_range_is_refused_at_submit():
+    engine = make_engine()
+    req = GenerationRequest(engine.encode("hi"), SamplingParams(max_tokens=2), lambda ev: None, priority=1001)
+    with pytest.raises(InvalidRequestError, match=r"^priority: must be in \[-1000, 1000\]"):
+        engine.submit(req)
+    assert not engine.has_work() and not engine._inbox

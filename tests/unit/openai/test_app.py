@@ -161,6 +161,26 @@ def test_include_usage_chunk_is_last_before_done_and_stream_options_need_stream(
     assert r.status_code == 400 and error_of(r)["param"] == "stream_options"
 
 
+# --- priority ----------------------------------------------------------------------------------
+def test_priority_from_extra_body_reaches_the_model_in_sampling_parameters(served):
+    """vLLM's `priority` extension, as the official client sends it (extra_body), on both
+    endpoints; absent, nothing is sent (the model's default, 0)."""
+    served.openai.completions.create(model="tiny", prompt="Say", extra_body={"priority": -5})
+    served.openai.chat.completions.create(model="tiny", messages=USER, extra_body={"priority": 7})
+    served.openai.completions.create(model="tiny", prompt="Say")
+    calls = served.backend.calls
+    assert calls[0].sampling["priority"] == -5 and calls[1].sampling["priority"] == 7 and calls[1].chat
+    assert "priority" not in calls[2].sampling
+
+
+@pytest.mark.parametrize("value", [1001, -1001, 1.5, "high"])
+def test_a_bad_priority_is_a_400_naming_it_before_any_generation(served, value):
+    for path, body in (("/v1/completions", {"prompt": "Say"}), ("/v1/chat/completions", {"messages": USER})):
+        r = served.http.post(path, json={"model": "tiny", **body, "priority": value})
+        assert r.status_code == 400 and error_of(r)["param"] == "priority", r.text
+    assert not served.backend.calls
+
+
 # --- logprobs ----------------------------------------------------------------------------------
 def test_completion_logprobs_name_the_most_likely_tokens_by_their_text(served):
     tok = tiny_tokenizer()

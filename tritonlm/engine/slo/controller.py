@@ -114,9 +114,9 @@ class SloController:
 
     # ---- admission ------------------------------------------------------------------------------
     def predict_ttft(self, prompt_tokens: int, running, waiting) -> float:
-        """Seconds from now to a new request's first token, behind `waiting` (FIFO) and with
-        `running` holding their slots: its prefill waits for the prefill work ahead and for
-        a running slot, then takes its own chunks."""
+        """Seconds from now to a new request's first token, behind `waiting` (the queued
+        requests that start before it) and with `running` holding their slots: its prefill
+        waits for the prefill work ahead and for a running slot, then takes its own chunks."""
         # while it waits, those ahead of it decode too: the prefill share of a step shrinks
         decoding = min(self.cap, len(running) + len(waiting))
         per_step = max(1, self.budget - decoding)  # prefill tokens a step carries
@@ -147,17 +147,28 @@ class SloController:
         expected = math.ceil(seq.request.params.max_tokens * self.output_ratio)
         return max(1, expected - seq.num_output_tokens)
 
-    def admit(self, prompt_tokens: int, running, waiting) -> None:
-        """SloShedError when the request would miss slo_ttft behind the queue ahead."""
+    def admit(self, prompt_tokens: int, running, waiting, priority: int = 0) -> None:
+        """SloShedError when a request of `priority` would miss slo_ttft behind the queue ahead.
+
+        `waiting` (arrival order) holds requests queued before this one; those of worse
+        priority will run after it, so only those of better or equal priority count: a
+        high-priority arrival is not shed for a low-priority backlog."""
         if self.targets.ttft_s is None or not self.model.ready:
             return
+        waiting = ahead_of(priority, waiting)
         ttft = self.predict_ttft(prompt_tokens, running, waiting)
         self.predicted_ttft_s = ttft
         if ttft > self.targets.ttft_s:
             raise SloShedError(
                 f"overloaded: predicted time to first token {ttft * 1000:.4g} ms is past slo_ttft_ms="
-                f"{self.targets.ttft_s * 1000:g} with {len(waiting)} requests queued and {len(running)} running; "
+                f"{self.targets.ttft_s * 1000:g} with {len(waiting)} requests queued ahead and {len(running)} running; "
                 "retry later")
+
+
+def ahead_of(priority: int, waiting) -> list:
+    """The queued requests that run before a new one of `priority`: better priority (lower),
+    or equal and there first (all of `waiting` arrived before it)."""
+    return [s for s in waiting if s.request.priority <= priority]
 
 
 def _clamp(value: int, lo: int, hi: int) -> int:

@@ -18,6 +18,7 @@ from tritonlm.engine.request import GenerationRequest, SamplingParams
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.slo import SloShedError, SloTargets
+from tritonlm.engine.slo.controller import ahead_of
 
 SPEC = ModelShape("gpt2", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, vocab_size=100, max_positions=4096)
 TTFT_S, TPOT_S = 1.0, 0.040
@@ -69,9 +70,10 @@ def arrivals(rate_at, until: float, seed: int) -> list[float]:
 
 
 def simulate(times: list[float], slo: bool = True, host=None, prompt=(100, 300), max_tokens=32, seed=0,
-             max_num_seqs=64, max_num_batched_tokens=512) -> Run:
+             max_num_seqs=64, max_num_batched_tokens=512, priority=None) -> Run:
     """Serve requests arriving at `times` through the real Scheduler on a simulated clock.
-    host: a Host, or a function of the time giving one (a host that changes)."""
+    host: a Host, or a function of the time giving one (a host that changes);
+    priority: a function of the arrival time giving the request's priority (None: all 0)."""
     rng = random.Random(seed)
     host = host or Host()
     host_at = host if callable(host) and not isinstance(host, Host) else (lambda _t: host)
@@ -87,7 +89,7 @@ def simulate(times: list[float], slo: bool = True, host=None, prompt=(100, 300),
         while i < len(pending) and pending[i] <= now:
             n = rng.randint(*prompt)
             req = GenerationRequest([1] * n, SamplingParams(max_tokens=max_tokens), on_event=lambda e: None,
-                                    arrival=pending[i])
+                                    arrival=pending[i], priority=priority(pending[i]) if priority else 0)
             seq = Sequence(request=req, token_ids=[1] * n, sampling=None, detok=None, reserve_tokens=n + max_tokens)
             i += 1
             try:
@@ -165,6 +167,46 @@ def test_a_burst_is_cut_to_what_fits_in_the_ttft_budget():
     met, judged = run.met(TARGETS)
     assert met >= 0.99 * judged
     assert not [t for t in run.shed if t >= 12 + 5]  # the queue is gone a few seconds later
+
+
+# a burst of low-priority work, and urgent requests arriving right behind it while it is
+# queued (a small running cap keeps the admitted part of the burst in the waiting queue)
+BACKLOG_AT, URGENT = 10.0, [10.01, 10.05, 10.1]
+
+
+def _urgent_behind_a_backlog(urgent_priority: int) -> Run:
+    times = [t / 4 for t in range(40)] + [BACKLOG_AT] * 150 + URGENT
+    return simulate(times, max_tokens=16, max_num_seqs=4, priority=lambda t: urgent_priority if t in URGENT else 5)
+
+
+def test_an_urgent_request_is_not_shed_for_a_low_priority_backlog():
+    """Its predicted TTFT counts only the queued work of better or equal priority: behind a
+    backlog that sheds equals, a better priority is admitted and still gets its first token
+    within slo_ttft, starting before the backlog queued ahead of it."""
+    equal = _urgent_behind_a_backlog(5)
+    assert [t for t in equal.shed if t in URGENT] == URGENT, "the backlog must be deep enough to shed equal arrivals"
+    run = _urgent_behind_a_backlog(-1)
+    assert not [t for t in run.shed if t in URGENT]
+    urgent = [s for s in run.admitted if s.request.arrival in URGENT]
+    assert len(urgent) == len(URGENT)
+    assert all(s.first_token_time - s.request.arrival <= TTFT_S for s in urgent)
+    backlog = [s for s in run.admitted if s.request.arrival == BACKLOG_AT]
+    assert max(s.first_token_time for s in urgent) < max(s.first_token_time for s in backlog)
+
+
+def test_the_prediction_counts_only_better_or_equal_priorities_ahead():
+    """ahead_of: better priority, or equal (queued earlier); worse ones run after it."""
+    run = simulate([t / 4 for t in range(40)])  # a warmed-up model
+    ctl = run.scheduler.slo
+    queued = []
+    for prio in (3, -2, 0, 3, 1):
+        req = GenerationRequest([1] * 400, SamplingParams(max_tokens=32), on_event=lambda e: None, priority=prio)
+        queued.append(Sequence(request=req, token_ids=[1] * 400, sampling=None, detok=None, reserve_tokens=432))
+    assert [s.request.priority for s in ahead_of(0, queued)] == [-2, 0]
+    assert ahead_of(-3, queued) == [] and ahead_of(3, queued) == queued
+    alone = ctl.predict_ttft(100, [], [])
+    assert ctl.predict_ttft(100, [], ahead_of(-3, queued)) == alone
+    assert ctl.predict_ttft(100, [], ahead_of(0, queued)) < ctl.predict_ttft(100, [], ahead_of(3, queued))
 
 
 def _changes(decisions, start: float, end: float) -> int:
