@@ -107,6 +107,11 @@ def test_http_generate_and_generate_stream(triton_server):
     assert len(events) >= 1 and "".join(e["text_output"] for e in events) == ref  # no count: as above
 
 
+def test_priority_input_is_taken_and_leaves_the_greedy_answer_alone(triton_server):
+    prompt = PROMPTS[2]
+    assert gen(triton_server, prompt, max_tokens=12, priority=-7).text == text_of(hf_greedy_text(prompt, 12))
+
+
 def test_sixteen_concurrent_mixed_requests_get_their_solo_answers(triton_server):
     prompts = [PROMPTS[i % len(PROMPTS)] + "!" * (i // len(PROMPTS)) for i in range(16)]
     lengths = [8 + 3 * i for i in range(16)]
@@ -145,6 +150,7 @@ def test_kv_budget_of_two_sequences_serves_twelve_concurrent_requests(triton_ser
         ({"max_tokens": 4, "temperature": -1.0}, "temperature"),
         ({"max_tokens": 4, "top_p": 0.0}, "top_p"),
         ({"max_tokens": 4, "top_k": -2}, "top_k"),
+        ({"max_tokens": 4, "priority": 5000}, r"priority: must be in \[-1000, 1000\]"),
     ],
 )
 def test_bad_parameters_get_an_error_naming_the_input(triton_server, params, named):
