@@ -104,12 +104,15 @@ def test_each_adapter_and_the_base_equal_peft_through_triton(triton_server, serv
 
 
 def test_openai_model_field_names_an_adapter_and_models_lists_it(client, served_models):
+    """Both adapters, the `lora_adapters` one and the multi_lora.json one (the frontend reads
+    the repository), are models of their own with `tiny` as parent."""
     cards = {m.id: m for m in client.models.list().data}
-    assert "tiny" in cards and "sql" in cards
-    assert cards["sql"].model_extra.get("parent") == "tiny"
-    for prompt in PROMPTS:
-        r = client.completions.create(model="sql", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-        assert r.model == "sql" and r.choices[0].text == peft_text(served_models, "sql", prompt)
+    assert "tiny" in cards and "sql" in cards and "chat" in cards
+    assert cards["sql"].model_extra.get("parent") == "tiny" and cards["chat"].model_extra.get("parent") == "tiny"
+    for adapter in ("sql", "chat"):
+        for prompt in PROMPTS:
+            r = client.completions.create(model=adapter, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            assert r.model == adapter and r.choices[0].text == peft_text(served_models, adapter, prompt)
 
 
 def test_an_unknown_adapter_is_a_clear_error_and_the_server_keeps_serving(triton_server, client, served_models):

@@ -430,7 +430,7 @@ def create_app(triton_url: str | None = None, templates: ChatTemplates | None = 
             yield
             return
         # grpc.aio binds the channel to the running loop: the bridge is made inside it
-        app.state.backend = TritonBackend(triton_url, headers, health=health)
+        app.state.backend = TritonBackend(triton_url, headers, health=health, repo=templates.repo)
         try:
             yield
         finally:

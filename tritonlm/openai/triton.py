@@ -16,6 +16,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -45,26 +46,35 @@ class ServedModel:
         """The Triton model that serves it: its parent for an adapter, else itself."""
         return self.parent or self.name
 
-    @property
-    def adapter_names(self) -> list[str]:
-        """The LoRA adapters a generation model serves, from its `lora_adapters` parameter (what
-        a multi_lora.json adds is not in the config: those are served by `lora_name` only)."""
-        from tritonlm.engine.settings import SettingsError, adapter_pairs
+    def adapter_names(self, repo: Path | None = None) -> list[str]:
+        """The LoRA adapters a generation model serves: its `lora_adapters` parameter, and, where
+        this process sees the model repository, the multi_lora.json beside its config.pbtxt
+        (not in the config Triton reports; without the repository those are served by
+        `lora_name` only)."""
+        from tritonlm.engine.settings import MULTI_LORA_FILE, SettingsError, adapter_pairs
 
         try:
-            return [name for name, _ in adapter_pairs(self.parameters.get("lora_adapters", ""))]
+            names = [name for name, _ in adapter_pairs(self.parameters.get("lora_adapters", ""))]
         except SettingsError:
             return []  # such a model does not load: nothing to list
+        json_file = Path(repo) / self.name / MULTI_LORA_FILE if repo is not None else None
+        if json_file is not None and json_file.is_file():
+            try:
+                names += [name for name, _ in adapter_pairs(json_file.read_text(), MULTI_LORA_FILE)]
+            except (OSError, UnicodeDecodeError, SettingsError):
+                pass  # the model refuses such a file when it loads: it is not served
+        return names
 
 
-def with_adapters(models: dict[str, ServedModel]) -> dict[str, ServedModel]:
-    """The generation models and, as models of their own, the LoRA adapters each serves, with
-    `parent` its model (as vLLM's /v1/models lists them). A model's own name wins over an
-    adapter's, and of two models serving the same adapter name the first by name does."""
+def with_adapters(models: dict[str, ServedModel], repo: Path | None = None) -> dict[str, ServedModel]:
+    """The generation models and, as models of their own, the LoRA adapters each serves (its
+    multi_lora.json's too where `repo`, the model repository, is readable here), with `parent`
+    its model (as vLLM's /v1/models lists them). A model's own name wins over an adapter's, and
+    of two models serving the same adapter name the first by name does."""
     out = dict(models)
     for name in sorted(models):
         base = models[name]
-        for adapter in base.adapter_names:
+        for adapter in base.adapter_names(repo):
             if adapter not in out:
                 out[adapter] = ServedModel(adapter, base.version, base.config, base.created, parent=name, lora_name=adapter)
     return out
@@ -139,8 +149,9 @@ class TritonBackend:
     """The frontend's view of one Triton server (gRPC), the app's Backend
     (tritonlm/openai/backend.py). Create and use inside one event loop."""
 
-    def __init__(self, url: str, headers: dict[str, str] | None = None, health=None):
+    def __init__(self, url: str, headers: dict[str, str] | None = None, health=None, repo: Path | None = None):
         self.url = url
+        self.repo = repo  # the model repository, where this process sees it: each model's multi_lora.json
         self.headers = headers  # e.g. a --restrict-model-control header for the repository index
         # tritonlm serve's HealthBoard (or None): turns a lost connection into its reason,
         # e.g. "model tiny is restarting (model tiny: its process (pid 7) died)"
@@ -198,7 +209,7 @@ class TritonBackend:
                 continue  # unloaded between the two calls
             if is_generation_model(config):
                 found[name] = ServedModel(name, entry.get("version", ""), config, old.created if old else int(time.time()))
-        return with_adapters(found)
+        return with_adapters(found, self.repo)
 
     async def model(self, name: str) -> ServedModel:
         models = await self.models()

@@ -542,3 +542,18 @@ def test_a_models_own_name_wins_over_an_adapter_of_the_same_name():
     assert listed["other"].parent is None and listed["x"].parent == "base" and listed["x"].lora_name == "x"
     broken = {"parameters": {"lora_adapters": {"string_value": "no-equals-sign"}}}
     assert set(with_adapters({"b": ServedModel("b", "1", broken)})) == {"b"}  # it does not load: nothing listed
+
+
+def test_multi_lora_json_adapters_are_listed_where_the_repository_is_readable(tmp_path):
+    """A multi_lora.json beside a model's config.pbtxt adds its adapters to /v1/models when the
+    frontend sees the repository; a broken one adds nothing (that model refuses it at load)."""
+    from tritonlm.openai.triton import ServedModel, with_adapters
+
+    config = {"parameters": {"lora_adapters": {"string_value": "sql=a/sql"}}}
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "multi_lora.json").write_text('{"chat": "a/chat"}')
+    assert set(with_adapters({"base": ServedModel("base", "1", config)})) == {"base", "sql"}  # no repository
+    listed = with_adapters({"base": ServedModel("base", "1", config)}, tmp_path)
+    assert set(listed) == {"base", "sql", "chat"} and listed["chat"].parent == "base" and listed["chat"].lora_name == "chat"
+    (tmp_path / "base" / "multi_lora.json").write_text('["not", "an", "object"]')
+    assert set(with_adapters({"base": ServedModel("base", "1", config)}, tmp_path)) == {"base", "sql"}
