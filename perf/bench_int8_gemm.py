@@ -42,7 +42,7 @@ def kernels(w: torch.Tensor) -> dict[str, Int8Linear]:
         if bits == 8 and not torch.cpu._is_vnni_supported():
             continue  # fbgemm saturates 8-bit activations without VNNI
         lin = Int8Linear.from_float(w, None)
-        lin.fused_op, lin.reduce_range, lin.pinned = True, reduce_range, PinnedRows()
+        lin.cpp_op, lin.reduce_range, lin.pinned = True, reduce_range, PinnedRows()
         out[f"fbgemm_{bits}bit"] = lin
     for isa in torch.ops.tritonlm.i8_isas():
         lin = Int8Linear.from_float(w, None)

@@ -151,7 +151,7 @@ def main() -> int:
         r = TorchRunner(model, device=device, dtype=dtype, attention=attention, cuda_graphs=graphs, max_batch=256)
         r.max_context = 1024
         if not on_gpu and attention != "gather":  # dry run: the Triton kernel through its interpreter
-            r.transformer.paged_kernel, r.transformer.decoder_stack = False, None
+            r.transformer.cpp_ops, r.transformer.decoder_stack = False, None
             r.transformer.use_decode_kernel()
         return r
 

@@ -432,7 +432,7 @@ def triton_decode_runner(model, monkeypatch) -> TorchRunner:
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     runner = TorchRunner(model, max_batch=8, max_context=128)
-    runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
+    runner.transformer.cpp_ops, runner.transformer.decoder_stack = False, None
     on, why = runner.transformer.use_decode_kernel()
     assert on, why
     return runner

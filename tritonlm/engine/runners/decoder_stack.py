@@ -76,9 +76,9 @@ def build_decoder_stack(model: StackModel) -> object | None:
         return None
 
     def runs_in_stack(p: Linear | None) -> bool:
-        fbgemm_int8 = isinstance(p, Int8Linear) and p.fused_op and p.act8 is None  # the stack takes fbgemm's packs
+        fbgemm_int8 = isinstance(p, Int8Linear) and p.cpp_op and p.act8 is None  # the stack takes fbgemm's packs
         return (isinstance(p, (BlockedLinear, PanelLinear)) or fbgemm_int8
-                or (isinstance(p, WeightOnlyInt8Linear) and p.native))
+                or (isinstance(p, WeightOnlyInt8Linear) and p.cpp_op))
 
     for L in model.layers:
         mlp_in = L.gate_up if act == "silu_mul" else L.fc

@@ -263,7 +263,7 @@ class Int8Linear(Linear):
     in_features: int  # the pinned row's width
     smooth: torch.Tensor | None = None  # [in] 1/s of SmoothQuant's migration, when not folded upstream
     pinned: PinnedRows = field(default_factory=PinnedRows, repr=False)  # shared by the model's int8 projections
-    fused_op: bool = False  # through torch.ops.tritonlm.int8_linear (scaling, kernel, rescale, bias: one op)
+    cpp_op: bool = False  # through torch.ops.tritonlm.int8_linear (scaling, kernel, rescale, bias: one op)
     # 7-bit activations (int8_reduce_range), decided once when the projection is made: not
     # an environment read in every call of the hot path
     reduce_range: bool = field(default_factory=lambda: int8_reduce_range())
@@ -290,7 +290,7 @@ class Int8Linear(Linear):
         # the same in any batch. The pinned row is row 0 of a reused buffer, the scaled rows
         # are written after it (no concatenation). [M, in] -> [1 + M, in] -> [M, out]
         # SmoothQuant's division where it could not be folded upstream is applied here too.
-        # With the C++ ops (`fused_op`) all of it, the rescale and the bias are one op.
+        # With the C++ ops (`cpp_op`) all of it, the rescale and the bias are one op.
         flat = x.reshape(-1, x.shape[-1])
         if self.act8 is not None:  # each row quantized alone inside the op: no pinned row
             a = self.act8
@@ -299,7 +299,7 @@ class Int8Linear(Linear):
             return y.view(*x.shape[:-1], a.out)
         rows = flat.shape[0]
         buf = self.pinned.take(rows, self.in_features)
-        if self.fused_op:
+        if self.cpp_op:
             y = torch.ops.tritonlm.int8_linear(flat.contiguous(), self.smooth, bias, self.packed, buf, self.reduce_range)
             return y.view(*x.shape[:-1], y.shape[-1])
         if self.smooth is not None:
@@ -346,7 +346,7 @@ class WeightOnlyInt8Linear(Linear):
     per channel). Activations are never quantized, so the only error is the weights'
     rounding (runners/weight_only.py). Stored in 16-wide output panels as PanelLinear's float
     weights are: panel[p, k, j] = q[16 p + j, k], scale[p, g, j] = s[16 p + j, g] and offset
-    likewise, zero past `out`. With the C++ kernels (`native`) the codes are widened to float
+    likewise, zero past `out`. With the C++ kernels (`cpp_op`) the codes are widened to float
     inside the matmul (kernels/weight_only_int8.cpp); without them, to a float copy per call."""
 
     panel: torch.Tensor  # [P, in, 16] uint8
@@ -354,7 +354,7 @@ class WeightOnlyInt8Linear(Linear):
     offset: torch.Tensor  # [P, G, 16] float16
     b: torch.Tensor | None  # [out]
     out: int
-    native: bool = False  # through torch.ops.tritonlm.w8_linear
+    cpp_op: bool = False  # through torch.ops.tritonlm.w8_linear
 
     @staticmethod
     def from_rows(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -383,7 +383,7 @@ class WeightOnlyInt8Linear(Linear):
         return q.float() * scale.float().repeat_interleave(group, dim=1) + offset.float().repeat_interleave(group, dim=1)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
-        if self.native:
+        if self.cpp_op:
             return torch.ops.tritonlm.w8_linear(x, self.panel, self.scale, self.offset, bias, self.out, "auto")
         return F.linear(x, self.dequantized(), bias)
 

@@ -145,7 +145,7 @@ class Transformer:
     head_widths: list[int] = field(default_factory=list)  # TP: LM head columns of every rank, for the gather
     # tritonlm's C++ ops (use_paged_kernel): decode-width steps' attention (paged_attention_qkv),
     # and for float32 RMSNorm / SwiGLU models the fused norms and activation at every width
-    paged_kernel: bool = False
+    cpp_ops: bool = False
     # with the C++ ops, float32 / int8 layers (Llama family, GPT-2) also as one torch.classes.tritonlm.DecoderStack:
     # decode-width steps run every layer in one call (runners.decoder_stack.build_decoder_stack)
     decoder_stack: object | None = field(default=None, repr=False)
@@ -425,20 +425,20 @@ class Transformer:
         from tritonlm.engine.kernels import kernels_available
         from tritonlm.engine.runners.decoder_stack import build_decoder_stack
 
-        self.paged_kernel, why = kernels_available()
+        self.cpp_ops, why = kernels_available()
         for p in self.projections():
             if isinstance(p, Int8Linear):
-                p.fused_op = self.paged_kernel
-                if self.paged_kernel and int8_kernel() == "tritonlm":  # 8-bit activations without VNNI
+                p.cpp_op = self.cpp_ops
+                if self.cpp_ops and int8_kernel() == "tritonlm":  # 8-bit activations without VNNI
                     p.use_act8()
             elif isinstance(p, WeightOnlyInt8Linear):
-                p.native = self.paged_kernel
+                p.cpp_op = self.cpp_ops
         paths = self.fast_paths()
         self.attention_kernel = paths.attention_kernel
-        self.decoder_stack = build_decoder_stack(self) if self.paged_kernel and paths.decoder_stack else None
-        if self.paged_kernel and paths.why:
+        self.decoder_stack = build_decoder_stack(self) if self.cpp_ops and paths.decoder_stack else None
+        if self.cpp_ops and paths.why:
             why = f"{why}; {self.spec.family}: {paths.why}"
-        return self.paged_kernel and paths.attention_kernel, why
+        return self.cpp_ops and paths.attention_kernel, why
 
     def fast_paths(self) -> FastPaths:
         """Which fast paths these layers' BlockSpecs allow (families.fast_paths): the one place
@@ -477,7 +477,7 @@ class Transformer:
         if self.decode_kernel and plan.width == 1 and plan.block_table is not None:
             return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, ropes=ropes,
                                triton=True)
-        if (self.paged_kernel and self.attention_kernel and plan.width <= PAGED_KERNEL_MAX_WIDTH
+        if (self.cpp_ops and self.attention_kernel and plan.width <= PAGED_KERNEL_MAX_WIDTH
                 and pool.k[0].dtype == torch.float32):
             return StepContext(plan=plan, mask=None, rows=None, k_buf=None, v_buf=None, rope=rope, ropes=ropes,
                                kernel=True, slot_table=plan.slot_table.contiguous())
@@ -566,13 +566,13 @@ class Transformer:
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., 2F] -> [..., F]: act(gate) * up; for float32 SiLU with the kernels on, one C++
         pass with no [..., F] temporaries (dense MLPs and each expert's rows alike)."""
-        if self.paged_kernel and self.act is F.silu and gate_up.dtype == torch.float32:
+        if self.cpp_ops and self.act is F.silu and gate_up.dtype == torch.float32:
             return torch.ops.tritonlm.silu_mul(gate_up.contiguous())
         gate, up = gate_up.chunk(2, dim=-1)  # [..., F] each
         return self.act(gate) * up
 
     def _fused_norm(self, norm: Norm, x: torch.Tensor) -> bool:
-        return self.paged_kernel and norm.rms and x.dtype == torch.float32 and norm.w.dtype == torch.float32
+        return self.cpp_ops and norm.rms and x.dtype == torch.float32 and norm.w.dtype == torch.float32
 
     def norm(self, norm: Norm, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., C]
         if self._fused_norm(norm, x):

@@ -171,7 +171,7 @@ def test_fused_norm_and_activation_ops_equal_the_torch_math(shape):
     for s, b in ((None, None), (torch.rand(width, generator=g) + 0.5, torch.randn(24, generator=g))):
         proj = quantize_linear(FloatLinear(torch.randn(width, 24, generator=g), b), s)  # smooth divides at run time
         with_bias, without = proj(x), proj.matmul(x)  # torch ops
-        proj.fused_op = True
+        proj.cpp_op = True
         assert proj(x).shape == (*shape[:-1], 24)
         assert torch.equal(proj(x), with_bias) and torch.equal(proj.matmul(x), without)
     big = torch.tensor([[-100.0, -30.0, 0.0, 30.0, 100.0, 1e4, -1e4, 1.0]])  # e^-x at its clamps

@@ -140,7 +140,7 @@ def test_runner_protocol_and_spec(split):
     assert isinstance(runner, Runner)
     assert runner.spec == TorchRunner(model).spec  # the whole model's shape: the engine's accounting is unchanged
     assert runner.healthy and len(runner.worker_pids) == 1
-    assert runner.model.paged_kernel  # decode steps on the paged-attention kernel, as TorchRunner's (CPU, float32)
+    assert runner.model.cpp_ops  # decode steps on the paged-attention kernel, as TorchRunner's (CPU, float32)
 
 
 def test_chunked_prefill_verify_and_decode_match_torch_runner_and_hf(split):

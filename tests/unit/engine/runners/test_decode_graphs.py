@@ -30,7 +30,7 @@ def kernel_runner(model, device: str = "cpu", graphs: str = "auto") -> TorchRunn
     """A runner whose decode steps take the Triton kernel and DecodeGraphs (the C++ CPU
     kernels off, so the CPU runs the GPU's path through the interpreter)."""
     runner = TorchRunner(model, device=device, cuda_graphs=graphs, max_batch=8, max_context=128)
-    runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
+    runner.transformer.cpp_ops, runner.transformer.decoder_stack = False, None
     on, why = runner.transformer.use_decode_kernel()
     assert on, why
     return runner
@@ -163,7 +163,7 @@ def test_compiled_step_equals_the_eager_step(interpret):
     got = []
     for compile_decode in (False, True):
         runner = TorchRunner(hf, dtype=torch.float16, max_batch=8, max_context=128, compile_decode=compile_decode)
-        runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
+        runner.transformer.cpp_ops, runner.transformer.decoder_stack = False, None
         assert runner.transformer.use_decode_kernel()[0]
         got.append(decode_logits(runner, True, prompts, steps=3).float())
         assert runner.decode_graphs.compiled is compile_decode
@@ -175,7 +175,7 @@ def test_prepare_decode_falls_back_when_compiling_fails(interpret, monkeypatch):
     from tritonlm.engine.runners import decode_graphs
 
     runner = TorchRunner(tiny()[0], dtype=torch.float16, max_batch=4, max_context=64, compile_decode=True)
-    runner.transformer.paged_kernel, runner.transformer.decoder_stack = False, None
+    runner.transformer.cpp_ops, runner.transformer.decoder_stack = False, None
     runner.transformer.use_decode_kernel()
     cache = KVCacheManager(runner.spec, runner.spec.bytes_per_token * 4 * 40, 4, allocate_kv=runner.allocate_kv,
                            device_tables=True)

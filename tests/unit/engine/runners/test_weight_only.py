@@ -74,7 +74,7 @@ def test_weight_only_greedy_equals_transformers_on_the_rounded_weights(arch):
     t = runner.transformer
     assert all(isinstance(p, WeightOnlyInt8Linear) and p.panel.dtype == torch.uint8 for p in t.projections())
     if runner.attention == "paged":
-        assert all(p.native for p in t.projections()) and t.decoder_stack is not None
+        assert all(p.cpp_op for p in t.projections()) and t.decoder_stack is not None
     assert t.weight_bytes() < TorchRunner(model).transformer.weight_bytes()
     same = teacher_forced_agreement(runner, prompts, reference_continuations(rounded_weights(model), prompts, 24))
     fp32 = teacher_forced_agreement(runner, prompts, reference_continuations(model, prompts, 24))
@@ -171,7 +171,7 @@ def test_weight_only_without_the_kernels_computes_the_same_function():
     runner = TorchRunner(model, int8_weight_only=True)
     native = logits_of(runner, prompts[:3])
     fallback = TorchRunner(model, int8_weight_only=True, attention="gather")
-    assert not any(p.native for p in fallback.transformer.projections())
+    assert not any(p.cpp_op for p in fallback.transformer.projections())
     diff = (logits_of(fallback, prompts[:3]) - native).abs().max().item()
     assert diff < 1e-4 * max(1.0, native.abs().max().item()), diff
 
