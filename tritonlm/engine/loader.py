@@ -215,6 +215,7 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
         max_queue_size=settings.max_queue_size,
         slo_ttft_s=settings.slo_ttft_ms / 1000 if settings.slo_ttft_ms > 0 else None,
         slo_tpot_s=settings.slo_tpot_ms / 1000 if settings.slo_tpot_ms > 0 else None,
+        max_loras=settings.max_loras,
     )
     return Engine(
         runner,

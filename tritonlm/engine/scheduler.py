@@ -43,6 +43,9 @@ class SchedulerConfig:
     # ceilings that the SLO controller sizes each step under
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # distinct LoRA adapters among the running sequences, so in any one step (0: no limit);
+    # a request under another adapter waits at the head of the queue until one leaves
+    max_loras: int = 0
 
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, how many of its pending tokens run this step)
@@ -182,6 +185,8 @@ class Scheduler:
         cap = self.slo.cap if self.slo is not None else self.config.max_num_seqs
         while self.waiting and len(self.running) < cap:
             seq = self.waiting[0]
+            if not self._adapter_fits(seq):
+                break  # head-of-line waits, as for cache room: another adapter's request leaves first
             prompt = seq.request.prompt_ids
             if self.cache.prefix_caching and not seq.block_digests:
                 seq.block_digests = self.cache.prompt_digests(prompt, self._chain_root(seq))
@@ -197,6 +202,14 @@ class Scheduler:
                 self.cache.hit_tokens += seq.num_cached_tokens
             seq.state = SeqState.RUNNING
             self.running.append(seq)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Running `seq` keeps the running sequences' distinct LoRA adapters within max_loras."""
+        adapter, limit = seq.request.lora, self.config.max_loras
+        if adapter is None or limit <= 0:
+            return True
+        running = {s.request.lora.digest for s in self.running if s.request.lora is not None}  # by content
+        return adapter.digest in running or len(running) < limit
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's newly completed blocks to the prefix cache: those whose K/V

@@ -119,6 +119,7 @@ class EngineSettings:
     lora_adapters: tuple[tuple[str, Path], ...] = ()
     max_lora_rank: int = 64
     max_cpu_loras: int = 8  # adapters loaded at once; more are loaded again at their next use
+    max_loras: int = 0  # distinct adapters among the running sequences (one step); 0: no limit
 
     @property
     def is_parallel(self) -> bool:
@@ -247,6 +248,7 @@ class EngineSettings:
             lora_adapters=lora_folders(params.get("lora_adapters", ""), model_dir),
             max_lora_rank=get_int("max_lora_rank", 64, 1),
             max_cpu_loras=get_int("max_cpu_loras", 8, 1),
+            max_loras=get_int("max_loras", 0, 0),
         )
         if s.parallel_timeout_s <= 0:
             raise SettingsError(f"parallel_timeout_s: must be > 0, got {s.parallel_timeout_s}")
@@ -514,6 +516,9 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("max_lora_rank", "64", "the highest LoRA rank an adapter may have; a higher one is refused at its first use"),
     _P("max_cpu_loras", "8",
        "LoRA adapters kept loaded; past it, the least recently used is dropped and loaded again at its next use"),
+    _P("max_loras", "0",
+       "distinct LoRA adapters among the running sequences, so in one step (vLLM's `--max-loras`); a request "
+       "under another adapter waits in the queue until one leaves, never refused; 0: no limit"),
 )
 
 # the forward-pass models run inside the tritonlm backend (task "forward", `tritonlm export

@@ -161,3 +161,34 @@ def test_a_priority_out_of_range_is_refused_at_submit():
     with pytest.raises(InvalidRequestError, match=r"^priority: must be in \[-1000, 1000\]"):
         engine.submit(req)
     assert not engine.has_work() and not engine._inbox
+
+
+def test_max_loras_holds_the_running_adapters_and_the_rest_wait_their_turn():
+    """max_loras=2: requests under a third adapter wait at the head of the queue (none refused)
+    until a running adapter's last request leaves; the base model and an adapter already
+    running are never held back by it."""
+    from types import SimpleNamespace
+
+    cache = KVCacheManager(PRIO_SPEC, PRIO_SPEC.bytes_per_token * 10_000, 16)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_loras=2), cache)
+    a, b, c = (SimpleNamespace(name=n, digest=n.encode()) for n in "abc")
+
+    def queue(lora) -> Sequence:
+        req = GenerationRequest([1] * 8, SamplingParams(max_tokens=4), on_event=lambda e: None, lora=lora)
+        seq = Sequence(request=req, token_ids=[1] * 8, sampling=None, detok=None, reserve_tokens=12)
+        sched.add(seq)
+        return seq
+
+    first = [queue(a), queue(b), queue(a), queue(None)]
+    held = queue(c)
+    behind = [queue(None), queue(b)]  # head-of-line: they wait behind c's request
+    sched.schedule()
+    assert sched.running == first and list(sched.waiting) == [held, *behind]
+    sched.finish(first[1], "length")  # b's only running request leaves: c's may start
+    sched.schedule()
+    assert held in sched.running and behind[0] in sched.running
+    assert behind[1] in sched.waiting  # a and c run now: b waits again
+    sched.finish(first[0], "length")
+    sched.finish(first[2], "length")  # a's last request leaves
+    sched.schedule()
+    assert not sched.waiting and {getattr(s.request.lora, "name", None) for s in sched.running} == {"c", "b", None}
