@@ -6,17 +6,23 @@ Per family: every prefill-chunk and decode step's logits within ATOL of transfor
 kernel-or-default path and on the gather path, a mixed batch in one call; greedy answers
 of an Engine (chunked prefill, rows batched together, prefix cache on and off) equal to
 generate()'s; int8 and int8_weight_only load and generate. Sequences run past the tiny
-windowed models' window, so a window off by one shows.
+windowed models' window, so a window off by one shows. Then every family, the
+mixture-of-experts ones and each RoPE type included, at other shapes, seeds and windows
+("other shapes" below).
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import transformers
 
-from tests.helpers.greedy import assert_engine_greedy_equal
+from tests.helpers.greedy import assert_engine_greedy_equal, assert_greedy_equal, engine_answers, hf_generate
 from tests.helpers.models import (
     FAMILY_NAMES,
+    LLAMA_VOCAB,
     WINDOW,
     assert_close,
     block_table_rows,
@@ -365,3 +371,92 @@ def test_parallel_shares_keep_the_family_features(name):
     if name == "olmo2":
         with pytest.raises(ValueError, match="olmo2: q/k norm over the whole projection is not split"):
             tensor_slice(Transformer.from_hf(model), 0, 2)
+
+# ---------------------------------------------------------------------------- other shapes
+# Every family again at other shapes, seeds and windows than tests/helpers/models.py's tiny
+# ones: hidden 96, 6 query heads over 3 KV heads, head dims 16 / 24 / 32, windows of 6, norms
+# and biases random, every RoPE type Llama takes. An Engine (7-token prefill chunks, rows
+# batched, the prefix cache on, two rounds) answers each prompt as transformers' generate()
+# does, so a shape the tests above happen to avoid (a head_dim that is not hidden / heads, an
+# odd window) cannot hide a bug.
+
+SHAPE_WINDOW = 6
+BASE = dict(vocab_size=LLAMA_VOCAB, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+            num_key_value_heads=3, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+            initializer_range=0.15, tie_word_embeddings=False)
+SHAPES = {  # name -> (config class prefix, its fields beyond BASE)
+    "llama": ("Llama", {}),
+    "llama_yarn": ("Llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                                                  "original_max_position_embeddings": 128})),
+    "llama_llama3": ("Llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64})),
+    "llama_linear": ("Llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})),
+    "llama_dynamic": ("Llama", dict(max_position_embeddings=24,
+                                    rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 3.0})),
+    "qwen2": ("Qwen2", {}),
+    "qwen3": ("Qwen3", dict(head_dim=24)),
+    "mistral": ("Mistral", dict(sliding_window=SHAPE_WINDOW)),
+    "ministral": ("Ministral", dict(head_dim=16, sliding_window=SHAPE_WINDOW,
+                                    layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
+    "phi3": ("Phi3", dict(sliding_window=SHAPE_WINDOW)),
+    "phi4_mini": ("Phi3", dict(partial_rotary_factor=0.75, max_position_embeddings=96, original_max_position_embeddings=24,
+                               rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+                                                "original_max_position_embeddings": 24,
+                                                "short_factor": [1.0 + 0.05 * i for i in range(6)],
+                                                "long_factor": [1.5 + 0.3 * i for i in range(6)]})),
+    "granite": ("Granite", dict(embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                                logits_scaling=2.0)),
+    "smollm3": ("SmolLM3", dict(num_hidden_layers=4, no_rope_layer_interval=3)),
+    "olmo2": ("Olmo2", {}),
+    "glm": ("Glm", dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True)),
+    "glm4": ("Glm4", dict(head_dim=32, partial_rotary_factor=0.5)),
+    "gemma2": ("Gemma2", dict(num_hidden_layers=4, head_dim=32, sliding_window=SHAPE_WINDOW, query_pre_attn_scalar=20,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=10.0)),
+    "gemma3_text": ("Gemma3Text", dict(num_hidden_layers=5, head_dim=16, sliding_window=SHAPE_WINDOW, query_pre_attn_scalar=16,
+                                       layer_types=["sliding_attention"] * 2 + ["full_attention"]
+                                       + ["sliding_attention"] * 2)),
+    "mixtral": ("Mixtral", dict(num_local_experts=5, num_experts_per_tok=2, sliding_window=SHAPE_WINDOW)),
+    "qwen3_moe": ("Qwen3Moe", dict(head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                                   decoder_sparse_step=1, norm_topk_prob=True)),
+    "olmoe": ("Olmoe", dict(num_experts=6, num_experts_per_tok=3, norm_topk_prob=False)),
+    "gpt_oss": ("GptOss", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=SHAPE_WINDOW,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+
+
+def shaped_model(name: str, seed: int):
+    family, extra = SHAPES[name]
+    config = getattr(transformers, f"{family}Config")(**{**BASE, **copy.deepcopy(extra)})
+    torch.manual_seed(seed)
+    causal_lm = "Gemma3ForCausalLM" if family == "Gemma3Text" else f"{family}ForCausalLM"
+    model = getattr(transformers, causal_lm)(config).eval()
+    with torch.no_grad():  # transformers' ones and zeros would hide a norm or a bias left out
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
+                module.weight.uniform_(-0.4, 0.4) if family.startswith("Gemma") else module.weight.uniform_(0.6, 1.4)
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_engine_greedy_equals_generate_at_other_shapes(name):
+    from tritonlm.engine.engine import Engine
+    from tritonlm.engine.kv_cache import KVCacheManager
+    from tritonlm.engine.scheduler import SchedulerConfig
+    from tritonlm.models.builtin import tiny_tokenizer
+
+    seed = list(SHAPES).index(name)
+    model = shaped_model(name, 1000 + seed)
+    runner = TorchRunner(model)
+    cache = KVCacheManager(runner.spec, 300 * 4 * runner.spec.bytes_per_token, 4, allocate_kv=runner.allocate_kv,
+                           prefix_caching=True)
+    engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(max_num_batched_tokens=7), max_context=256)
+    shared = random_tokens(17, seed=70 + seed)
+    prompts = [shared, shared + random_tokens(14, seed=80 + seed), random_tokens(5, seed=90 + seed)]
+    new = 22
+    for col, ids in engine_answers(engine, prompts, new, rounds=2):
+        for prompt, rid in zip(prompts, ids):
+            # a fresh copy: transformers' dynamic RoPE keeps state from one generate() to the next
+            assert_greedy_equal(model, prompt, col.ids(rid), hf_generate(copy.deepcopy(model), prompt, new))
