@@ -21,6 +21,7 @@ from tritonlm.engine.cpu_cores import ThreadGovernor
 from tritonlm.engine.executor import ModelExecutor
 from tritonlm.engine.guided import GuideCompiler
 from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.lora.registry import PendingAdapter
 from tritonlm.engine.output import Deferred, EngineObserver, EngineStats, OutputProcessor
 from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError, check_priority
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
@@ -78,6 +79,10 @@ class Engine:
         self.overlap = overlap
         self._deferred: list[Deferred] = []  # the last step's rows whose text and events are due
         self._inbox: list[Sequence] = []
+        # requests whose LoRA adapter is being loaded (lora.registry.PendingAdapter), by request
+        # id: they join the queue when it is ready, so a cold load never holds up a step
+        self._loading: dict[int, Sequence] = {}
+        self._load_failures: list[tuple[Sequence, str]] = []  # (request, why its adapter did not load)
         self._cancel: set[int] = set()
         self._cond = threading.Condition()
         self._stop = False
@@ -176,14 +181,36 @@ class Engine:
         # the guide compiled here, on the caller's thread: a bad one is refused before queueing
         guide = self.guides.start(request.params.guided) if request.params.guided is not None else None
         seq = Sequence.create(request, self.tokenizer, eos, k_max, guide)
+        pending = request.lora if isinstance(request.lora, PendingAdapter) else None
         with self._cond:
             if self._stop:
                 raise ServerBusyError("the model is shutting down; retry on another instance")
-            self.scheduler.check_room(self.scheduler.num_waiting + len(self._inbox))
-            self.scheduler.check_slo(seq, self._inbox)
-            if self._idle:  # owed a step from now, not from the last step before the idle time
-                self._step_at = time.time()  # before the append: a beat never pairs the request with the old mark
-            self._inbox.append(seq)
+            self.scheduler.check_room(self.scheduler.num_waiting + len(self._inbox) + len(self._loading))
+            if pending is not None:  # queued when its adapter is ready (_adapter_loaded)
+                self._loading[seq.id] = seq
+            else:
+                self.scheduler.check_slo(seq, self._inbox)
+                if self._idle:  # owed a step from now, not from the last step before the idle time
+                    self._step_at = time.time()  # before the append: a beat never pairs the request with the old mark
+                self._inbox.append(seq)
+                self._cond.notify()
+        if pending is not None:  # runs at once, on this thread, if the load is already done
+            pending.future.add_done_callback(lambda future: self._adapter_loaded(seq, future))
+
+    def _adapter_loaded(self, seq: Sequence, future) -> None:
+        """The loader thread finished the adapter `seq` waits for: it joins the queue, or
+        fails with the load's error (the engine thread sends it)."""
+        with self._cond:
+            if self._loading.pop(seq.id, None) is None:
+                return  # cancelled or shut down meanwhile
+            error = future.exception()
+            if error is None:
+                seq.request.lora = future.result()
+                if self._idle:
+                    self._step_at = time.time()
+                self._inbox.append(seq)
+            else:
+                self._load_failures.append((seq, f"lora_name: {error}"))
             self._cond.notify()
 
     def cancel(self, request_id: int) -> None:
@@ -229,8 +256,8 @@ class Engine:
                 "steps_done": self._steps_done}
 
     def _live(self) -> tuple[list[Sequence], list[Sequence]]:
-        # list() of a list or deque copies in one C call: safe beside the engine thread
-        return list(self.scheduler.running), list(self.scheduler.waiting)
+        # list() of a list, deque or dict view copies in one C call: safe beside the engine thread
+        return list(self.scheduler.running), list(self.scheduler.waiting) + list(self._loading.values())
 
     def shutdown(self, reason: str = "the model is being unloaded", finish_reason: str | None = None) -> None:
         """Stop the loop, end what is pending, and release the runner (worker processes).
@@ -260,12 +287,16 @@ class Engine:
             elif self._dispatcher is not None:
                 self._dispatcher.close()  # the final responses go out before the model unloads
         finally:
+            if self.lora_registry is not None:
+                self.lora_registry.close()
             self.runner.close()
 
     def _fail_pending(self) -> None:
         self._complete_deferred()
         with self._cond:
-            pending, self._inbox = self.scheduler.sequences() + self._inbox, []
+            loading = list(self._loading.values()) + [seq for seq, _ in self._load_failures]
+            pending, self._inbox = self.scheduler.sequences() + self._inbox + loading, []
+            self._loading, self._load_failures = {}, []
         for seq in pending:
             if self._stop_finish is not None:
                 self.output.finish(seq, self._stop_finish)
@@ -276,7 +307,8 @@ class Engine:
         while True:
             idle_since = None
             with self._cond:
-                while not self._stop and not self._inbox and not self._cancel and not self.has_work():
+                while (not self._stop and not self._inbox and not self._cancel and not self._load_failures
+                       and not self.has_work()):
                     idle_since = idle_since or time.monotonic()
                     self._idle = True
                     self._cond.wait(timeout=EXPIRY_CHECK_S if self.scheduler.num_waiting else None)
@@ -348,6 +380,13 @@ class Engine:
                 self.scheduler.add(seq)
             self._inbox = []
             cancel, self._cancel = self._cancel, set()
+            failed, self._load_failures = self._load_failures, []
+            # cancelled while their adapter loads: they leave now (the load goes on for others)
+            cancelled_loading = [self._loading.pop(rid) for rid in cancel if rid in self._loading]
+        for seq, why in failed:
+            self.output.fail(seq, why)
+        for seq in cancelled_loading:
+            self.output.finish(seq, "cancelled")
         if cancel:  # a cancelled row's last token is reported before its final event
             self._complete_deferred()
         for rid in cancel:

@@ -112,14 +112,15 @@ def load_lora_registry(settings: EngineSettings, runner):
     Attached after the runner has quantized and packed its weights (the wrappers keep the
     base projections as they are); every adapter is loaded once here, so a broken one refuses
     the model at load, naming it, rather than failing its first request."""
-    if not settings.lora_adapters:
+    if not settings.takes_lora:
         return None
     from tritonlm.engine.lora import attach_lora
     from tritonlm.engine.lora.registry import LoraRegistry
 
     model = getattr(runner, "transformer", None)
     if model is None:
-        raise SettingsError("lora_adapters: this runner cannot take LoRA adapters; use runtime 'torch' without model parallelism")
+        raise SettingsError("lora_adapters / enable_lora: this runner cannot take LoRA adapters; use runtime 'torch' "
+                            "without model parallelism")
     attach_lora(model)
     registry = LoraRegistry(model, dict(settings.lora_adapters), settings.max_lora_rank, settings.max_cpu_loras)
     folders = dict(settings.lora_adapters)

@@ -120,6 +120,13 @@ class EngineSettings:
     max_lora_rank: int = 64
     max_cpu_loras: int = 8  # adapters loaded at once; more are loaded again at their next use
     max_loras: int = 0  # distinct adapters among the running sequences (one step); 0: no limit
+    # the model takes adapters with none named at load (loaded at run time through multi_lora.json)
+    enable_lora: bool = False
+
+    @property
+    def takes_lora(self) -> bool:
+        """The model is built to run adapters: some are named, or enable_lora."""
+        return bool(self.lora_adapters) or self.enable_lora
 
     @property
     def is_parallel(self) -> bool:
@@ -249,6 +256,7 @@ class EngineSettings:
             max_lora_rank=get_int("max_lora_rank", 64, 1),
             max_cpu_loras=get_int("max_cpu_loras", 8, 1),
             max_loras=get_int("max_loras", 0, 0),
+            enable_lora=get_bool("enable_lora", False),
         )
         if s.parallel_timeout_s <= 0:
             raise SettingsError(f"parallel_timeout_s: must be > 0, got {s.parallel_timeout_s}")
@@ -280,9 +288,9 @@ class EngineSettings:
         if s.speculative == "draft" and s.draft_model is None:
             raise SettingsError("draft_model: required with speculative 'draft' (a draft model's Hugging Face folder)")
         check_sliding_window_kv(s)
-        if s.lora_adapters and (s.runtime != "torch" or s.is_parallel):
+        if s.takes_lora and (s.runtime != "torch" or s.is_parallel):
             raise SettingsError(
-                "lora_adapters: LoRA adapters run on the torch runtime without model parallelism; "
+                f"{'lora_adapters' if s.lora_adapters else 'enable_lora'}: LoRA adapters run on the torch runtime without model parallelism; "
                 f"this model has runtime {s.runtime!r}, tensor_parallel_size {s.tensor_parallel_size}, "
                 f"pipeline_parallel_size {s.pipeline_parallel_size}"
             )
@@ -519,6 +527,10 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("max_loras", "0",
        "distinct LoRA adapters among the running sequences, so in one step (vLLM's `--max-loras`); a request "
        "under another adapter waits in the queue until one leaves, never refused; 0: no limit"),
+    _P("enable_lora", "false",
+       "the model takes LoRA adapters even with none named at load, so that adapters loaded at run time "
+       "(the OpenAI frontend's `/v1/load_lora_adapter`, a rewritten `multi_lora.json`) can run on it; "
+       "naming any adapter turns it on. Torch runtime without model parallelism"),
 )
 
 # the forward-pass models run inside the tritonlm backend (task "forward", `tritonlm export

@@ -59,6 +59,13 @@ class GenerateHandler:
         self.vocab_size = self.engine.runner.spec.vocab_size
         self.limits = RequestLimits.for_model(self.settings, self.engine.max_context)
         self.metrics.set_kv_capacity(self.engine.cache.total_bytes, self.engine.runner.spec.bytes_per_token)
+        self.lora_file = None  # the multi_lora.json the frontend rewrites to load / unload adapters at run time
+        if self.engine.lora_registry is not None:
+            from tritonlm.engine.lora.multi_lora import MultiLoraFile
+            from tritonlm.engine.settings import adapter_pairs
+
+            fixed = {name for name, _ in adapter_pairs(params.get("lora_adapters", ""))}
+            self.lora_file = MultiLoraFile(self.engine.lora_registry, model_dir, fixed)
         self.engine.start()
         self.metrics.watch(self.engine)
         self.heartbeat = Heartbeat(self.name, args.get("model_instance_name", ""), self.engine.fault,
@@ -120,7 +127,9 @@ class GenerateHandler:
             raise InvalidRequestError(rename_error(str(e), parsed.renames)) from None
 
     def _adapter(self, parsed):
-        """The LoRA adapter a request names (lora.LoraAdapter), or None for the base model."""
+        """The LoRA adapter a request names: a lora.LoraAdapter when it is loaded, a
+        registry.PendingAdapter while it loads (the request waits for it in the engine, off this
+        thread), or None for the base model."""
         if parsed.lora_name is None:
             return None
         field = parsed.renames.get("lora_name", "lora_name")
@@ -128,8 +137,9 @@ class GenerateHandler:
         if registry is None:
             raise InvalidRequestError(f"{field}: model '{self.name}' serves no LoRA adapters, so {parsed.lora_name!r} "
                                       "cannot run; leave it out for the base model")
+        self.lora_file.check()  # an adapter loaded or unloaded at run time is in force from this request on
         try:
-            return registry.get(parsed.lora_name)
+            return registry.acquire(parsed.lora_name)
         except ValueError as e:
             raise InvalidRequestError(f"{field}: {e}") from None
 

@@ -322,3 +322,80 @@ def test_prompt_log_probs_are_refused_beyond_twenty():
 
     with pytest.raises(Invalid, match=r"^prompt_log_probs: must be in \[0, 20\]"):
         Collector().request(overlap_engine(False), "x", prompt_log_probs=21)
+
+
+def test_a_cold_lora_adapter_loads_off_the_step_loop_while_base_requests_run(tmp_path):
+    """A request under an adapter that is not loaded waits in the engine while the registry's
+    loader thread loads it (held back here on an Event the test controls): a base request sent
+    after it is served meanwhile; once the load is let go, the adapter request runs and equals
+    PEFT's merged model; an adapter refused at its load fails its own request only, naming why."""
+    import threading
+
+    pytest.importorskip("peft")
+    from tests.helpers.lora import make_adapter, write_config
+    from tests.helpers.models import hf_greedy_ids, random_tokens, tiny_llama
+    from tests.helpers.servers import HANG_GUARD_S
+    from tritonlm.engine.engine import Engine
+    from tritonlm.engine.kv_cache import KVCacheManager
+    from tritonlm.engine.lora import attach_lora
+    from tritonlm.engine.lora.registry import LoraRegistry, PendingAdapter
+    from tritonlm.engine.request import GenerationRequest, SamplingParams
+    from tritonlm.engine.runners.torch_runner import TorchRunner
+    from tritonlm.engine.scheduler import SchedulerConfig
+    from tritonlm.models.builtin import tiny_tokenizer
+
+    model = tiny_llama()
+    merged = make_adapter(model, tmp_path / "slow", seed=5, r=4, lora_alpha=8, target_modules="all-linear")
+    make_adapter(model, tmp_path / "dora", seed=6, r=4, lora_alpha=8, target_modules=["q_proj"])
+    write_config(tmp_path / "dora", use_dora=True)
+    runner = TorchRunner(model)
+    attach_lora(runner.transformer)
+    registry = LoraRegistry(runner.transformer, {"slow": tmp_path / "slow", "dora": tmp_path / "dora"})
+    loading, release = threading.Event(), threading.Event()
+
+    def held(name: str) -> None:
+        if name == "slow":
+            loading.set()
+            assert release.wait(HANG_GUARD_S)
+
+    registry.before_load = held
+    cache = KVCacheManager(runner.spec, 64 * 4 * runner.spec.bytes_per_token, 4, allocate_kv=runner.allocate_kv)
+    engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(), max_context=128)
+    engine.lora_registry = registry
+    events: dict[int, list] = {}
+    done: dict[int, threading.Event] = {}
+
+    def submit(prompt: list[int], lora) -> int:
+        req = GenerationRequest(list(prompt), SamplingParams(max_tokens=8, end_id=-1), on_event, lora=lora)
+        events[req.request_id], done[req.request_id] = [], threading.Event()
+        engine.submit(req)
+        return req.request_id
+
+    def on_event(ev) -> None:
+        events[ev.request_id].append(ev)
+        if ev.finished:
+            done[ev.request_id].set()
+
+    prompt = random_tokens(9, seed=4)
+    engine.start()
+    try:
+        pending = registry.acquire("slow")
+        assert isinstance(pending, PendingAdapter) and registry.acquire("slow") is pending  # one load, shared
+        slow = submit(prompt, pending)
+        assert loading.wait(HANG_GUARD_S)
+        base = submit(prompt, None)
+        assert done[base].wait(HANG_GUARD_S)  # served while the adapter still loads
+        assert [t for e in events[base] for t in e.token_ids] == hf_greedy_ids(model, prompt, 8)
+        assert events[slow] == [] and not pending.future.done()
+        release.set()
+        assert done[slow].wait(HANG_GUARD_S)
+        assert [t for e in events[slow] for t in e.token_ids] == hf_greedy_ids(merged, prompt, 8)
+        assert registry.resident == ["slow"] and registry.acquire("slow") is pending.future.result()
+        bad = submit(prompt, registry.acquire("dora"))
+        again = submit(prompt, None)
+        assert done[bad].wait(HANG_GUARD_S) and done[again].wait(HANG_GUARD_S)
+        assert events[bad][-1].error.startswith("lora_name: LoRA adapter 'dora': use_dora=True: DoRA")
+        assert events[again][-1].finish_reason == "length"
+    finally:
+        release.set()
+        engine.shutdown()

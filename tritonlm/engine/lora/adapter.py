@@ -2,6 +2,9 @@
 low-rank updates of one tritonlm Transformer's fused projections, checked against it.
 
     load_adapter(folder, model, name, max_rank) -> LoraAdapter   ValueError naming what is refused
+    check_adapter(folder, base, name, max_rank)                  the same checks, from the weights'
+                                                                 shapes alone (BaseShape.of_hf_config:
+                                                                 the OpenAI frontend, before a load)
 
 PEFT's per-module A [r, in] and B [out, r] land on tritonlm's fused projections: q/k/v on
 `qkv`, gate/up on `gate_up`, each target in its own column block. One adapter's targets on
@@ -187,12 +190,60 @@ def read_config(folder: Path, name: str) -> dict:
     return config
 
 
-def column_blocks(model, layer: int, proj: str, out: int) -> dict[str, tuple[int, int]]:
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")  # MLPs a config alone does not describe
+
+
+@dataclass(frozen=True)
+class BaseShape:
+    """What an adapter is checked against: the base model's shape, from the loaded model
+    (the engine) or from its config.json alone (the OpenAI frontend, before anything loads)."""
+
+    family: str  # the config's model_type
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    embed: tuple[int, int]  # [V, C] of the embedding (and of a modules_to_save replacement)
+    widths: dict[tuple[int, str], tuple[int, int]]  # {(layer, projection): (inputs, outputs)}
+    whole: bool = True  # False: split over tensor-parallel ranks or pipeline stages
+    mlp_known: bool = True  # False: the MLP projections' widths are not known (a config of MoE layers)
+
+    @staticmethod
+    def of_model(model) -> "BaseShape":
+        """A runners.model.Transformer's shape; an attached model's widths were taken at attach."""
+        state = getattr(model, "lora", None)
+        whole = not model.vocab_parallel and len(model.layers) == model.spec.num_layers and model.wte is not None
+        return BaseShape(model.spec.family, len(model.layers), model.heads, model.kv_heads, model.spec.head_dim,
+                         tuple(model.wte.shape) if model.wte is not None else (0, 0),
+                         state.widths if state is not None else projection_widths(model), whole)
+
+    @staticmethod
+    def of_hf_config(config) -> "BaseShape":
+        """A transformers config's shape (ValueError for a family tritonlm does not run). MoE
+        families' MLPs are left to the engine's check at load."""
+        from tritonlm.engine.model_shape import ModelShape
+
+        shape = ModelShape.from_hf_config(config)
+        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        moe = shape.family in MOE_FAMILIES
+        widths = {}
+        for layer in range(shape.num_layers):
+            widths[layer, "qkv"] = (hidden, q + 2 * kv)
+            widths[layer, "o"] = (q, hidden)
+            if not moe and getattr(config, "intermediate_size", None):
+                widths[layer, "gate_up"] = (hidden, 2 * config.intermediate_size)
+                widths[layer, "down"] = (config.intermediate_size, hidden)
+        return BaseShape(shape.family, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                         (shape.vocab_size, hidden), widths, mlp_known=not moe)
+
+
+def column_blocks(base: BaseShape, proj: str, out: int) -> dict[str, tuple[int, int]]:
     """{part: (first column, end)} of a fused projection's output: q / k / v of qkv, gate / up of
     gate_up, "all" for the whole of any projection."""
     blocks = {"all": (0, out)}
     if proj == "qkv":
-        q, kv = model.heads * model.spec.head_dim, model.kv_heads * model.spec.head_dim
+        q, kv = base.heads * base.head_dim, base.kv_heads * base.head_dim
         blocks.update(q=(0, q), k=(q, q + kv), v=(q + kv, q + 2 * kv))
     elif proj == "gate_up":
         blocks.update(gate=(0, out // 2), up=(out // 2, out))
@@ -219,13 +270,12 @@ def projection_widths(model) -> dict[tuple[int, str], tuple[int, int]]:
     return out
 
 
-def check_model(model, name: str) -> None:
+def check_base(base: BaseShape, name: str) -> None:
     """The model takes adapters: a whole Llama-shaped model of a family in LORA_FAMILIES."""
-    family = model.spec.family
-    if family not in LORA_FAMILIES:
-        raise _refuse(name, f"the base model's family {family!r} takes no LoRA adapters yet (those that do: "
+    if base.family not in LORA_FAMILIES:
+        raise _refuse(name, f"the base model's family {base.family!r} takes no LoRA adapters yet (those that do: "
                             f"{', '.join(LORA_FAMILIES)})")
-    if model.vocab_parallel or len(model.layers) != model.spec.num_layers or model.wte is None:
+    if not base.whole:
         raise _refuse(name, "the base model is split over ranks or stages; adapters run on a whole model only")
 
 
@@ -241,36 +291,34 @@ def content_digest(config: dict, tensors: dict[str, torch.Tensor]) -> bytes:
     return h.digest()
 
 
-def load_adapter(folder: str | Path, model, name: str | None = None, max_rank: int = 64) -> LoraAdapter:
-    """The adapter in `folder` for the runners.model.Transformer `model`, on its device:
-    ValueError naming the adapter, the field and what is allowed, for anything refused."""
-    folder = Path(folder)
-    name = name or folder.name
-    check_model(model, name)
-    config = read_config(folder, name)
-    path = folder / WEIGHTS_FILE
-    if not path.is_file():
-        raise _refuse(name, f"no {WEIGHTS_FILE} in {folder} (adapter_model.bin, pickled, is not read)")
-    from safetensors.torch import load_file
+@dataclass(frozen=True)
+class TargetPlan:
+    """One PEFT module an adapter updates, checked: where its update lands and how it scales."""
 
-    tensors = load_file(str(path))
-    digest = content_digest(config, tensors)
-    # an attached model's widths were taken at attach: loading runs nothing on the model, so it
-    # may happen off the engine's thread while steps run
-    state = getattr(model, "lora", None)
-    widths = state.widths if state is not None else projection_widths(model)
-    parts: dict[tuple[int, str], list[tuple[str, torch.Tensor, torch.Tensor, float]]] = {}
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    adapter = LoraAdapter(name=name, digest=digest, rank=0)
-    for key, t in tensors.items():
+    module: str  # "model.layers.0.self_attn.q_proj"
+    layer: int
+    proj: str  # the fused projection: qkv, o, gate_up, down
+    part: str  # its column block there (column_blocks)
+    rank: int
+    scale: float
+
+
+def plan_targets(name: str, config: dict, shapes: dict[str, tuple[int, ...]], base: BaseShape,
+                 max_rank: int) -> list[TargetPlan]:
+    """Every check an adapter's weights meet, from their shapes alone (a file's header is
+    enough): each A / B pair a layer's projection the config targets, of the base's shapes,
+    its rank the config's and within max_rank; modules_to_save of the base's shape."""
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
         local = key.removeprefix("base_model.model.")
         if local in SAVED_MODULES.values():
-            continue  # the replacement ends, below
+            continue  # the replacement ends, checked below
         m = _KEY.fullmatch(local)
         if m is None:
             raise _refuse(name, f"weight {key!r} is not a LoRA A / B of a layer's projection nor a supported "
                                 f"modules_to_save ({sorted(SAVED_MODULES)}); LoRA targets: {sorted(TARGETS)}")
-        pairs.setdefault(local.rsplit(".lora_", 1)[0], {})[m.group(4)] = t
+        pairs.setdefault(local.rsplit(".lora_", 1)[0], {})[m.group(4)] = tuple(shape)
+    plans = []
     for module, ab in sorted(pairs.items()):
         m = _KEY.fullmatch(module + ".lora_A.weight")
         layer, target = int(m.group(1)), m.group(3)
@@ -279,29 +327,29 @@ def load_adapter(folder: str | Path, model, name: str | None = None, max_rank: i
         if target not in TARGETS:
             raise _refuse(name, f"target module {target!r} ({module}) is not supported; LoRA targets tritonlm "
                                 f"maps: {sorted(TARGETS)}")
-        if layer >= len(model.layers):
-            raise _refuse(name, f"{module}: layer {layer} is not there, the base model has {len(model.layers)} "
+        if layer >= base.num_layers:
+            raise _refuse(name, f"{module}: layer {layer} is not there, the base model has {base.num_layers} "
                                 "layers (an adapter for another base model?)")
         if not _targeted(config, module, layer):
             raise _refuse(name, f"{module} has weights, but target_modules={config.get('target_modules')!r} / "
                                 f"layers_to_transform={config.get('layers_to_transform')!r} do not target it")
         proj, part = TARGETS[target]
-        if (layer, proj) not in widths:
+        a, b = ab["A"], ab["B"]  # [r, in], [out, r]
+        if len(a) != 2 or len(b) != 2 or b[1] != a[0]:
+            raise _refuse(name, f"{module}: A {a} and B {b} are not a rank-r pair ([r, in] and [out, r])")
+        r = int(a[0])
+        if (layer, proj) in base.widths:
+            n_in, n_out = base.widths[layer, proj]
+            blocks = column_blocks(base, proj, n_out)
+            if part not in blocks:
+                raise _refuse(name, f"{module}: this base model fuses {proj} another way")
+            lo, hi = blocks[part]
+            if a[1] != n_in or b[0] != hi - lo:
+                raise _refuse(name, f"{module}: A {a} and B {b} do not fit the base model's {target}, which maps "
+                                    f"{n_in} inputs to {hi - lo} outputs (an adapter for another base model?)")
+        elif base.mlp_known or proj not in ("gate_up", "down"):
             raise _refuse(name, f"{module}: layer {layer} has no {proj} projection of that kind here "
                                 "(a mixture-of-experts MLP takes no LoRA yet)")
-        n_in, n_out = widths[layer, proj]
-        blocks = column_blocks(model, layer, proj, n_out)
-        if part not in blocks:
-            raise _refuse(name, f"{module}: this base model fuses {proj} another way")
-        if proj in ("qkv", "gate_up") and part == "all" and target not in ("qkv_proj", "gate_up_proj"):
-            raise _refuse(name, f"{module}: unexpected target")
-        lo, hi = blocks[part]
-        a, b = ab["A"], ab["B"]  # [r, in], [out, r]
-        r = int(a.shape[0])
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r or a.shape[1] != n_in or b.shape[0] != hi - lo:
-            raise _refuse(name, f"{module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base model's "
-                                f"{target}, which maps {n_in} inputs to {hi - lo} outputs (an adapter for another "
-                                "base model?)")
         want_r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
         if r != want_r:
             raise _refuse(name, f"{module}: its weights have rank {r}, its config (r / rank_pattern) says {want_r}")
@@ -309,48 +357,93 @@ def load_adapter(folder: str | Path, model, name: str | None = None, max_rank: i
             raise _refuse(name, f"{module}: rank {r} is over max_lora_rank={max_rank}")
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
         scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-        parts.setdefault((layer, proj), []).append((part, a, b, scale))
-        adapter.rank = max(adapter.rank, r)
-    for (layer, proj), targets in parts.items():
-        n_in, n_out = widths[layer, proj]
-        blocks = column_blocks(model, layer, proj, n_out)
-        total = sum(int(a.shape[0]) for _, a, _, _ in targets)
+        plans.append(TargetPlan(module, layer, proj, part, r, scale))
+    for module in config.get("modules_to_save") or []:
+        key = "base_model.model." + SAVED_MODULES[module]
+        if key not in shapes:
+            raise _refuse(name, f"modules_to_save names {module!r}, but {WEIGHTS_FILE} has no {key}")
+        if tuple(shapes[key]) != tuple(base.embed):
+            raise _refuse(name, f"modules_to_save {module!r} is {tuple(shapes[key])}; the base model's is "
+                                f"{tuple(base.embed)} (an adapter for another base model?)")
+        if key.replace(".weight", ".bias") in shapes:
+            raise _refuse(name, f"modules_to_save {module!r} has a bias; only a bias-free one is supported")
+    return plans
+
+
+def _weights_path(folder: Path, name: str) -> Path:
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise _refuse(name, f"no {WEIGHTS_FILE} in {folder} (adapter_model.bin, pickled, is not read)")
+    return path
+
+
+def check_adapter(folder: str | Path, base: BaseShape, name: str | None = None, max_rank: int = 64) -> list[TargetPlan]:
+    """The checks load_adapter makes, without loading the weights (their file's header is
+    read): ValueError naming the adapter, the field and what is allowed."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    name = name or folder.name
+    check_base(base, name)
+    config = read_config(folder, name)
+    path = _weights_path(folder, name)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors name no common type
+        raise _refuse(name, f"{WEIGHTS_FILE} cannot be read as safetensors: {e}") from None
+    return plan_targets(name, config, shapes, base, max_rank)
+
+
+def load_adapter(folder: str | Path, model, name: str | None = None, max_rank: int = 64) -> LoraAdapter:
+    """The adapter in `folder` for the runners.model.Transformer `model`, on its device:
+    ValueError naming the adapter, the field and what is allowed, for anything refused.
+    Loading runs nothing on the model (an attached model's widths were taken at attach), so it
+    may happen off the engine's thread while steps run."""
+    folder = Path(folder)
+    name = name or folder.name
+    base = BaseShape.of_model(model)
+    check_base(base, name)
+    config = read_config(folder, name)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(_weights_path(folder, name)))
+    plans = plan_targets(name, config, {k: tuple(t.shape) for k, t in tensors.items()}, base, max_rank)
+    adapter = LoraAdapter(name=name, digest=content_digest(config, tensors), rank=max((p.rank for p in plans), default=0))
+    by_proj: dict[tuple[int, str], list[TargetPlan]] = {}
+    for plan in plans:
+        by_proj.setdefault((plan.layer, plan.proj), []).append(plan)
+    prefix = "base_model.model."
+    for (layer, proj), targets in by_proj.items():
+        n_in, n_out = base.widths[layer, proj]
+        blocks = column_blocks(base, proj, n_out)
+        total = sum(p.rank for p in targets)
         a_all = torch.zeros(n_in, total, dtype=torch.float32)  # [in, R]
         b_all = torch.zeros(total, n_out, dtype=torch.float32)  # [R, out]
         at = 0
-        for part, a, b, scale in sorted(targets, key=lambda t: blocks[t[0]]):  # in column order: q, k, v
-            r = int(a.shape[0])
-            lo, hi = blocks[part]
-            a_all[:, at : at + r] = a.float().t()
-            b_all[at : at + r, lo:hi] = b.float().t() * scale
-            at += r
+        for p in sorted(targets, key=lambda t: blocks[t.part]):  # in column order: q, k, v
+            lo, hi = blocks[p.part]
+            a = tensors[prefix + p.module + ".lora_A.weight"]  # [r, in]
+            b = tensors[prefix + p.module + ".lora_B.weight"]  # [out, r]
+            a_all[:, at : at + p.rank] = a.float().t()
+            b_all[at : at + p.rank, lo:hi] = b.float().t() * p.scale
+            at += p.rank
         order = getattr(model, "qkv_order", None)
         if proj == "qkv" and order is not None:  # the base's q/k head dims are reordered for its RoPE
             b_all = b_all[:, order]
         adapter.deltas[layer, proj] = LoraDelta(a_all.to(model.device), b_all.to(model.device))
-    adapter.targets = tuple(sorted(pairs))
+    adapter.targets = tuple(p.module for p in plans)
     _saved_modules(adapter, config, tensors, model)
     return adapter
 
 
 def _saved_modules(adapter: LoraAdapter, config: dict, tensors: dict[str, torch.Tensor], model) -> None:
-    """modules_to_save: the replacement embedding / LM head, shape-checked against the base's."""
-    name = adapter.name
+    """modules_to_save: the replacement embedding / LM head (plan_targets checked their shapes)."""
     for module in config.get("modules_to_save") or []:
-        key = "base_model.model." + SAVED_MODULES[module]
-        if key not in tensors:
-            raise _refuse(name, f"modules_to_save names {module!r}, but {WEIGHTS_FILE} has no {key}")
-        w = tensors[key]  # [V, C]
-        want = tuple(model.wte.shape)
-        if tuple(w.shape) != want:
-            raise _refuse(name, f"modules_to_save {module!r} is {tuple(w.shape)}; the base model's is {want} "
-                                "(an adapter for another base model?)")
-        if key.replace(".weight", ".bias") in tensors:
-            raise _refuse(name, f"modules_to_save {module!r} has a bias; only a bias-free one is supported")
-        w = w.to(model.device, model.dtype)
+        w = tensors["base_model.model." + SAVED_MODULES[module]].to(model.device, model.dtype)  # [V, C]
         if module == "embed_tokens":
             adapter.embed = w
         else:
             if model.lm_head is None or getattr(model.lm_head, "b", None) is not None:
-                raise _refuse(name, "modules_to_save 'lm_head' over a base LM head with a bias is not supported")
+                raise _refuse(adapter.name, "modules_to_save 'lm_head' over a base LM head with a bias is not supported")
             adapter.head = FloatLinear(w.t().contiguous(), None)  # [C, V]
