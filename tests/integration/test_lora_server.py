@@ -3,17 +3,24 @@ serving two PEFT adapters, one named by the `lora_adapters` parameter and one by
 multi_lora.json beside it. Greedy text under each adapter (the `lora_name` input, the
 `sampling_parameters` key, the OpenAI `model` field) equals PEFT's merge_and_unload() model's
 own generate(); the base stays the base; an unknown adapter is a clear error naming the known
-ones and the server keeps serving."""
+ones and the server keeps serving. With --allow-runtime-lora (behind the API key), vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter add and drop adapters while it serves: a
+loaded one is listed and equals PEFT, an unloaded one is a 404, a reloaded one the new weights,
+a bad one a 400 naming why, with nothing changed."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 
 import openai
 import pytest
 import torch
 
-from tests.helpers.lora import make_adapter
+from tests.helpers.lora import make_adapter, write_config
 from tests.helpers.servers import HANG_GUARD_S, metric
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.export.repository import write_generation_model
@@ -141,3 +148,126 @@ def test_adapter_metrics_count_requests_loads_and_evictions(triton_server, serve
     assert loads_after - loads == 2 and evictions_after - evictions == 2  # chat in, then sql back in
     assert metric(triton_server, "tritonlm_lora_adapters_resident", "tiny") == 1
     assert metric(triton_server, "tritonlm_lora_load_seconds_count", "tiny") == loads_after
+
+
+# --- adapters loaded and unloaded at run time ------------------------------------------------
+API_KEY = "lora-admin-key"
+
+
+@pytest.fixture(scope="module")
+def new_adapters(served_models, tmp_path_factory):
+    """Adapter folders in the model folder that no config names: `fresh` (its merged model joins
+    served_models' as "fresh"), a DoRA one, and one made for another base model's shapes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    repo, tok, models = served_models
+    folder = repo / "tiny" / "adapters"
+    models["fresh"] = make_adapter(models[None], folder / "fresh", 3, r=4, lora_alpha=8, target_modules="all-linear")
+    make_adapter(models[None], folder / "dora", 4, r=4, lora_alpha=8, target_modules=["q_proj"])
+    write_config(folder / "dora", use_dora=True)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    make_adapter(LlamaForCausalLM(config).eval(), folder / "wide", 5, r=4, lora_alpha=8, target_modules=["q_proj"])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def admin(triton_server, triton_repo, new_adapters):
+    """An OpenAI frontend with the run-time LoRA endpoints on, behind an API key."""
+    (port,) = free_ports(1)
+    with OpenAIServer(triton_server.grpc_url, port=port, repo=triton_repo, api_key=API_KEY,
+                      allow_runtime_lora=True) as server:
+        yield server
+
+
+@dataclass
+class Answer:
+    status_code: int
+    text: str
+
+    def json(self) -> dict:
+        return json.loads(self.text)
+
+
+def post(server, path: str, body: dict, key: str | None = API_KEY) -> Answer:
+    """A JSON POST (the openai client has no method for these routes)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=HANG_GUARD_S) as r:
+            return Answer(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Answer(e.code, e.read().decode())
+
+
+def test_runtime_lora_endpoints_are_off_by_default(frontend):
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        assert post(frontend, path, {"lora_name": "fresh", "lora_path": "adapters/fresh"}).status_code == 404
+
+
+def test_an_adapter_loaded_at_run_time_serves_then_unloads(triton_server, admin, served_models, new_adapters):
+    """Load -> listed with parent `tiny` -> completions equal PEFT's merged model (OpenAI and
+    Triton's lora_name) -> a second load of the name is a 400 -> unload -> 404 everywhere;
+    loaded again with other weights in the same folder, it answers as the new weights do."""
+    client = openai.OpenAI(base_url=admin.url + "/v1", api_key=API_KEY, max_retries=0, timeout=HANG_GUARD_S)
+    load = {"lora_name": "fresh", "lora_path": "adapters/fresh"}
+    assert post(admin, "/v1/load_lora_adapter", load, key=None).status_code == 401
+    assert post(admin, "/v1/load_lora_adapter", load, key="wrong").status_code == 401
+    r = post(admin, "/v1/load_lora_adapter", load)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'fresh' added successfully."
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["fresh"].model_extra.get("parent") == "tiny"
+    for prompt in PROMPTS:
+        want = peft_text(served_models, "fresh", prompt)
+        got = client.completions.create(model="fresh", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.model == "fresh" and got.choices[0].text == want
+        assert grpc(triton_server, prompt, lora_name="fresh").text == want
+    assert any(peft_text(served_models, "fresh", p) != peft_text(served_models, None, p) for p in PROMPTS)
+    again = post(admin, "/v1/load_lora_adapter", load)
+    assert again.status_code == 400 and "The lora adapter 'fresh' has already been loaded" in again.text
+
+    r = post(admin, "/v1/unload_lora_adapter", {"lora_name": "fresh"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'fresh' removed successfully."
+    assert "fresh" not in {m.id for m in client.models.list().data}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="fresh", prompt=PROMPTS[0], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(GenerateError, match=r"lora_name: unknown LoRA adapter 'fresh'; this model serves: 'chat', 'sql'"):
+        grpc(triton_server, PROMPTS[0], lora_name="fresh")
+    gone = post(admin, "/v1/unload_lora_adapter", {"lora_name": "fresh"})
+    assert gone.status_code == 404 and "'fresh' cannot be found (adapters served: chat, sql)" in gone.text
+
+    # reloaded in place: new weights, the same name and folder (the prefix cache must not serve the old ones)
+    _, _, models = served_models
+    shutil.rmtree(new_adapters / "fresh")
+    models["fresh"] = make_adapter(models[None], new_adapters / "fresh", 13, r=8, lora_alpha=16,
+                                   target_modules=["q_proj", "v_proj", "up_proj"])
+    assert post(admin, "/v1/load_lora_adapter", load).status_code == 200
+    for prompt in PROMPTS:
+        got = client.completions.create(model="fresh", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == peft_text(served_models, "fresh", prompt)
+    assert post(admin, "/v1/unload_lora_adapter", {"lora_name": "fresh"}).status_code == 200
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"lora_name": "x"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
+    ({"lora_name": "x", "lora_path": "adapters/missing"}, 400, "lora_path: no folder 'adapters/missing' in model 'tiny'"),
+    ({"lora_name": "x", "lora_path": "../../elsewhere"}, 400, "lora_path: '../../elsewhere' leaves the model repository"),
+    ({"lora_name": "x", "lora_path": "adapters/dora"}, 400, "LoRA adapter 'x': use_dora=True: DoRA"),
+    ({"lora_name": "x", "lora_path": "adapters/wide"}, 400, "do not fit the base model's q_proj, which maps 64 inputs"),
+    ({"lora_name": "sql", "lora_path": "adapters/chat"}, 400, "The lora adapter 'sql' has already been loaded."),
+    ({"lora_name": "tiny", "lora_path": "adapters/chat"}, 400, "The lora adapter 'tiny' is the name of a served model."),
+    ({"lora_name": "x", "lora_path": "adapters/chat", "base_model_name": "nope"}, 400,
+     "base_model_name: 'nope' is not a served generation model; served: tiny"),
+])
+def test_a_bad_load_is_a_400_naming_why_and_changes_nothing(admin, client, served_models, body, status, message):
+    r = post(admin, "/v1/load_lora_adapter", body)
+    assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    assert {m.id for m in client.models.list().data} == {"tiny", "sql", "chat"}
+    got = client.completions.create(model="chat", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert got.choices[0].text == peft_text(served_models, "chat", PROMPTS[1])
+
+
+def test_an_adapter_named_by_the_config_is_not_unloaded(admin):
+    r = post(admin, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert r.status_code == 400 and "named by model 'tiny''s lora_adapters parameter" in r.text

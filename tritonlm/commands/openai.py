@@ -12,6 +12,7 @@ from pathlib import Path
 from tritonlm.commands.serve import host_arg
 from tritonlm.errors import CliError
 from tritonlm.openai.frontdoor import API_KEY_ENV, api_key_from
+from tritonlm.openai.lora_admin import ALLOW_ENV, allow_runtime_lora_from
 from tritonlm.openai.server import DEFAULT_OPENAI_PORT, EXIT_DEADLINE_S, OpenAIServer
 from tritonlm.server import DEFAULT_HOST
 
@@ -42,6 +43,9 @@ def add_parser(sub) -> None:
                    help="a tokenizer folder for chat templates: for every model, or MODEL=PATH for one (repeatable)")
     p.add_argument("--api-key", default=None,
                    help=f"every request but /health must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; unset: none)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which rewrite a model's "
+                        f"multi_lora.json under --repo (default: ${ALLOW_ENV}; off)")
     p.add_argument("--triton-metrics-url", default=None, metavar="URL",
                    help="Triton's metrics page (e.g. http://127.0.0.1:8002/metrics), shown on /metrics after the API's own")
     p.add_argument("--header", action="append", default=[], metavar="KEY=VALUE",
@@ -57,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--header {h!r}: use KEY=VALUE")
         headers[key] = value
     server = OpenAIServer(args.triton_url, args.host, args.port, repo=args.repo, tokenizers=parse_tokenizers(args.tokenizer),
-                          headers=headers or None, api_key=api_key_from(args.api_key), metrics_url=args.triton_metrics_url)
+                          headers=headers or None, api_key=api_key_from(args.api_key), metrics_url=args.triton_metrics_url,
+                          allow_runtime_lora=allow_runtime_lora_from(args.allow_runtime_lora))
+    if server.allow_runtime_lora and args.repo is None:
+        raise CliError("--allow-runtime-lora: loading adapters rewrites each model's multi_lora.json; give the model "
+                       "repository with --repo")
     stopping = threading.Event()
 
     def on_signal(signum, _frame):

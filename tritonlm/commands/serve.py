@@ -18,6 +18,7 @@ from tritonlm.glue.drain import DRAIN_FILE_ENV, write_deadline
 from tritonlm.paths import StackError
 from tritonlm.glue.heartbeat import HEALTH_DIR_ENV
 from tritonlm.openai.frontdoor import API_KEY_ENV, api_key_from
+from tritonlm.openai.lora_admin import ALLOW_ENV, allow_runtime_lora_from
 from tritonlm.server import (
     DEFAULT_HOST, ServerStartError, TritonServer, check_exposure, check_host, parse_restriction, port_is_free,
 )
@@ -65,6 +66,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="the OpenAI API wants 'Authorization: Bearer KEY' on every request but /health "
                    f"(default: ${API_KEY_ENV}; unset: no key)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="the OpenAI API serves /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which "
+                   f"rewrite a model's multi_lora.json in --repo (default: ${ALLOW_ENV}; off)")
     p.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none",
                    help="none (default): load the repository at start, no load/unload API; explicit: the "
                    "load/unload API is on (refused on a non-loopback --host without --restrict-model-control)")
@@ -169,7 +173,8 @@ def _openai_frontend(server: TritonServer, repo: Path, args: argparse.Namespace,
         key, value = parse_restriction(args.restrict_model_control)
         headers = {f"triton-grpc-protocol-{key}": value}
     return OpenAIServer(server.grpc_url, host=server.host, port=port, repo=repo, headers=headers, health=board,
-                        api_key=api_key_from(getattr(args, "api_key", None)), metrics_url=server.metrics_url)
+                        api_key=api_key_from(getattr(args, "api_key", None)), metrics_url=server.metrics_url,
+                        allow_runtime_lora=allow_runtime_lora_from(getattr(args, "allow_runtime_lora", False)))
 
 
 def _check_port(port: int, host: str, flag: str) -> None:

@@ -32,6 +32,7 @@ from tritonlm.openai.backend import Backend, GenerationStream
 from tritonlm.openai.chat import ChatTemplates
 from tritonlm.openai.errors import OpenAIError
 from tritonlm.openai.frontdoor import FrontDoor
+from tritonlm.openai.lora_admin import add_lora_routes
 from tritonlm.openai.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from tritonlm.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from tritonlm.openai.tokenize import detokenize as detokenize_ids
@@ -404,7 +405,8 @@ async def _unless_gone(request: Request, work, choices: list[Choice]) -> tuple[b
 
 def create_app(triton_url: str | None = None, templates: ChatTemplates | None = None,
                headers: dict[str, str] | None = None, health=None, api_key: str | None = None,
-               metrics_url: str | None = None, backend: Backend | None = None) -> FastAPI:
+               metrics_url: str | None = None, backend: Backend | None = None, allow_runtime_lora: bool = False
+               ) -> FastAPI:
     """The OpenAI API in front of the Triton server whose gRPC endpoint is triton_url (host:port),
     reached through a TritonBackend the app builds (and closes) in its lifespan; or in front of
     `backend`, anything with the Backend interface (tritonlm/openai/backend.py), which the
@@ -412,10 +414,15 @@ def create_app(triton_url: str | None = None, templates: ChatTemplates | None = 
     health (tritonlm serve's HealthBoard, optional): a model that is restarting gets a 503
     saying why, and a request that a dead model process held ends with that reason.
     api_key: every request but /health must carry it (Bearer). metrics_url: Triton's metrics
-    page, shown on /metrics after the frontend's own."""
+    page, shown on /metrics after the frontend's own. allow_runtime_lora: vLLM's
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_admin.py), which rewrite a model's
+    multi_lora.json in templates.repo (the model repository, required then)."""
     if (triton_url is None) == (backend is None):
         raise ValueError("create_app: give exactly one of triton_url (the Triton bridge is built) and backend")
     templates = templates or ChatTemplates()
+    if allow_runtime_lora and templates.repo is None:
+        raise ValueError("runtime LoRA loading rewrites each model's multi_lora.json: it needs the model repository "
+                         "(tritonlm openai --repo)")
     registry = CollectorRegistry()
     unavailable = health.unavailable if health is not None else (lambda model: None)
 
@@ -459,6 +466,9 @@ def create_app(triton_url: str | None = None, templates: ChatTemplates | None = 
     async def _internal(request: Request, e: Exception):
         log.exception("request failed")
         return _error_response(OpenAIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
+
+    if allow_runtime_lora:
+        add_lora_routes(app, templates.repo, lambda: app.state.backend)
 
     @app.get("/health")
     async def health_check():

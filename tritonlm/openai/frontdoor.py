@@ -13,7 +13,8 @@ from tritonlm.openai.errors import OpenAIError
 
 API_KEY_ENV = "TRITONLM_API_KEY"
 OPEN_PATHS = frozenset({"/health"})  # a load balancer's or a probe's check needs no key
-COUNTED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize")
+COUNTED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/v1/load_lora_adapter",
+           "/v1/unload_lora_adapter")
 
 
 def api_key_from(value: str | None) -> str | None:

@@ -39,7 +39,8 @@ class OpenAIServer:
 
     def __init__(self, triton_url: str, host: str = "127.0.0.1", port: int = DEFAULT_OPENAI_PORT,
                  repo: Path | None = None, tokenizers: dict[str, Path] | None = None, headers: dict[str, str] | None = None,
-                 health=None, api_key: str | None = None, metrics_url: str | None = None):
+                 health=None, api_key: str | None = None, metrics_url: str | None = None,
+                 allow_runtime_lora: bool = False):
         self.triton_url = triton_url
         self.host = host
         self.port = port
@@ -49,6 +50,7 @@ class OpenAIServer:
         self.health = health  # tritonlm serve's HealthBoard: which models are restarting, and why
         self.api_key = api_key  # every request but /health must send it (Authorization: Bearer)
         self.metrics_url = metrics_url  # Triton's metrics page, shown on /metrics too
+        self.allow_runtime_lora = allow_runtime_lora  # /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_admin)
         self._server = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -66,7 +68,7 @@ class OpenAIServer:
         from tritonlm.openai.chat import ChatTemplates
 
         app = create_app(self.triton_url, ChatTemplates(self.repo, self.tokenizers), headers=self.headers, health=self.health,
-                         api_key=self.api_key, metrics_url=self.metrics_url)
+                         api_key=self.api_key, metrics_url=self.metrics_url, allow_runtime_lora=self.allow_runtime_lora)
         return uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
                               loop=_event_loop(), http=_http(), lifespan="on", timeout_graceful_shutdown=5)
 
