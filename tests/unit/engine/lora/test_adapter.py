@@ -1,6 +1,8 @@
 """PEFT adapter folders read and checked (lora.adapter): what is not supported is refused by
 name when the adapter is loaded (a ValueError naming the adapter, the field and what is
-allowed), never ignored; the content digest the prefix cache keys blocks by."""
+allowed), never ignored; the content digest the prefix cache keys blocks by. check_adapter
+makes the same checks from a config.json and the weights' header alone (the OpenAI frontend's
+check before a run-time load)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from tests.helpers.lora import make_adapter, write_config
 from tests.helpers.models import tiny, tiny_family, tiny_llama
 from tritonlm.engine.lora import load_adapter
+from tritonlm.engine.lora.adapter import BaseShape, check_adapter
 from tritonlm.engine.runners.model import Transformer
 
 pytest.importorskip("peft")
@@ -127,3 +130,24 @@ def test_digest_is_the_content(base, saved, copy_of):
     save_file(tensors, str(copy_of / "adapter_model.safetensors"))
     assert load_adapter(copy_of, base).digest != first
     assert len(first) == 16
+
+
+def test_a_config_alone_checks_as_the_loaded_model_does(base, saved, tmp_path):
+    """BaseShape from transformers' config equals the loaded model's; check_adapter plans what
+    load_adapter loads, and refuses what it refuses, with the same words."""
+    config = tiny_llama().config
+    shape = BaseShape.of_hf_config(config)
+    assert shape == BaseShape.of_model(base)
+    plans = check_adapter(saved, shape, "ad")
+    assert tuple(p.module for p in plans) == load_adapter(saved, base, "ad").targets
+    make_adapter(tiny_llama(intermediate_size=96), tmp_path / "wide", seed=2, r=4, lora_alpha=4,
+                 target_modules=["up_proj"])
+    with pytest.raises(ValueError, match="do not fit the base model's up_proj, which maps 64 inputs to 128 outputs"):
+        check_adapter(tmp_path / "wide", shape)
+    with pytest.raises(ValueError, match="rank 8 is over max_lora_rank=4"):
+        check_adapter(saved, shape, "ad", max_rank=4)
+    (tmp_path / "broken").mkdir()
+    shutil.copy(saved / "adapter_config.json", tmp_path / "broken")
+    (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="adapter_model.safetensors cannot be read as safetensors"):
+        check_adapter(tmp_path / "broken", shape)

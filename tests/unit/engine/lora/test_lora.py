@@ -91,6 +91,16 @@ def test_the_loader_attaches_a_registry_and_loads_every_adapter_once(model_dir):
     assert load_lora_registry(EngineSettings.from_params({}, model_dir), TorchRunner(tiny_llama())) is None
 
 
+def test_enable_lora_takes_adapters_with_none_named(model_dir):
+    """A model meant for adapters loaded at run time: attached, an empty registry; refused where
+    adapters cannot run."""
+    runner = TorchRunner(tiny_llama())
+    registry = load_lora_registry(EngineSettings.from_params({"enable_lora": "true"}, model_dir), runner)
+    assert registry is not None and registry.names == [] and runner.transformer.lora is not None
+    with pytest.raises(SettingsError, match="^enable_lora: LoRA adapters run on the torch runtime"):
+        EngineSettings.from_params({"enable_lora": "true", "tensor_parallel_size": "2"}, model_dir)
+
+
 def test_a_broken_adapter_refuses_the_model_at_load_naming_it(model_dir):
     write_config(model_dir / "adapters" / "b", use_dora=True)
     settings = EngineSettings.from_params({"lora_adapters": "a=adapters/a,b=adapters/b"}, model_dir)

@@ -85,3 +85,38 @@ def test_reload_in_place_changes_the_digest(twenty, tmp_path):
     assert not torch.equal(second.deltas[0, "qkv"].b, first.deltas[0, "qkv"].b)
     registry.remove("r")
     assert registry.names == [] and registry.resident == []
+
+
+def test_acquire_loads_on_the_loader_thread_and_a_reload_meanwhile_wins(twenty):
+    """acquire(): a loaded adapter at once; a cold one as a PendingAdapter loaded on the loader
+    thread (never the caller's), shared by every request that waits for it. A name added again
+    while its old folder loads keeps the new folder: the old load serves the requests that
+    asked before, and is not kept."""
+    import threading
+
+    from tests.helpers.servers import HANG_GUARD_S
+    from tritonlm.engine.lora.registry import LOADER_THREAD, PendingAdapter
+
+    _, runner, _, _, root = twenty
+    registry = LoraRegistry(runner.transformer, {"x": root / "a1"})
+    release, threads = threading.Event(), []
+
+    def held(name: str) -> None:
+        threads.append(threading.current_thread().name)
+        assert release.wait(HANG_GUARD_S)
+
+    registry.before_load = held
+    try:
+        pending = registry.acquire("x")
+        assert isinstance(pending, PendingAdapter) and registry.acquire("x") is pending
+        registry.add("x", root / "a2")  # reloaded in place while the old folder loads
+        newer = registry.acquire("x")
+        assert newer is not pending
+        release.set()
+        old, new = pending.future.result(HANG_GUARD_S), newer.future.result(HANG_GUARD_S)
+        assert old.digest != new.digest and registry.acquire("x") is new
+        assert registry.resident == ["x"] and registry.requests["x"] == 4
+        assert all(t.startswith(LOADER_THREAD) for t in threads) and len(threads) == 2
+    finally:
+        release.set()
+        registry.close()
