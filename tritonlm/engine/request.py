@@ -182,7 +182,9 @@ class GenerationRequest:
     arrival: float = field(default_factory=time.monotonic)
     num_draft_tokens: int | None = None  # speculative decoding: None = model default, 0 = off
     is_cancelled: Callable[[], bool] | None = None  # asked by the CancellationPoller (client gone / cancelled)
-    # the lora.LoraAdapter the request runs under, loaded for this engine's model; None: the base
+    # the lora.LoraAdapter the request runs under, loaded for this engine's model; None: the base.
+    # A lora.registry.PendingAdapter (still loading) parks the request in Engine.submit until it is
+    # ready; the engine then puts the loaded adapter here
     lora: object | None = None
     # lower is admitted earlier (vLLM's `priority`); equal priorities keep their arrival order
     priority: int = 0
