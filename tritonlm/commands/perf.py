@@ -12,6 +12,7 @@ HARNESSES = [
     "tritonlm.perf.llm",
     "tritonlm.perf.diagnose",
     "tritonlm.perf.arrivals",
+    "tritonlm.perf.goodput",
 ]
 
 

@@ -40,7 +40,7 @@ from tritonlm.perf.stats import summarize
 from tritonlm.perf.target import PerfError
 
 TEXT_OUTPUT = "text_output"
-_WORDS = (
+PROMPT_WORDS = (  # common English words: about one token each in large vocabularies
     "serving language models means keeping many streams busy at once while every new token "
     "reads the weights and the cache so the scheduler decides who runs each step and how much "
     "memory each sequence may hold before the queue grows and latency follows"
@@ -244,7 +244,7 @@ def synthetic_dataset(
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        words = [rng.choice(_WORDS) for _ in range(_length(rng, prompt_mean, prompt_stddev))]
+        words = [rng.choice(PROMPT_WORDS) for _ in range(_length(rng, prompt_mean, prompt_stddev))]
         out.append(Prompt(" ".join(words), _length(rng, output_mean, output_stddev)))
     return out
 
