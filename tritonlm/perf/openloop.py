@@ -128,7 +128,7 @@ class OpenAITarget:
         except openai.APIStatusError as e:
             record.status = "shed" if e.status_code in SHED_HTTP_STATUS else "error"
             record.error = f"HTTP {e.status_code}: {_message(e)}"
-        except openai.APIError as e:  # an error event in the stream, a broken connection
+        except Exception as e:  # an error event in the stream, a broken connection, a timeout
             record.status = "shed" if _is_overload(str(e)) else "error"
             record.error = _message(e)
         finally:

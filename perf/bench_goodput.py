@@ -1,0 +1,210 @@
+"""Benchmark: goodput against offered load, open loop: the SLO controller against the default
+configuration (and a small grid of static ones), the same schedules, in one run.
+
+One tritonserver (explicit model control) serves the model under one name per configuration,
+loaded one at a time:
+
+    default         the engine's defaults (max_num_seqs 64, max_num_batched_tokens 512)
+    slo             the same, with slo_ttft_ms / slo_tpot_ms set: the controller sizes each step
+                    and sheds arrivals it predicts would miss TTFT (docs/slo.md)
+    s<N>_t<T>       static max_num_seqs N, max_num_batched_tokens T (--grid N:T,...)
+
+Every configuration gets the same KV room, prefix caching off and greedy answers forced to
+their length (end_id -1). Workload: --arrivals (default the Azure conversation trace, its
+lengths scaled to --prompt-tokens / --output-tokens: tritonlm/perf/trace.py), sent open loop
+over gRPC (tritonlm/perf/openloop.py), --count requests per point.
+
+Saturation: the default configuration's throughput when --count requests of the workload
+arrive at once (answered requests / time to the last answer). The offered loads are
+--loads times that rate. The SLO targets, unless given, are multiples of one request alone
+on the default configuration (its median TTFT x --ttft-factor, TPOT x --tpot-factor): what a
+user of this host could ask for, set before any load. Reported per configuration and load:
+goodput (requests within both targets per second, vLLM's definition: tritonlm/perf/goodput.py),
+SLO attainment, shed, p99 TTFT and TPOT, and goodput / the default's at the same load.
+CSV and PNG under results/bench_goodput/.
+
+    .venv/bin/python perf/bench_goodput.py [--model smollm2-135m] [--arrivals azure-conv]
+        [--loads 0.5,1,1.5,2] [--count 40] [--prompt-tokens 128] [--output-tokens 32]
+        [--grid 4:128,16:512] [--slo-ttft-ms MS --slo-tpot-ms MS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+from pathlib import Path
+
+from tritonlm.engine.model_shape import ModelShape
+from tritonlm.export.repository import default_kv_cache_bytes
+from tritonlm.perf.goodput import Slo, parse_rates, request_metrics, summarize_run
+from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.openloop import GrpcTarget, PromptMaker, run_schedule, warm_up
+from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, style_axes, table, write_csv
+from tritonlm.perf.target import PerfError, Target
+from tritonlm.perf.trace import BUILTIN_TRACES, ScheduledRequest, build_schedule, parse_arrivals, with_rate
+from tritonlm.server import ServerStartError, TritonServer, free_ports
+from tritonlm_bench.benchrepo import link_generation_model, save_weights_once
+
+CONTEXT = 1024  # or the model's positions, when fewer
+MAX_SEQS = 64  # the engine's default max_num_seqs: the KV room is sized for that many
+
+
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    grid = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        try:
+            seqs, tokens = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise SystemExit(f"--grid: {item!r} is not MAX_NUM_SEQS:MAX_NUM_BATCHED_TOKENS (e.g. 4:128)") from None
+        grid.append((seqs, tokens))
+    return grid
+
+
+class BenchRepo:
+    """results/bench_goodput/repo: one entry per configuration, all linked to the weights saved
+    once, all with the same KV room and prefix caching off."""
+
+    def __init__(self, out: Path, model_name: str):
+        from tritonlm.models.loading import load_model
+
+        model, tok, _ = load_model(model_name, progress=lambda *a, **k: None)
+        self.weights = save_weights_once(model, tok, out / "weights" / model_name)
+        positions = getattr(model.config, "max_position_embeddings", None) or model.config.n_positions
+        self.context = min(CONTEXT, positions)
+        self.kv_cache_bytes = default_kv_cache_bytes(ModelShape.from_hf_config(model.config), self.context, sequences=MAX_SEQS)
+        self.path = out / "repo"
+
+    def add(self, name: str, params: dict[str, str]) -> None:
+        link_generation_model(self.path, name, self.weights, self.context, kv_cache_bytes=self.kv_cache_bytes,
+                              enable_prefix_caching="false", **params)
+
+
+async def lone_request(target: GrpcTarget, schedule: list[ScheduledRequest], prompts: PromptMaker) -> tuple[float, float]:
+    """Median TTFT and TPOT (ms) of the workload's first requests sent one at a time."""
+    records = await warm_up(target, schedule[:5], prompts)
+    failed = [r.error for r in records if r.status != "ok"]
+    if failed:
+        raise PerfError(f"a lone request failed: {failed[0]}")
+    metrics = [request_metrics(r) for r in records[1:]]  # the first one warms the server up
+    return statistics.median(m.ttft_ms for m in metrics), statistics.median(m.tpot_ms for m in metrics if m.tpot_ms)
+
+
+async def measure(args, server: TritonServer, control: Target, repo: "BenchRepo", configs: dict[str, dict[str, str]],
+                  loads: list[float], schedule_at, prompts: PromptMaker, rows: list[dict]) -> tuple[Slo, float]:
+    """The lone requests, the saturation run, then every configuration at every load (rows
+    appended as they come); (the SLO, the saturation rate)."""
+    target = GrpcTarget(server.grpc_url, "default", timeout_s=600)
+    ttft0, tpot0 = await lone_request(target, schedule_at(1.0), prompts)
+    slo = Slo(args.slo_ttft_ms or round(ttft0 * args.ttft_factor, 1), args.slo_tpot_ms or round(tpot0 * args.tpot_factor, 1))
+    print(f"a lone request: TTFT {ttft0:.1f} ms, TPOT {tpot0:.1f} ms -> {slo.describe()}", flush=True)
+    records = await run_schedule(target, schedule_at(None), prompts)
+    saturation = summarize_run(records, 0.0, slo)["throughput_rps"]
+    print(f"saturation (default, {args.count} at once): {saturation:.3f} requests/s", flush=True)
+    repo.add("slo", {"slo_ttft_ms": f"{slo.ttft_ms:g}", "slo_tpot_ms": f"{slo.tpot_ms:g}"})
+    previous = "default"
+    for name in configs:
+        if name != "default":
+            control.unload(previous)
+            control.load(name)
+        previous = name
+        await target.close()
+        target = GrpcTarget(server.grpc_url, name, timeout_s=600)
+        await warm_up(target, schedule_at(1.0)[:2], prompts)
+        for load in loads:
+            rate = round(load * saturation, 4)
+            records = await run_schedule(target, schedule_at(rate), prompts)
+            row = {"config": name, "load": load, **summarize_run(records, rate, slo)}
+            rows.append(row)
+            print(f"[{name}] load {load:g} ({rate:.3f}/s): goodput {row['goodput_rps']:.3f}/s, attainment "
+                  f"{row['attainment_pct']:g}%, shed {row['shed']}, errors {row['errors']}", flush=True)
+    await target.close()
+    return slo, saturation
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a built-in model (default smollm2-135m; tiny-gpt2 for a smoke run)")
+    ap.add_argument("--arrivals", default="azure-conv", help=f"a trace ({', '.join(BUILTIN_TRACES)}) or poisson / gamma:CV, no rate")
+    ap.add_argument("--loads", default="0.5,1,1.5,2", help="offered loads, times the measured saturation rate (default 0.5,1,1.5,2)")
+    ap.add_argument("--count", type=int, default=40, help="requests per point (default 40)")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--grid", default="", help="static configurations MAX_NUM_SEQS:MAX_NUM_BATCHED_TOKENS,... (default none)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None)
+    ap.add_argument("--slo-tpot-ms", type=float, default=None)
+    ap.add_argument("--ttft-factor", type=float, default=5.0, help="TTFT target: a lone request's times this (default 5)")
+    ap.add_argument("--tpot-factor", type=float, default=2.0, help="TPOT target: a lone request's times this (default 2)")
+    ap.add_argument("--seed", type=int, default=0)
+    add_out_arg(ap, "bench_goodput")
+    args = ap.parse_args()
+    loads = parse_rates(args.loads)
+    grid = parse_grid(args.grid)
+    kind, _, rest = args.arrivals.partition(":")
+    # the rate is set per point
+    spec = f"trace:{rest}:1" if kind == "trace" else f"{kind}:1" + (f":{rest}" if rest else "")
+    arrivals = parse_arrivals(spec)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cpu = describe_cpu()
+    print(f"CPU: {cpu}", flush=True)
+
+    def schedule_at(rate: float | None) -> list[ScheduledRequest]:
+        if rate is None:  # everything at once: the saturation run
+            return [ScheduledRequest(0.0, s.prompt_tokens, s.output_tokens) for s in schedule_at(1.0)]
+        return build_schedule(with_rate(arrivals, rate), seed=args.seed, prompt_tokens=args.prompt_tokens,
+                              output_tokens=args.output_tokens, count=args.count)
+
+    configs: dict[str, dict[str, str]] = {"default": {}, "slo": {}}
+    configs.update({f"s{n}_t{t}": {"max_num_seqs": str(n), "max_num_batched_tokens": str(t)} for n, t in grid})
+    repo = BenchRepo(out, args.model)
+    for name, params in configs.items():
+        repo.add(name, params)  # slo: again once its targets are known
+    prompts = PromptMaker(str(repo.weights), args.seed)
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(repo.path, http, grpc, metrics, model_control="explicit", load_models=["default"],
+                          log_path=out / "tritonserver.log")
+    try:
+        server.start(timeout_s=600)
+    except ServerStartError as e:
+        print(f"tritonserver did not start: {e}", file=sys.stderr)
+        return 1
+    control = Target("127.0.0.1", http, grpc, metrics, repo=repo.path)
+    rows: list[dict] = []
+    try:
+        slo, saturation = asyncio.run(measure(args, server, control, repo, configs, loads, schedule_at, prompts, rows))
+    finally:
+        control.close()
+        server.stop()
+    # the controller's decisions, as its model logged them: why it admitted or shed
+    decisions = [line.split("SLO controller:", 1)[1].strip().rstrip('"') for line in server.log_text().splitlines()
+                 if "SLO controller:" in line]
+    print("\nSLO controller decisions:" if decisions else "\nSLO controller: no decision logged")
+    for line in decisions[:20]:
+        print(f"  {line}")
+
+    default = {r["load"]: r["goodput_rps"] for r in rows if r["config"] == "default"}
+    for r in rows:
+        r["goodput_vs_default"] = round(r["goodput_rps"] / default[r["load"]], 2) if default.get(r["load"]) else float("nan")
+    columns = ["config", "load", "offered_rate", "sent_rate", "goodput_rps", "goodput_vs_default", "attainment_pct", "ok", "shed", "errors",
+               "ttft_p99_ms", "tpot_p99_ms", "send_lag_max_ms"]
+    print()
+    print(table(rows, columns, title=f"{args.model}, {args.arrivals}, {args.count} requests a point, {slo.describe()}, "
+                                     f"saturation {saturation:.3f}/s (CPU: {cpu})"))
+    print(f"wrote {write_csv(out / 'bench_goodput.csv', [{**r, 'slo_ttft_ms': slo.ttft_ms, 'slo_tpot_ms': slo.tpot_ms, 'cpu': cpu} for r in rows])}")
+    made = optional_figure(figsize=(7, 4.5))
+    if made:
+        fig, ax = made
+        for name in configs:
+            mine = [r for r in rows if r["config"] == name]
+            ax.plot([r["offered_rate"] for r in mine], [r["goodput_rps"] for r in mine], "o-", label=name)
+        offered = [r["offered_rate"] for r in rows if r["config"] == "default"]
+        ax.plot(offered, offered, ":", color="grey", label="offered")
+        style_axes(ax, "offered load (requests/s)", "goodput (requests/s)", f"{args.model}: {slo.describe()}")
+        print(f"wrote {save_figure(fig, out / 'bench_goodput.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
