@@ -12,7 +12,8 @@ Two kinds of arrival spec, one syntax:
 
 A trace is replayed at RATE requests per second on average by multiplying every gap between
 arrivals by one factor, so the gaps' coefficient of variation (the bursts and lulls) is the
-trace's own. The seed picks the row the replay starts at; past the last row it goes on from
+trace's own; a run of a set count of requests is a window of the trace, scaled so that its
+own mean rate is RATE. The seed picks the row the replay starts at; past the last row it goes on from
 the first, after one mean gap. Token counts are scaled to fit the served model: each length
 is multiplied so that the trace's 99th percentile becomes the longest allowed length, then
 clipped to [1, longest]. A plain linear scale keeps the shape of the length distribution; the
@@ -146,13 +147,22 @@ class TraceArrivals:
             i = (i + 1) % len(rows)
 
     def requests(self, seed: int, *, count: int | None = None, duration_s: float | None = None) -> list[tuple[float, int]]:
-        """(arrival time, row index) of `count` arrivals, or of those in [0, duration_s)."""
+        """(arrival time, row index) of `count` arrivals, or of those in [0, duration_s).
+
+        `count` arrivals are a window of the trace, and a short window can be far busier or
+        quieter than the whole trace: their times are scaled once more so that the window's
+        own mean rate is `rate` (the gaps' shape within it is untouched), else the load
+        offered would not be the load asked for."""
         out, t = [], 0.0
         for gap, i in self._cycle(seed):
             t += gap
             if (count is not None and len(out) >= count) or (duration_s is not None and t >= duration_s):
-                return out
+                break
             out.append((t, i))
+        if count is not None and out:
+            stretch = count / self.rate / out[-1][0]  # the mean gap (first one from 0) becomes 1 / rate
+            out = [(t * stretch, i) for t, i in out]
+        return out
 
     def gaps(self, count: int, seed: int) -> list[float]:
         """`count` gaps between arrivals (the first one's from time 0), as ArrivalProcess.gaps."""

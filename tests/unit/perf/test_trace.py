@@ -47,8 +47,9 @@ def test_a_replayed_trace_has_the_rate_asked_and_the_traces_own_burstiness(name,
         assert got_rate == pytest.approx(rate, rel=1e-9)
         assert got_cv == pytest.approx(want_cv, rel=1e-9)
     # a replay's gaps are the recorded ones times one factor, in the recorded order
-    unscaled = np.array(arrivals.gaps(50, seed=0)) * recorded.mean() * rate
-    assert any(np.allclose(unscaled, np.roll(cycle, -start)[:50]) for start in range(len(cycle)))
+    gaps = np.array(arrivals.gaps(50, seed=0))
+    assert any(np.allclose(gaps / gaps.sum(), np.roll(cycle, -start)[:50] / np.roll(cycle, -start)[:50].sum())
+               for start in range(len(cycle)))
 
 
 def test_the_code_traces_bursts_are_far_burstier_than_poisson():
@@ -66,7 +67,19 @@ def test_a_duration_holds_the_arrivals_before_it():
     times = [t for t, _ in arrivals.requests(seed=2, duration_s=200.0)]
     assert times == sorted(times) and 0 < times[0] and times[-1] < 200.0
     assert len(times) == pytest.approx(600, rel=0.25)  # the slice's own rate varies over a window this long
-    assert times == [t for t, _ in arrivals.requests(seed=2, count=len(times))]
+    # the same rows with a count; the window's times scaled to its own mean rate, gaps in proportion
+    window = arrivals.requests(seed=2, count=len(times))
+    assert [i for _, i in window] == [i for _, i in arrivals.requests(seed=2, duration_s=200.0)]
+    assert len(window) / window[-1][0] == pytest.approx(3.0, rel=1e-12)
+    assert np.allclose(np.array([t for t, _ in window]) / window[-1][0], np.array(times) / times[-1])
+
+
+@pytest.mark.parametrize("name, count", [("azure-conv", 40), ("azure-code", 40), ("azure-code", 300)])
+def test_a_short_window_is_offered_at_the_rate_asked(name, count):
+    """A few dozen requests of a trace can sit in a burst or a lull: the window itself is scaled."""
+    for seed in range(5):
+        gaps = parse_arrivals(f"{name}:2").gaps(count, seed=seed)
+        assert describe(gaps)[0] == pytest.approx(2.0, rel=1e-9)
 
 
 def test_lengths_scale_so_the_99th_percentile_is_the_longest_and_stay_in_bounds():
