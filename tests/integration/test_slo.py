@@ -4,25 +4,42 @@ and is counted on the metrics port.
 
 No timing decides the outcome: the model's slo_ttft_ms is one microsecond, which no
 prediction meets once the step-time model has seen its first steps (before that every
-request is admitted, which the first request relies on)."""
+request is admitted, which the first request relies on). An idle engine admits whatever
+the prediction (controller.admit), so the shed requests arrive behind one the test holds in
+its step (the test-only stall file, STALL_FILE_ENV) until they have been refused."""
 
 from __future__ import annotations
+
+import threading
 
 import openai
 import pytest
 
 from tests.helpers.models import hf_greedy_text, tiny
-from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric
+from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
+from tritonlm.engine.engine import STALL_FILE_ENV
+from tritonlm.engine.slo.controller import COLD_STEPS
 from tritonlm.engine.slo.step_time import StepTimeModel
 from tritonlm.openai.server import OpenAIServer
 from tritonlm.server import free_ports
 
-WARM_TOKENS = StepTimeModel().min_steps + 2  # one prefill step and the decode steps: the model is ready after
+# one prefill step and the decode steps: the model is ready after (the cold steps not fitted)
+WARM_TOKENS = COLD_STEPS + StepTimeModel().min_steps + 2
 
 
 @pytest.fixture(scope="module")
-def triton_repo(tmp_path_factory):
+def stall_file(tmp_path_factory):
+    """While this file exists the engine holds in its step (tritonserver inherits the variable)."""
+    path = tmp_path_factory.mktemp("stall") / "stall"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(STALL_FILE_ENV, str(path))
+        yield path
+    path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def triton_repo(tmp_path_factory, stall_file):
     repo = tmp_path_factory.mktemp("slorepo")
     add_generation_model(repo, "tiny_slo", slo_ttft_ms="0.001")
     return repo
@@ -35,7 +52,8 @@ def frontend(triton_server, triton_repo):
         yield server
 
 
-def test_a_shed_request_is_a_clear_error_on_triton_and_a_503_with_retry_after_on_openai(triton_server, frontend):
+def test_a_shed_request_is_a_clear_error_on_triton_and_a_503_with_retry_after_on_openai(triton_server, frontend,
+                                                                                        stall_file):
     # the first request is admitted (the controller has seen no step yet) and served as usual
     first = generate_grpc(triton_server.grpc_url, "tiny_slo", "Hello there", max_tokens=WARM_TOKENS, end_id=-1,
                           exclude_input_in_output=True, timeout_s=HANG_GUARD_S)
@@ -43,7 +61,26 @@ def test_a_shed_request_is_a_clear_error_on_triton_and_a_503_with_retry_after_on
     tok = tiny()[1]
     assert "".join(first.pieces) == tok.decode(hf_greedy_text("Hello there", WARM_TOKENS, eos_token_id=None))
     assert metric(triton_server, "tritonlm_slo_requests_total", "tiny_slo", outcome="missed") == 1  # 1 us: missed
-    # now no prediction meets one microsecond: refused at once, on Triton with the reason
+    # an idle engine admits (refusing protects no one there): this one is held in its step
+    stall_file.touch()
+    held: list = []
+    holder = threading.Thread(target=lambda: held.append(generate_grpc(
+        triton_server.grpc_url, "tiny_slo", "Hello there", max_tokens=4, end_id=-1, timeout_s=HANG_GUARD_S)))
+    holder.start()
+    try:
+        assert wait_until(lambda: metric(triton_server, "tritonlm_requests_running", "tiny_slo", default=0) == 1,
+                          HANG_GUARD_S)
+        _shed_behind_a_running_request(triton_server, frontend)
+    finally:
+        stall_file.unlink(missing_ok=True)
+        holder.join(HANG_GUARD_S)
+    assert not holder.is_alive() and held[0].num_output_tokens == 4
+    assert metric(triton_server, "tritonlm_slo_requests_total", "tiny_slo", default=0, outcome="met") == 0
+    assert metric(triton_server, "tritonlm_slo_requests_total", "tiny_slo", outcome="missed") == 2
+
+
+def _shed_behind_a_running_request(triton_server, frontend) -> None:
+    # no prediction meets one microsecond: refused at once, on Triton with the reason
     with pytest.raises(GenerateError) as e:
         generate_grpc(triton_server.grpc_url, "tiny_slo", "Hello again", max_tokens=4, timeout_s=HANG_GUARD_S)
     assert "overloaded: predicted time to first token" in str(e.value)

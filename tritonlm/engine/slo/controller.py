@@ -21,6 +21,10 @@ GROW_FRACTION = 0.1  # a decision rises only when the model allows this much mor
 SMOOTH_ALPHA = 0.1  # weight of each step's targets in the smoothed ones (~10 steps)
 ROW_CONTEXT_ALPHA = 0.02  # weight of each step in a decoding row's typical context
 OUTPUT_RATIO_ALPHA = 0.1  # weight of each finished request in the output-length estimate
+# the first steps after a load pay one-time costs (allocations, thread teams starting, caches
+# cold, a GPU's kernel compiles): they are not the host's pace, and a fit that learned them
+# would shed requests the host can serve
+COLD_STEPS = 4
 
 
 class SloShedError(ServerBusyError):
@@ -54,10 +58,13 @@ class SloController:
         self._smooth_budget = float(max_num_batched_tokens)  # the model's targets, smoothed over steps
         self._smooth_cap = float(max_num_seqs)
         self._primed = False
+        self.steps_seen = 0  # steps reported, the cold ones included
 
     # ---- what the engine reports -------------------------------------------------------------
     def observe_step(self, tokens: int, context: int, seconds: float) -> None:
-        self.model.observe(tokens, context, seconds)
+        self.steps_seen += 1
+        if self.steps_seen > COLD_STEPS:
+            self.model.observe(tokens, context, seconds)
 
     def request_finished(self, generated: int, max_tokens: int) -> None:
         ratio = min(1.0, generated / max_tokens) if max_tokens > 0 else 1.0
@@ -152,13 +159,19 @@ class SloController:
 
         `waiting` (arrival order) holds requests queued before this one; those of worse
         priority will run after it, so only those of better or equal priority count: a
-        high-priority arrival is not shed for a low-priority backlog."""
+        high-priority arrival is not shed for a low-priority backlog.
+
+        With nothing running and nothing queued ahead the request is admitted whatever the
+        prediction: refusing it protects no one, and an idle engine that refused every arrival
+        would run no step that could correct a model gone wrong (a host that has sped up, a
+        stray slow step), so it would refuse them all for good. Such a request that misses
+        slo_ttft is counted as missed."""
         if self.targets.ttft_s is None or not self.model.ready:
             return
         waiting = ahead_of(priority, waiting)
         ttft = self.predict_ttft(prompt_tokens, running, waiting)
         self.predicted_ttft_s = ttft
-        if ttft > self.targets.ttft_s:
+        if ttft > self.targets.ttft_s and (running or waiting):
             raise SloShedError(
                 f"overloaded: predicted time to first token {ttft * 1000:.4g} ms is past slo_ttft_ms="
                 f"{self.targets.ttft_s * 1000:g} with {len(waiting)} requests queued ahead and {len(running)} running; "

@@ -58,9 +58,9 @@ class StepTimeModel:
         self._long_xty = self.long_forget * self._long_xty + xy
         self.steps += 1
         eye = np.eye(3)
-        prior = np.linalg.solve(self._long_xtx + RIDGE * eye, self._long_xty)
+        prior = _nonnegative_solve(self._long_xtx + RIDGE * eye, self._long_xty)
         w = self.prior_weight
-        self._coef = np.linalg.solve(self._xtx + w * eye, self._xty + w * prior)
+        self._coef = _nonnegative_solve(self._xtx + w * eye, self._xty + w * prior)
 
     @property
     def ready(self) -> bool:
@@ -68,12 +68,33 @@ class StepTimeModel:
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
-        """(a seconds, b seconds per token, c seconds per cached position); each at least 0:
-        a negative fit (noise over too few distinct steps) must not promise free work."""
+        """(a seconds, b seconds per token, c seconds per cached position), each at least 0."""
         a, b, c = self._coef
-        return max(a, 0.0), max(b, 0.0) / TOKEN_SCALE, max(c, 0.0) / CONTEXT_SCALE
+        return float(a), float(b) / TOKEN_SCALE, float(c) / CONTEXT_SCALE
 
     def predict(self, tokens: int, context: int) -> float:
         """Seconds a step of `tokens` new tokens reading `context` cached positions takes."""
         a, b, c = self.coefficients
         return a + b * tokens + c * context
+
+
+_SUBSETS = [[i for i in range(3) if mask >> i & 1] for mask in range(1, 8)]
+
+
+def _nonnegative_solve(m: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """argmin over beta >= 0 of beta' m beta - 2 beta' v (m [3, 3] positive definite).
+
+    No cost is negative, and a fit solved freely and then clipped is not the best fit with
+    that cost at 0: over too few distinct steps the free fit trades a negative intercept for
+    inflated per-token and per-position costs, which clipping the intercept keeps. With three
+    coefficients every set of free ones is tried; the best feasible one is the optimum."""
+    best, best_value = np.zeros(3), 0.0
+    for free in _SUBSETS:
+        beta = np.zeros(3)
+        beta[free] = np.linalg.solve(m[np.ix_(free, free)], v[free])
+        if (beta < 0).any():
+            continue
+        value = float(beta @ m @ beta - 2 * beta @ v)
+        if value < best_value:
+            best, best_value = beta, value
+    return best

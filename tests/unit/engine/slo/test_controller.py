@@ -18,7 +18,7 @@ from tritonlm.engine.request import GenerationRequest, SamplingParams
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.slo import SloShedError, SloTargets
-from tritonlm.engine.slo.controller import ahead_of
+from tritonlm.engine.slo.controller import COLD_STEPS, SloController, ahead_of
 
 SPEC = ModelShape("gpt2", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, vocab_size=100, max_positions=4096)
 TTFT_S, TPOT_S = 1.0, 0.040
@@ -235,6 +235,39 @@ def test_a_host_that_slows_down_is_relearned_and_the_slo_holds_again():
     assert max(b for b, _ in after) < min(b for b, _ in before)  # a smaller budget on the slower host
     met, judged = run.met(TARGETS, after=35)
     assert met >= 0.99 * judged
+
+
+def test_the_first_steps_after_load_are_not_taken_for_the_hosts_pace():
+    """A cold first prefill (allocations, thread teams starting) takes many times a warm
+    one: the fit that follows leaves the cold steps out and learns the host."""
+    ctl = SloController(TARGETS, 64, 512)
+    rng = random.Random(6)
+    ctl.observe_step(200, 200, 3.0)
+    for _ in range(COLD_STEPS - 1):
+        ctl.observe_step(1, 201, 0.5)
+    for _ in range(40):
+        tokens, context = rng.randint(1, 300), rng.randint(100, 5000)
+        ctl.observe_step(tokens, context, Host().step_s(tokens, context, rng))
+    a, b, _ = ctl.model.coefficients
+    assert a == pytest.approx(A, rel=0.3) and b == pytest.approx(B, rel=0.3)
+
+
+def test_an_idle_engine_admits_what_a_busy_one_would_shed():
+    """A model that has learned a host far slower than the SLO allows predicts every prompt
+    past slo_ttft. Behind running work that is a shed; on an idle engine the request runs
+    (refusing it protects no one, and an engine that refused every arrival while idle would
+    never run the steps that could correct the model)."""
+    ctl = SloController(TARGETS, 64, 512)
+    for _ in range(COLD_STEPS + ctl.model.min_steps):
+        ctl.observe_step(64, 1000, 2 * TTFT_S)
+    busy = simulate([0.0], slo=False).admitted  # a finished request stands in for a running one
+    ctl.admit(100, [], [])
+    assert ctl.predicted_ttft_s > TTFT_S
+    with pytest.raises(SloShedError):
+        ctl.admit(100, busy, [])
+    with pytest.raises(SloShedError):
+        ctl.admit(100, [], busy)
+    ctl.admit(100, [], busy, priority=-1)  # the queued one runs after a better priority
 
 
 def test_decisions_never_exceed_the_configured_knobs():

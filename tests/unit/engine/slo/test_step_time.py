@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from tritonlm.engine.slo.step_time import StepTimeModel
+from tritonlm.engine.slo.step_time import StepTimeModel, _nonnegative_solve
 
 TRUE = (0.012, 0.00015, 3e-7)  # 12 ms + 0.15 ms per token + 0.3 us per cached position
 
@@ -65,3 +66,38 @@ def test_a_steady_batch_keeps_the_fit_where_it_was_learned():
 def test_forget_out_of_range_is_refused():
     with pytest.raises(ValueError, match=r"forget: must be in \(0, 1\]"):
         StepTimeModel(forget=0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_fit_is_the_best_one_without_a_negative_cost(seed):
+    """_nonnegative_solve meets the optimality (KKT) conditions of least squares with every
+    coefficient >= 0: a free coefficient has a zero gradient, one held at 0 a gradient that
+    would only push it negative. Data drawn with a negative coefficient forces one to 0."""
+    rng = np.random.default_rng(seed)
+    x = np.column_stack([np.ones(40), rng.uniform(0, 3, 40), rng.uniform(0, 3, 40)])
+    truth = rng.normal(0, 1, 3)
+    y = x @ truth + rng.normal(0, 0.05, 40)
+    m, v = x.T @ x, x.T @ y
+    beta = _nonnegative_solve(m, v)
+    grad = m @ beta - v
+    scale = np.abs(v).max()
+    assert (beta >= 0).all()
+    assert np.all(np.abs(grad[beta > 0]) <= 1e-9 * scale)
+    assert np.all(grad[beta == 0] >= -1e-9 * scale)
+    if (truth >= 0).all():
+        assert np.allclose(beta, np.linalg.solve(m, v))
+
+
+def test_single_row_steps_are_predicted_and_no_cost_is_negative():
+    """Single-row steps whose context hardly varies leave the intercept and the per-position
+    cost nearly interchangeable: the fit keeps both >= 0 and still predicts the steps."""
+    model = StepTimeModel()
+    rng = random.Random(3)
+    for _ in range(200):
+        tokens, context = rng.choice([1, 16]), rng.randint(100, 300)
+        model.observe(tokens, context, 0.010 + 0.0002 * tokens + 2e-7 * context + rng.gauss(0, 0.0003))
+    a, b, c = model.coefficients
+    assert min(a, b, c) >= 0
+    for tokens, context in ((1, 200), (16, 200), (64, 300)):
+        truth = 0.010 + 0.0002 * tokens + 2e-7 * context
+        assert model.predict(tokens, context) == pytest.approx(truth, rel=0.15)
