@@ -31,7 +31,10 @@ script's session would compete with everything else in it (docs/benchmarks.md).
 Reported: output tok/s (generated tokens / wall time of the phase), TTFT p50/p99,
 inter-token latency p50 (per request: (last token - first token) / (tokens - 1); every
 engine timed alike, perf/tritonlm_bench/streaming.py),
-tritonlm / llama-server ratios. CSV and PNG under results/bench_peer/. For every run at the
+tritonlm / llama-server ratios, and for one client each server's tok/s as a fraction of the
+one-stream limit (tritonlm/perf/roofline.py): the host's memory read bandwidth (a STREAM-like
+read on the server's thread count, best of the measures at the start and the end) over the
+weight bytes one decode step reads in that engine's format. CSV and PNG under results/bench_peer/. For every run at the
 top concurrency (tritonlm served and in-process, llama-server), where the CPU went, read
 from /proc (perf/tritonlm_bench/cpusplit.py): the cores tritonlm's compute threads got and how
 often they were preempted, the response thread, the rest of the model's process, the
@@ -71,6 +74,7 @@ from pathlib import Path
 
 from tritonlm.paths import REPO_ROOT
 from tritonlm.perf.machine import describe_cpu
+from tritonlm.perf.roofline import WEIGHT_FORMATS, decode_weight_bytes, one_stream_limit, read_bandwidth
 from tritonlm.perf.report import add_out_arg, pyplot, save_figure, style_axes, table, write_csv
 from tritonlm_bench.benchrepo import link_generation_model
 from tritonlm_bench.cpusplit import FIELDS as CPU_FIELDS
@@ -465,7 +469,8 @@ def main() -> int:
         del model
     from transformers import AutoConfig
 
-    bytes_per_token = ModelShape.from_hf_config(AutoConfig.from_pretrained(hf)).bytes_per_token
+    hf_config = AutoConfig.from_pretrained(hf)
+    bytes_per_token = ModelShape.from_hf_config(hf_config).bytes_per_token
     tokenizer = load_tokenizer(hf)
     prompt_ids = [list(tokenizer(p).input_ids) for p in PROMPTS]  # what tritonlm's engine makes of the text
 
@@ -473,6 +478,8 @@ def main() -> int:
     print(f"CPU: {cpu}")
     print(f"threads: tritonlm torch intra-op default ({torch.get_num_threads()} in this process), "
           f"llama-server -t {args.llama_threads}; load average now {os.getloadavg()[0]:.1f}")
+    bandwidth = measure_bandwidths({1, torch.get_num_threads(), args.llama_threads})
+    print("memory read bandwidth: " + ", ".join(f"{bw / 1e9:.1f} GB/s on {n} thread(s)" for n, bw in bandwidth.items()))
     print(f"SmolLM2-135M-Instruct; {len(PROMPTS)} prompts ({min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens), "
           f"clients {levels} x {per_client} requests x {max_tokens} new tokens, greedy, end token ignored, "
           "no prefix/prompt caching" + (f"; tritonlm stream_interval {args.stream_interval} (llama-server: every token)"
@@ -588,6 +595,15 @@ def main() -> int:
             llama_long(long_rows, skipped, pair, gguf, quant, args.llama_threads, out, work, tokenizer)
 
     # ---- report ----
+    for n, bw in measure_bandwidths(set(bandwidth)).items():
+        bandwidth[n] = max(bandwidth[n], bw)
+    limit_threads = {"tritonlm": torch.get_num_threads(), "llama-server": args.llama_threads}
+    for r in rows:
+        if r["clients"] == 1 and r["engine"] in limit_threads and r["weights"] in WEIGHT_FORMATS:
+            weight_bytes = decode_weight_bytes(hf_config, r["weights"])
+            r["weight_mb_per_token"] = weight_bytes / 1e6
+            r["limit_tokens_per_s"] = one_stream_limit(bandwidth[limit_threads[r["engine"]]], weight_bytes)
+            r["of_bw_limit"] = r["tokens_per_s"] / r["limit_tokens_per_s"]
     for r in rows:
         peer_row = next((p for p in rows if p["pair"] == r["pair"] and p["engine"] == "llama-server"
                          and p["clients"] == r["clients"]), None)
@@ -600,9 +616,16 @@ def main() -> int:
           f"--parallel {PEER_SLOTS} -c {PEER_SLOTS * SLOT_CONTEXT}; {per_client} requests per client, {max_tokens} tokens; "
           f"load average at the end {os.getloadavg()[0]:.1f} (other work on the machine adds noise)")
     cols = ["pair", "engine", "weights", "clients", "requests", "tokens", "wall_s", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
-            "itl_p50_ms", "tokens_per_s_vs_llama", "ttft_p50_vs_llama", "served_vs_inprocess"]
+            "itl_p50_ms", "tokens_per_s_vs_llama", "ttft_p50_vs_llama", "served_vs_inprocess", "of_bw_limit"]
     print(table(rows, cols))
     print()
+    print("memory read bandwidth (best of start and end): "
+          + ", ".join(f"{bw / 1e9:.1f} GB/s on {n} thread(s)" for n, bw in bandwidth.items()))
+    for r in rows:
+        if "of_bw_limit" in r:
+            print(f"{r['engine']} {r['weights']}, 1 client: {r['tokens_per_s']:.1f} tok/s = {r['of_bw_limit']:.2f} of the "
+                  f"one-stream limit {r['limit_tokens_per_s']:.1f} tok/s ({r['weight_mb_per_token']:.1f} MB of weights "
+                  f"per token, {bandwidth[limit_threads[r['engine']]] / 1e9:.1f} GB/s)")
     for r in rows:
         if "tokens_per_s_vs_llama" in r and r["engine"] == "tritonlm":
             print(f"{r['pair']}, {r['clients']:>2} clients: tritonlm / llama-server output tok/s = {r['tokens_per_s_vs_llama']:.2f}x, "
@@ -640,8 +663,9 @@ def main() -> int:
     for msg in skipped:
         print(f"skipped: {msg}")
     if rows:
-        write_csv(out / "bench_peer.csv", [{k: r.get(k, "") for k in ["cpu", *cols, "split_runs", "prompt_tokens_mean"]} | {"cpu": cpu}
-                                           for r in rows])
+        write_csv(out / "bench_peer.csv", [{k: r.get(k, "") for k in ["cpu", *cols, "split_runs", "prompt_tokens_mean",
+                                                                       "weight_mb_per_token", "limit_tokens_per_s"]}
+                                           | {"cpu": cpu} for r in rows])
         if cpu_rows:
             write_csv(out / "bench_peer_cpu.csv", [{"cpu": cpu, **r} for r in cpu_rows])
         if long_rows:
@@ -653,6 +677,11 @@ def main() -> int:
         except ImportError:
             print(f"wrote {out / 'bench_peer.csv'} (no matplotlib: no PNG)")
     return 1 if failed or not rows else 0
+
+
+def measure_bandwidths(thread_counts: set[int]) -> dict[int, float]:
+    """Memory read bytes/s on each thread count, fewest first."""
+    return {n: read_bandwidth(n) for n in sorted(thread_counts)}
 
 
 def cpu_split_rows(rows: list[dict], clients: int) -> list[dict]:

@@ -73,6 +73,7 @@ def checks() -> list[tuple[str, bool, str]]:
     rows.append(("compute threads (num_threads: auto)", True,
                  f"{budget.threads()} per model instance ({budget.why}); split over instances and model-parallel "
                  "ranks, lowered while other processes take these cores"))
+    rows.append(memory_bandwidth_row(budget.threads()))
     try:
         import onnxruntime as ort
 
@@ -80,6 +81,17 @@ def checks() -> list[tuple[str, bool, str]]:
     except ImportError:
         pass
     return rows
+
+
+def memory_bandwidth_row(threads: int) -> tuple[str, bool, str]:
+    """The host's memory read bandwidth on one and on `threads` threads, and what it bounds:
+    one stream's decode reads every weight once per token (tritonlm/perf/roofline.py)."""
+    from tritonlm.perf.roofline import read_bandwidth
+
+    one, many = read_bandwidth(1, repeats=3), read_bandwidth(max(1, threads), repeats=3)
+    return ("memory read bandwidth", True,
+            f"{one / 1e9:.1f} GB/s on 1 thread, {many / 1e9:.1f} GB/s on {threads}: one stream decodes at most "
+            f"{many / 1e9:.1f} / (GB of weights per token) tokens/s")
 
 
 def run(args) -> int:
