@@ -9,7 +9,7 @@ rows (one stream's decode step; a batch of 32 or a prefill chunk):
 Median microseconds per call over --rounds alternating rounds (a shared host's speed drifts
 over minutes, which runs minutes apart would read as a difference between kernels).
 
-    .venv/bin/python perf/bench_int8_gemm.py [--rounds 5] [--reps 50]
+    .venv/bin/python perf/bench_int8_gemm.py [--rounds 5] [--reps 50] [--paths avx2]
     FBGEMM_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python perf/bench_int8_gemm.py
         # fbgemm's AVX2 kernel on a CPU with VNNI: the fbgemm a CPU without VNNI runs
 Prints the CPU it ran on; writes results/bench_int8_gemm/bench_int8_gemm.csv.
@@ -35,8 +35,8 @@ SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1
 ROWS = (1, 32)
 
 
-def kernels(w: torch.Tensor) -> dict[str, Int8Linear]:
-    """Every way this host can run w [in, out] in int8, by name."""
+def kernels(w: torch.Tensor, paths: list[str]) -> dict[str, Int8Linear]:
+    """Every way this host can run w [in, out] in int8 (i8_linear on `paths`), by name."""
     out = {}
     for bits, reduce_range in ((8, False), (7, True)):
         if bits == 8 and not torch.cpu._is_vnni_supported():
@@ -44,7 +44,7 @@ def kernels(w: torch.Tensor) -> dict[str, Int8Linear]:
         lin = Int8Linear.from_float(w, None)
         lin.cpp_op, lin.reduce_range, lin.pinned = True, reduce_range, PinnedRows()
         out[f"fbgemm_{bits}bit"] = lin
-    for isa in torch.ops.tritonlm.i8_isas():
+    for isa in paths:
         lin = Int8Linear.from_float(w, None)
         lin.use_act8(isa)
         out[f"tritonlm_{isa}"] = lin
@@ -55,6 +55,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50, help="calls timed per round (default 50)")
+    ap.add_argument("--paths", default=None,
+                    help="comma-separated i8_linear paths to time (default: every one this build has, i8_isas())")
     add_out_arg(ap, "bench_int8_gemm")
     args = ap.parse_args()
     from tritonlm.engine.kernels import kernels_available
@@ -62,6 +64,10 @@ def main() -> int:
     ok, why = kernels_available()
     if not ok:
         sys.exit(f"tritonlm's C++ kernels are not available: {why}")
+    have = list(torch.ops.tritonlm.i8_isas())
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()] if args.paths else have
+    if not paths or any(p not in have for p in paths):
+        ap.error(f"--paths {args.paths!r}: name one or more of this build's i8_linear paths, {', '.join(have)}")
     cpu = describe_cpu()
     fbgemm_isa = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "")
     print(f"CPU: {cpu}; torch {torch.__version__}, {torch.get_num_threads()} threads; i8_linear paths "
@@ -70,7 +76,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     cases = []
     for name, n_in, n_out in SHAPES:
-        lins = kernels(torch.randn(n_in, n_out, generator=gen) / n_in**0.5)
+        lins = kernels(torch.randn(n_in, n_out, generator=gen) / n_in**0.5, paths)
         for rows in ROWS:
             cases.append((name, n_in, n_out, rows, torch.randn(rows, n_in, generator=gen), lins))
     times: dict[tuple, list[float]] = {}

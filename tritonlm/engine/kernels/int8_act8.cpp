@@ -13,6 +13,8 @@
 // activations get 7 bits there and int8's output moves further from float32 than with VNNI.
 // Here the unsigned operand is |q| and the signed one w * sign(q) (vpsignb): each product is
 // at most 127 x 127, a pair at most 32258 < 32767, so nothing saturates and 8 bits stay.
+// On AVX2 a panel's weights serve up to kTileRows rows at once: each weight vector is loaded
+// once for all of them, and each row's |q| is computed once per call, not per panel.
 // The int32 sums are exact on every path (scalar, AVX2, AVX-512BW, VNNI), so every path
 // gives the same integers, and the epilogue's one explicit fma rounds the same everywhere:
 // the same bits on every CPU, and a row's bits do not depend on its batch.
@@ -29,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -107,23 +110,34 @@ void panel_scalar(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
 }
 
 #if defined(__AVX2__)
-void panel_avx2(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
+// acc[r][16] += the panel's sums for kRows rows at once: each weight vector loaded once and
+// used for every row, so a batch costs each row only its own products (vpsignb, vpmaddubsw,
+// vpmaddwd, vpaddd), not its loads. aq holds |q| (computed once per call), so a row's
+// broadcast codes need no vpabsb per panel.
+template <int kRows>
+void panel_avx2(const int8_t* q, const uint8_t* aq, int64_t stride, const int8_t* w, int64_t in4, int32_t* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();  // outputs 0-7, 8-15
+  __m256i lo[kRows], hi[kRows];  // per row: outputs 0-7, 8-15
+  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
   for (int64_t k = 0; k < in4; ++k) {
-    int32_t four;
-    std::memcpy(&four, q + 4 * k, 4);
-    const __m256i xq = _mm256_set1_epi32(four);  // q[4k .. 4k+3] in every lane
-    const __m256i ax = _mm256_abs_epi8(xq);
     const __m256i* wk = reinterpret_cast<const __m256i*>(w + k * kLanes * 4);
-    const __m256i w0 = _mm256_sign_epi8(_mm256_loadu_si256(wk), xq);      // w * sign(q), 0 where q is 0
-    const __m256i w1 = _mm256_sign_epi8(_mm256_loadu_si256(wk + 1), xq);
-    lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, w0), ones));
-    hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, w1), ones));
+    const __m256i w0 = _mm256_loadu_si256(wk), w1 = _mm256_loadu_si256(wk + 1);
+    for (int r = 0; r < kRows; ++r) {
+      int32_t four, four_abs;
+      std::memcpy(&four, q + r * stride + 4 * k, 4);
+      std::memcpy(&four_abs, aq + r * stride + 4 * k, 4);
+      const __m256i xq = _mm256_set1_epi32(four);  // q[4k .. 4k+3] in every lane
+      const __m256i ax = _mm256_set1_epi32(four_abs);
+      // w * sign(q), 0 where q is 0
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xq)), ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xq)), ones));
+    }
   }
-  __m256i* out = reinterpret_cast<__m256i*>(acc);
-  _mm256_storeu_si256(out, _mm256_add_epi32(_mm256_loadu_si256(out), lo));
-  _mm256_storeu_si256(out + 1, _mm256_add_epi32(_mm256_loadu_si256(out + 1), hi));
+  for (int r = 0; r < kRows; ++r) {
+    __m256i* out = reinterpret_cast<__m256i*>(acc + r * kLanes);
+    _mm256_storeu_si256(out, _mm256_add_epi32(_mm256_loadu_si256(out), lo[r]));
+    _mm256_storeu_si256(out + 1, _mm256_add_epi32(_mm256_loadu_si256(out + 1), hi[r]));
+  }
 }
 #endif
 
@@ -153,24 +167,47 @@ void panel_avx512(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
 }
 #endif
 
-using PanelKernel = void (*)(const int8_t*, const int8_t*, int64_t, int32_t*);
+constexpr int64_t kTileRows = 4;  // rows that share each loaded weight vector (AVX2)
 
-PanelKernel kernel_for(Isa isa) {
+// acc [rows][16] += the panel's sums for `rows` (at most kTileRows) rows of q (|q| in aq),
+// `stride` codes apart
+using RowsKernel = void (*)(const int8_t* q, const uint8_t* aq, int64_t stride, int64_t rows, const int8_t* w,
+                            int64_t in4, int32_t* acc);
+
+template <void (*kOne)(const int8_t*, const int8_t*, int64_t, int32_t*)>
+void row_by_row(const int8_t* q, const uint8_t*, int64_t stride, int64_t rows, const int8_t* w, int64_t in4,
+                int32_t* acc) {
+  for (int64_t r = 0; r < rows; ++r) kOne(q + r * stride, w, in4, acc + r * kLanes);
+}
+
+#if defined(__AVX2__)
+void rows_avx2(const int8_t* q, const uint8_t* aq, int64_t stride, int64_t rows, const int8_t* w, int64_t in4,
+               int32_t* acc) {
+  switch (rows) {
+    case 4: return panel_avx2<4>(q, aq, stride, w, in4, acc);
+    case 3: return panel_avx2<3>(q, aq, stride, w, in4, acc);
+    case 2: return panel_avx2<2>(q, aq, stride, w, in4, acc);
+    default: return panel_avx2<1>(q, aq, stride, w, in4, acc);
+  }
+}
+#endif
+
+RowsKernel kernel_for(Isa isa) {
   switch (isa) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #if defined(__AVX512VNNI__)
     case Isa::kAvx512Vnni:
-      return panel_avx512<true>;
+      return row_by_row<panel_avx512<true>>;
 #endif
     case Isa::kAvx512:
-      return panel_avx512<false>;
+      return row_by_row<panel_avx512<false>>;
 #endif
 #if defined(__AVX2__)
     case Isa::kAvx2:
-      return panel_avx2;
+      return rows_avx2;
 #endif
     default:
-      return panel_scalar;
+      return row_by_row<panel_scalar>;
   }
 }
 
@@ -182,7 +219,7 @@ void check_cpu_tensor(const at::Tensor& t, at::ScalarType type, const char* name
 
 at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Tensor& wscale,
                      const std::optional<at::Tensor>& bias, int64_t out, std::string_view isa) {
-  const PanelKernel kernel = kernel_for(pick_isa(isa));
+  const RowsKernel kernel = kernel_for(pick_isa(isa));
   check_cpu_tensor(x, at::kFloat, "x", "[..., in]");
   check_cpu_tensor(panel, at::kChar, "panel", "[P, in4, 16, 4]");
   check_cpu_tensor(wscale, at::kFloat, "wscale", "[P * 16]");
@@ -201,8 +238,9 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     bp = bias->data_ptr<float>();
   }
   const int64_t rows = in ? x.numel() / in : 0;
-  // each row quantized alone: q [rows, 4 in4] (zero-padded), s [rows]
+  // each row quantized alone: q [rows, 4 in4] (zero-padded), |q| alike, s [rows]
   std::vector<int8_t> q(rows * 4 * in4, 0);
+  std::vector<uint8_t> aq(rows * 4 * in4, 0);
   std::vector<float> s(rows);
   const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
@@ -212,8 +250,11 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     const float scale = m > 0.f ? m / 127.f : 1.f;
     const float inv = 1.f / scale;
     int8_t* qr = q.data() + r * 4 * in4;
-    for (int64_t i = 0; i < in; ++i)
+    uint8_t* ar = aq.data() + r * 4 * in4;
+    for (int64_t i = 0; i < in; ++i) {
       qr[i] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[i] * inv), -127.f, 127.f));
+      ar[i] = static_cast<uint8_t>(std::abs(qr[i]));
+    }
     s[r] = scale;
   }
   auto sizes = x.sizes().vec();
@@ -227,12 +268,16 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     for (int64_t p = lo; p < hi; ++p) {
       const int8_t* w = wp + p * in4 * kLanes * 4;
       const int64_t n = p * kLanes, lanes = std::min(kLanes, out - n);
-      for (int64_t r = 0; r < rows; ++r) {
-        alignas(64) int32_t acc[kLanes] = {};
-        kernel(q.data() + r * 4 * in4, w, in4, acc);
-        for (int64_t j = 0; j < lanes; ++j) {
-          const float sw = s[r] * ws[n + j];
-          yp[r * out + n + j] = std::fma(static_cast<float>(acc[j]), sw, bp ? bp[n + j] : 0.f);
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+        const int64_t tile = std::min(kTileRows, rows - r0);
+        alignas(64) int32_t acc[kTileRows * kLanes] = {};
+        kernel(q.data() + r0 * 4 * in4, aq.data() + r0 * 4 * in4, 4 * in4, tile, w, in4, acc);
+        for (int64_t r = r0; r < r0 + tile; ++r) {
+          const int32_t* ar = acc + (r - r0) * kLanes;
+          for (int64_t j = 0; j < lanes; ++j) {
+            const float sw = s[r] * ws[n + j];
+            yp[r * out + n + j] = std::fma(static_cast<float>(ar[j]), sw, bp ? bp[n + j] : 0.f);
+          }
         }
       }
     }

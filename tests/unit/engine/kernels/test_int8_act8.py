@@ -53,7 +53,7 @@ def test_i8_linear_equals_the_integer_matmul_on_every_path(ops, out_features, in
     bias = torch.randn(out, generator=g)
     isas = ops.i8_isas()
     assert isas[-1] == "scalar" and set(isas) <= {"avx512_vnni", "avx512", "avx2", "scalar"}
-    for rows in (1, 2, 5, 13, 65):
+    for rows in (1, 2, 5, 7, 13, 65):  # every remainder of the AVX2 path's 4-row tiles
         # heavy-tailed activations (a few large values per row), one exact zero
         x = torch.randn(rows, in_features, generator=g) * torch.exp(torch.randn(rows, in_features, generator=g))
         x[0, 0] = 0.0
