@@ -13,8 +13,8 @@
 // activations get 7 bits there and int8's output moves further from float32 than with VNNI.
 // Here the unsigned operand is |q| and the signed one w * sign(q) (vpsignb): each product is
 // at most 127 x 127, a pair at most 32258 < 32767, so nothing saturates and 8 bits stay.
-// On AVX2 a panel's weights serve up to kTileRows rows at once: each weight vector is loaded
-// once for all of them, and each row's |q| is computed once per call, not per panel.
+// On AVX2 a panel's weights serve up to kTileRows rows at once (each weight vector loaded once
+// for all of them), and the sign is applied by an xor plus a per-row sum instead (panel_avx2).
 // The int32 sums are exact on every path (scalar, AVX2, AVX-512BW, VNNI), so every path
 // gives the same integers, and the epilogue's one explicit fma rounds the same everywhere:
 // the same bits on every CPU, and a row's bits do not depend on its batch.
@@ -109,28 +109,42 @@ void panel_scalar(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
   }
 }
 
+// A call's activation codes, each row's alike: q [rows, stride] int8, |q| as u8, the sign
+// masks (0xff where q < 0, else 0) and per row the sum of |q| over its negative codes
+struct Codes {
+  const int8_t* q;
+  const uint8_t* abs;
+  const int8_t* neg_mask;
+  const int32_t* neg_sum;
+  int64_t stride;
+};
+
 #if defined(__AVX2__)
-// acc[r][16] += the panel's sums for kRows rows at once: each weight vector loaded once and
-// used for every row, so a batch costs each row only its own products (vpsignb, vpmaddubsw,
-// vpmaddwd, vpaddd), not its loads. aq holds |q| (computed once per call), so a row's
-// broadcast codes need no vpabsb per panel.
+// acc[r][16] += the panel's sums for kRows rows (from row r0) at once: each weight vector
+// loaded once and used for every row, so a batch costs each row only its own products.
+// vpmaddubsw needs an unsigned operand, |q|, and q * w = |q| * (w * sign(q)); where q < 0,
+// -w = ~w + 1 = (w ^ 0xff) + 1, so sum_k q_k w_k = sum_k |q_k| (w_k ^ mask_k) + (the sum of
+// |q_k| over q_k < 0). The xor runs on any vector port, where vpsignb competes with the
+// multiplies; |~w| <= 128, so a pair is at most 2 x 127 x 128 = 32512 and still does not
+// saturate; the last sum is one per row, added once.
 template <int kRows>
-void panel_avx2(const int8_t* q, const uint8_t* aq, int64_t stride, const int8_t* w, int64_t in4, int32_t* acc) {
+void panel_avx2(const Codes& c, int64_t r0, const int8_t* w, int64_t in4, int32_t* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i lo[kRows], hi[kRows];  // per row: outputs 0-7, 8-15
-  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_set1_epi32(c.neg_sum[r0 + r]);
+  const uint8_t* abs = c.abs + r0 * c.stride;
+  const int8_t* neg = c.neg_mask + r0 * c.stride;
   for (int64_t k = 0; k < in4; ++k) {
     const __m256i* wk = reinterpret_cast<const __m256i*>(w + k * kLanes * 4);
     const __m256i w0 = _mm256_loadu_si256(wk), w1 = _mm256_loadu_si256(wk + 1);
     for (int r = 0; r < kRows; ++r) {
-      int32_t four, four_abs;
-      std::memcpy(&four, q + r * stride + 4 * k, 4);
-      std::memcpy(&four_abs, aq + r * stride + 4 * k, 4);
-      const __m256i xq = _mm256_set1_epi32(four);  // q[4k .. 4k+3] in every lane
-      const __m256i ax = _mm256_set1_epi32(four_abs);
-      // w * sign(q), 0 where q is 0
-      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xq)), ones));
-      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xq)), ones));
+      int32_t four_abs, four_mask;
+      std::memcpy(&four_abs, abs + r * c.stride + 4 * k, 4);
+      std::memcpy(&four_mask, neg + r * c.stride + 4 * k, 4);
+      const __m256i ax = _mm256_set1_epi32(four_abs);  // |q[4k .. 4k+3]| in every lane
+      const __m256i m = _mm256_set1_epi32(four_mask);
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_xor_si256(w0, m)), ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_xor_si256(w1, m)), ones));
     }
   }
   for (int r = 0; r < kRows; ++r) {
@@ -171,23 +185,20 @@ constexpr int64_t kTileRows = 4;  // rows that share each loaded weight vector (
 
 // acc [rows][16] += the panel's sums for `rows` (at most kTileRows) rows of q (|q| in aq),
 // `stride` codes apart
-using RowsKernel = void (*)(const int8_t* q, const uint8_t* aq, int64_t stride, int64_t rows, const int8_t* w,
-                            int64_t in4, int32_t* acc);
+using RowsKernel = void (*)(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc);
 
 template <void (*kOne)(const int8_t*, const int8_t*, int64_t, int32_t*)>
-void row_by_row(const int8_t* q, const uint8_t*, int64_t stride, int64_t rows, const int8_t* w, int64_t in4,
-                int32_t* acc) {
-  for (int64_t r = 0; r < rows; ++r) kOne(q + r * stride, w, in4, acc + r * kLanes);
+void row_by_row(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc) {
+  for (int64_t r = 0; r < rows; ++r) kOne(c.q + (r0 + r) * c.stride, w, in4, acc + r * kLanes);
 }
 
 #if defined(__AVX2__)
-void rows_avx2(const int8_t* q, const uint8_t* aq, int64_t stride, int64_t rows, const int8_t* w, int64_t in4,
-               int32_t* acc) {
+void rows_avx2(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc) {
   switch (rows) {
-    case 4: return panel_avx2<4>(q, aq, stride, w, in4, acc);
-    case 3: return panel_avx2<3>(q, aq, stride, w, in4, acc);
-    case 2: return panel_avx2<2>(q, aq, stride, w, in4, acc);
-    default: return panel_avx2<1>(q, aq, stride, w, in4, acc);
+    case 4: return panel_avx2<4>(c, r0, w, in4, acc);
+    case 3: return panel_avx2<3>(c, r0, w, in4, acc);
+    case 2: return panel_avx2<2>(c, r0, w, in4, acc);
+    default: return panel_avx2<1>(c, r0, w, in4, acc);
   }
 }
 #endif
@@ -209,6 +220,44 @@ RowsKernel kernel_for(Isa isa) {
     default:
       return row_by_row<panel_scalar>;
   }
+}
+
+// max |x[i]|: exact in any order, so the vector and scalar loops agree
+float max_abs(const float* x, int64_t n) {
+  int64_t i = 0;
+  float m = 0.f;
+#if defined(__AVX2__)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (float lane : lanes) m = std::max(m, lane);
+#endif
+  for (; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+
+// q[i] = clamp(round-half-even(x[i] * inv), -127, 127): the vector loop rounds as nearbyint
+// does in the default rounding mode, so both give the same codes
+void quantize(const float* x, int64_t n, float inv, int8_t* q) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 scale = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const auto codes = [&](int64_t j) {  // 8 codes as int32
+    const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), scale),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+  };
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' 128-bit lanes
+  for (; i + 32 <= n; i += 32) {
+    const __m256i ab = _mm256_packs_epi32(codes(i), codes(i + 8));
+    const __m256i cd = _mm256_packs_epi32(codes(i + 16), codes(i + 24));
+    const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), packed);
+  }
+#endif
+  for (; i < n; ++i) q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] * inv), -127.f, 127.f));
 }
 
 void check_cpu_tensor(const at::Tensor& t, at::ScalarType type, const char* name, const char* shape) {
@@ -238,25 +287,32 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     bp = bias->data_ptr<float>();
   }
   const int64_t rows = in ? x.numel() / in : 0;
-  // each row quantized alone: q [rows, 4 in4] (zero-padded), |q| alike, s [rows]
-  std::vector<int8_t> q(rows * 4 * in4, 0);
+  // each row quantized alone: q [rows, 4 in4] (zero-padded), |q| and sign masks alike, s [rows]
+  std::vector<int8_t> q(rows * 4 * in4, 0), neg_mask(rows * 4 * in4, 0);
   std::vector<uint8_t> aq(rows * 4 * in4, 0);
+  std::vector<int32_t> neg_sum(rows, 0);
   std::vector<float> s(rows);
   const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * in;
-    float m = 0.f;
-    for (int64_t i = 0; i < in; ++i) m = std::max(m, std::fabs(xr[i]));  // max is exact in any order
+    const float m = max_abs(xr, in);
     const float scale = m > 0.f ? m / 127.f : 1.f;
     const float inv = 1.f / scale;
     int8_t* qr = q.data() + r * 4 * in4;
     uint8_t* ar = aq.data() + r * 4 * in4;
+    int8_t* mr = neg_mask.data() + r * 4 * in4;
+    quantize(xr, in, inv, qr);
+    int32_t negative = 0;  // separate loops: each one vectorizes
     for (int64_t i = 0; i < in; ++i) {
-      qr[i] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[i] * inv), -127.f, 127.f));
-      ar[i] = static_cast<uint8_t>(std::abs(qr[i]));
+      const int8_t code = qr[i];
+      ar[i] = static_cast<uint8_t>(code < 0 ? -code : code);
+      mr[i] = static_cast<int8_t>(code >> 7);  // 0xff where negative: an arithmetic shift of the sign
     }
+    for (int64_t i = 0; i < in; ++i) negative += ar[i] & static_cast<uint8_t>(mr[i]);
+    neg_sum[r] = negative;
     s[r] = scale;
   }
+  const Codes codes{q.data(), aq.data(), neg_mask.data(), neg_sum.data(), 4 * in4};
   auto sizes = x.sizes().vec();
   sizes.back() = out;
   at::Tensor y = at::empty(sizes, x.options());
@@ -271,7 +327,7 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
       for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
         const int64_t tile = std::min(kTileRows, rows - r0);
         alignas(64) int32_t acc[kTileRows * kLanes] = {};
-        kernel(q.data() + r0 * 4 * in4, aq.data() + r0 * 4 * in4, 4 * in4, tile, w, in4, acc);
+        kernel(codes, r0, tile, w, in4, acc);
         for (int64_t r = r0; r < r0 + tile; ++r) {
           const int32_t* ar = acc + (r - r0) * kLanes;
           for (int64_t j = 0; j < lanes; ++j) {

@@ -87,6 +87,22 @@ def test_i8_linear_does_not_saturate_at_full_scale(ops):
         assert ((got.double() - want).abs() <= 1e-6 * want.abs()).all(), isa
 
 
+@pytest.mark.parametrize("in_features", [7, 32, 70, 577])
+def test_i8_linear_quantizes_each_row_as_torch_rounds_it(ops, in_features):
+    """Identity weights (code 1, scale 1) make y = q * s: the op's codes and scale, exactly as
+    torch computes them in float32 (round half to even, ties included), whether the op's
+    vector loop or its scalar tail quantized them."""
+    g = torch.Generator().manual_seed(in_features)
+    panel, out = pack(torch.eye(in_features, dtype=torch.int8))
+    x = torch.randn(5, in_features, generator=g) * 3
+    x[1] = (torch.arange(in_features) % 9 - 4) + 0.5  # every code a tie: max |x| is 4.5, so s = 4.5 / 127
+    x[1, 0] = 127.0  # s = 1: the ties stay ties, x.5 rounds to the even neighbour
+    x[2] = 0.0  # s = 1, every code 0
+    q, s = quantize_rows(x)
+    for isa in ops.i8_isas():
+        assert torch.equal(ops.i8_linear(x, panel, torch.ones(panel.shape[0] * 16), None, out, isa), q * s), isa
+
+
 def test_i8_linear_refuses_bad_inputs_naming_them(ops):
     panel, out = pack(torch.zeros(8, 16, dtype=torch.int8))
     x, scale = torch.ones(2, 16), torch.ones(16)
