@@ -115,11 +115,11 @@ def decode_weight_bytes(config, fmt: str) -> int:
     head_weight = head.weight if head is not None else None
     gathered = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     total = 0.0
-    for _name, p in model.named_parameters():  # a tied table once
+    for name, p in model.named_parameters():  # a tied table once
         if id(p) in gathered and p is not head_weight:
             continue
         if p.dim() == 2:  # a projection (nn.Linear [out, in], GPT-2's Conv1D [in, out]) or the head
-            out_channels = p.shape[1] if type(_owner(model, _name)).__name__ == "Conv1D" else p.shape[0]
+            out_channels = p.shape[1] if type(_owner(model, name)).__name__ == "Conv1D" else p.shape[0]
             total += p.numel() * form.per_weight + out_channels * form.per_output
         else:
             total += p.numel() * _FLOAT_BYTES
