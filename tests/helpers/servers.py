@@ -8,11 +8,14 @@ no working run reaches them."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 from tests.helpers.models import tiny
 from tritonlm.export.repository import write_generation_model
@@ -64,6 +67,38 @@ def add_slow_model(repo: Path, name: str = "slow", max_num_seqs: int = 2) -> Non
     GPT2LMHeadModel(config).eval().save_pretrained(hf)
     tok.save_pretrained(hf)
     write_generate_config(repo / name, name, max_context=1024, extra_parameters={"max_num_seqs": str(max_num_seqs)})
+
+
+# ---- holding an engine in its step ------------------------------------------------------------
+
+@contextmanager
+def stall_env(path: Path) -> Iterator[Path]:
+    """Servers started inside see the test-only stall (engine.STALL_FILE_ENV): while `path`
+    exists their engines hold in their step, the GIL free. The file is gone afterwards."""
+    from tritonlm.engine.engine import STALL_FILE_ENV
+
+    old = os.environ.get(STALL_FILE_ENV)
+    os.environ[STALL_FILE_ENV] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop(STALL_FILE_ENV, None)
+        else:
+            os.environ[STALL_FILE_ENV] = old
+        path.unlink(missing_ok=True)
+
+
+def release_when(cond: Callable[[], bool], stall: Path, timeout_s: float = HANG_GUARD_S) -> threading.Thread:
+    """A started thread that removes the stall file once cond() holds (or after timeout_s, so a
+    failing test still ends): the held step goes on."""
+    def run() -> None:
+        wait_until(cond, timeout_s)
+        stall.unlink(missing_ok=True)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 # ---- waiting -----------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 the OpenAI frontend and through gRPC, answers every request with the token counts asked
 (prompts of exact length with the model's tokenizer, answers forced to max_tokens), and the
 server's own counters agree; against a model whose slo_ttft_ms no prediction meets, the
-scheduled requests are recorded as shed and the server counted the same refusals.
+requests behind a running one are recorded as shed and the server counted the same refusals
+(an idle engine admits: the run's first request is held in its step, the test-only stall
+file, until the others have been refused).
 
 Nothing depends on the host's speed: rates are low and only counts and statuses are checked
 (the latencies themselves are whatever the host gives)."""
@@ -14,19 +16,28 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.servers import add_generation_model, metric
+from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, release_when, stall_env
 from tritonlm.cli import main as cli_main
+from tritonlm.client.generate import generate_grpc
+from tritonlm.engine.slo.controller import COLD_STEPS
 from tritonlm.engine.slo.step_time import StepTimeModel
 from tritonlm.openai.server import OpenAIServer
 from tritonlm.perf.trace import build_schedule, parse_arrivals
 from tritonlm.server import free_ports
 
 COUNT = 5
-WARM_TOKENS = StepTimeModel().min_steps + 2  # after one request this long the SLO controller predicts
+# after one request this long the SLO controller predicts (its cold steps are not fitted)
+WARM_TOKENS = COLD_STEPS + StepTimeModel().min_steps + 2
 
 
 @pytest.fixture(scope="module")
-def triton_repo(tmp_path_factory):
+def stall_file(tmp_path_factory):
+    with stall_env(tmp_path_factory.mktemp("stall") / "stall") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def triton_repo(tmp_path_factory, stall_file):
     repo = tmp_path_factory.mktemp("goodputrepo")
     add_generation_model(repo, "tiny")
     add_generation_model(repo, "tiny_slo", slo_ttft_ms="0.001")
@@ -83,18 +94,26 @@ def test_a_short_run_answers_every_request_with_the_token_counts_asked(capsys, t
         assert len(r["itls_ms"].split()) <= s.output_tokens - 1
 
 
-def test_a_model_whose_slo_no_request_meets_sheds_and_the_run_records_it(capsys, tmp_path, triton_server, frontend):
+def test_a_model_whose_slo_no_request_meets_sheds_and_the_run_records_it(capsys, tmp_path, triton_server, frontend,
+                                                                        stall_file):
     shed = lambda: metric(triton_server, "tritonlm_slo_requests_total", "tiny_slo", default=0, outcome="shed")  # noqa: E731
+    # admitted (the controller has seen no step yet) and long enough for the step-time model to
+    # predict; after it no prediction meets one microsecond
+    warm = generate_grpc(triton_server.grpc_url, "tiny_slo", "Hello there", max_tokens=WARM_TOKENS, end_id=-1,
+                         timeout_s=HANG_GUARD_S)
+    assert warm.num_output_tokens == WARM_TOKENS
     for n, where in enumerate((["--openai", frontend.url], ["--grpc", triton_server.grpc_url])):
         before = shed()
-        # the first run's warm-up request is admitted (the controller has seen no step yet) and runs
-        # long enough for the step-time model to predict; after it no prediction meets one microsecond
+        stall_file.touch()  # the first request in is admitted (idle) and held; the rest are refused behind it
+        release = release_when(lambda: shed() - before >= COUNT - 1, stall_file)
         summary, requests, _ = goodput(
             capsys, tmp_path / str(n), *where, "--model", "tiny_slo", "--arrivals", "poisson:4", "--count", str(COUNT),
-            "--prompt-tokens", "8", "--output-tokens", str(WARM_TOKENS), "--warmup", "1" if n == 0 else "0")
+            "--prompt-tokens", "8", "--output-tokens", "4", "--warmup", "0", "--slo-ttft-ms", "0.001")
+        release.join(HANG_GUARD_S)
         (row,) = summary
-        assert int(row["shed"]) == COUNT and int(row["ok"]) == int(row["met_slo"]) == 0
+        assert int(row["shed"]) == COUNT - 1 and int(row["ok"]) == 1 and int(row["met_slo"]) == 0
         assert float(row["goodput_rps"]) == 0.0 and float(row["attainment_pct"]) == 0.0
-        assert all(r["status"] == "shed" for r in requests)
-        assert all(("503" in r["error"]) if n == 0 else ("overloaded" in r["error"]) for r in requests)
-        assert shed() - before == COUNT
+        assert sorted(r["status"] for r in requests) == ["ok"] + ["shed"] * (COUNT - 1)
+        refused = [r for r in requests if r["status"] == "shed"]
+        assert all(("503" in r["error"]) if n == 0 else ("overloaded" in r["error"]) for r in refused)
+        assert shed() - before == COUNT - 1

@@ -6,7 +6,7 @@ No timing decides the outcome: the model's slo_ttft_ms is one microsecond, which
 prediction meets once the step-time model has seen its first steps (before that every
 request is admitted, which the first request relies on). An idle engine admits whatever
 the prediction (controller.admit), so the shed requests arrive behind one the test holds in
-its step (the test-only stall file, STALL_FILE_ENV) until they have been refused."""
+its step (the test-only stall file: helpers.servers.stall_env) until they have been refused."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ import openai
 import pytest
 
 from tests.helpers.models import hf_greedy_text, tiny
-from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, wait_until
+from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, stall_env, wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
-from tritonlm.engine.engine import STALL_FILE_ENV
 from tritonlm.engine.slo.controller import COLD_STEPS
 from tritonlm.engine.slo.step_time import StepTimeModel
 from tritonlm.openai.server import OpenAIServer
@@ -31,11 +30,8 @@ WARM_TOKENS = COLD_STEPS + StepTimeModel().min_steps + 2
 @pytest.fixture(scope="module")
 def stall_file(tmp_path_factory):
     """While this file exists the engine holds in its step (tritonserver inherits the variable)."""
-    path = tmp_path_factory.mktemp("stall") / "stall"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(STALL_FILE_ENV, str(path))
+    with stall_env(tmp_path_factory.mktemp("stall") / "stall") as path:
         yield path
-    path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
