@@ -33,15 +33,20 @@
 //                                                   LM head; wpe: GPT-2's positions, inv_freq:
 //                                                   RoPE's (each None where the model has none)
 //   torch.ops.tritonlm.decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table,
-//                                    positions, cos, sin, padded_rows) -> x after the layers
+//                                    positions, cos, sin, padded_rows, lora=None) -> x after the layers
 //   torch.ops.tritonlm.decode_step(stack, input_ids, past_len, block_table, block_size,
-//                                  k_caches, v_caches, padded_rows) -> logits [B, V] float32
+//                                  k_caches, v_caches, padded_rows, lora=None) -> logits [B, V] float32
 //     a whole decode step (one new token per row) from the rows' block tables: the slots, the
 //     embedding, RoPE's cos/sin, the layers, the final norm and the LM head, the same ops as
 //     runners/base.py's plan_step and Transformer.forward run from Python, so the same bits
 //     x [B, T, C] float32; k/v_caches: one [S, Hkv, D] per layer; the rest as
 //     paged_attention_qkv's; padded_rows: the row bucket of float projections
-//     (runners/layers.py's blocked_rows(B * T)), ignored by int8 ones
+//     (runners/layers.py's blocked_rows(B * T)), ignored by int8 ones; lora: a LoraBatch
+//     (lora_ops.h), the LoRA adapters of the step's rows (into the B * T rows), each adapter's
+//     update added right after the base projection (before o's and down's bias), as
+//     lora/apply.py's LoraLinear adds it; None: the base model alone
+//   torch.ops.tritonlm.lora_apply(y, x, batch, layer, proj)   that update alone (lora_ops.h),
+//     for the Python layer loop
 //
 // Per layer, as run_layers: h = norm(x) (layer 0) or (x, h) = (x + delta, norm(x + delta))
 // (RMSNorm: add_rms_norm, one op; LayerNorm: aten's add and layer_norm); qkv = proj(h) + b;
@@ -72,6 +77,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "lora_ops.h"
+
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -82,6 +89,9 @@
 namespace {
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+using tritonlm_lora::LoraBatch;
+using tritonlm_lora::LoraWeights;
+using Lora = std::optional<c10::intrusive_ptr<LoraBatch>>;
 
 // The ops a layer runs, looked up once in torch's dispatcher (decode_ops.cpp,
 // paged_attention.cpp and oneDNN's linear register them).
@@ -355,7 +365,7 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& write_slots,
                          const at::Tensor& slot_table, const at::Tensor& positions,
                          const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                         int64_t padded_rows) {
+                         int64_t padded_rows, const Lora& lora) {
   const int64_t n = stack->num_layers();
   TORCH_CHECK(n > 0 && stack->pending.empty(), "decoder_stack: the stack must hold whole layers (", n,
               " layers, ", stack->pending.size(), " projections of an unfinished one)");
@@ -377,6 +387,19 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
       h = norm(x, nm, false);
     }
   };
+  // each adapter's update of a projection's rows, right after the base projection (before a
+  // row-parallel projection's bias, as lora.apply's LoraLinear.matmul)
+  auto adapt = [&](at::Tensor y, const at::Tensor& in, int64_t li, int64_t proj) {
+    if (!lora.has_value()) return y;
+    y = y.contiguous();
+    at::Tensor flat_y = y.view({-1, y.size(-1)});
+    tritonlm_lora::add_lora(**lora, li, proj, in.reshape({-1, in.size(-1)}).contiguous(), flat_y);
+    return y;
+  };
+  auto row_parallel = [&](const Projection& p, const at::Tensor& in, int64_t li, int64_t proj) {
+    at::Tensor y = adapt(p(in, false, padded_rows, stack->pinned), in, li, proj);
+    return p.bias.has_value() ? at::add(y, *p.bias) : y;
+  };
   for (int64_t li = 0; li < n; ++li) {
     const Layer& L = stack->layers[li];
     if (!delta.defined()) {
@@ -384,15 +407,15 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
     } else {
       add_norm(L.ln_attn, L.rms, h);
     }
-    const at::Tensor qkv = L.qkv(h, true, padded_rows, stack->pinned);
+    const at::Tensor qkv = adapt(L.qkv(h, true, padded_rows, stack->pinned), h, li, 0);
     const at::Tensor a = ops.attention.call(qkv.contiguous(), k_caches[li], v_caches[li], write_slots, slot_table,
                                             positions, cos, sin, stack->heads, L.attn_scale, L.window, L.softcap,
                                             L.sinks);
-    delta = L.o.row_parallel(a, padded_rows, stack->pinned);
+    delta = row_parallel(L.o, a, li, 1);
     add_norm(L.ln_mlp, L.rms, h);
-    const at::Tensor inner = L.mlp_in(h, true, padded_rows, stack->pinned);
+    const at::Tensor inner = adapt(L.mlp_in(h, true, padded_rows, stack->pinned), h, li, 2);
     const at::Tensor m = L.silu_mul ? ops.silu_mul.call(inner.contiguous()) : at::gelu(inner, "tanh");
-    delta = L.down.row_parallel(m, padded_rows, stack->pinned);
+    delta = row_parallel(L.down, m, li, 3);
   }
   return at::add(x, delta);
 }
@@ -401,7 +424,7 @@ constexpr int64_t kScratchSlot = 0;  // kv_cache.py's SCRATCH_SLOT
 
 at::Tensor decode_step(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& input_ids,
                        const at::Tensor& past_len, const at::Tensor& block_table, int64_t block_size,
-                       at::TensorList k_caches, at::TensorList v_caches, int64_t padded_rows) {
+                       at::TensorList k_caches, at::TensorList v_caches, int64_t padded_rows, const Lora& lora) {
   TORCH_CHECK(stack->ends.has_value(), "decode_step: the stack has no ends (DecoderStack.set_ends)");
   const Ends& e = *stack->ends;
   TORCH_CHECK_VALUE(input_ids.dim() == 2 && input_ids.size(1) == 1 && input_ids.scalar_type() == at::kLong,
@@ -453,7 +476,7 @@ at::Tensor decode_step(const c10::intrusive_ptr<DecoderStack>& stack, const at::
     cos = at::mul(at::cos(emb), e.rope_scaling).unsqueeze(2);                               // [B, 1, 1, D]
     sin = at::mul(at::sin(emb), e.rope_scaling).unsqueeze(2);
   }
-  x = decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table, positions, cos, sin, padded_rows);
+  x = decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table, positions, cos, sin, padded_rows, lora);
   // Transformer.head: the final norm and the LM head on each row's one position
   const at::Tensor last = x.select(1, 0);  // [B, C]
   const Ops& ops = Ops::get();
@@ -462,9 +485,25 @@ at::Tensor decode_step(const c10::intrusive_ptr<DecoderStack>& stack, const at::
   return e.head(h, true, padded_rows, stack->pinned).to(at::kFloat);  // [B, V]
 }
 
+void lora_apply(at::Tensor y, const at::Tensor& x, const c10::intrusive_ptr<LoraBatch>& batch, int64_t layer,
+                int64_t proj) {
+  TORCH_CHECK_VALUE(proj >= 0 && proj < tritonlm_lora::kProjections, "lora_apply: proj must be 0 (qkv), 1 (o), ",
+                    "2 (gate_up or fc) or 3 (down), not ", proj);
+  tritonlm_lora::add_lora(*batch, layer, proj, x, y);
+}
+
 }  // namespace
 
+// The adapters' classes are registered here, before the ops whose schemas name them (one
+// library fragment: static initializers of two files run in no fixed order).
 TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
+  m.class_<LoraWeights>("LoraWeights")
+      .def(torch::init<int64_t>())
+      .def("set", &LoraWeights::set);
+  m.class_<LoraBatch>("LoraBatch")
+      .def(torch::init<>())
+      .def("add", &LoraBatch::add)
+      .def("size", &LoraBatch::size);
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t>())
       .def("add_float", &DecoderStack::add_float)
@@ -478,12 +517,16 @@ TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
       .def("num_layers", &DecoderStack::num_layers);
   m.def("decoder_stack(__torch__.torch.classes.tritonlm.DecoderStack stack, Tensor x, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor write_slots, Tensor slot_table, Tensor positions, Tensor? cos, Tensor? sin, "
-        "int padded_rows) -> Tensor");
+        "int padded_rows, __torch__.torch.classes.tritonlm.LoraBatch? lora=None) -> Tensor");
   m.def("decode_step(__torch__.torch.classes.tritonlm.DecoderStack stack, Tensor input_ids, Tensor past_len, "
-        "Tensor block_table, int block_size, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int padded_rows) -> Tensor");
+        "Tensor block_table, int block_size, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int padded_rows, "
+        "__torch__.torch.classes.tritonlm.LoraBatch? lora=None) -> Tensor");
+  m.def("lora_apply(Tensor(a!) y, Tensor x, __torch__.torch.classes.tritonlm.LoraBatch batch, int layer, "
+        "int proj) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tritonlm, CPU, m) {
   m.impl("decoder_stack", &decoder_stack);
   m.impl("decode_step", &decode_step);
+  m.impl("lora_apply", &lora_apply);
 }

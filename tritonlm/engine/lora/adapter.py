@@ -111,6 +111,9 @@ class LoraAdapter:
     embed: torch.Tensor | None = None  # [V, C] modules_to_save's embedding, looked up instead of the base's
     head: FloatLinear | None = None  # [C, V] modules_to_save's LM head
     targets: tuple[str, ...] = ()  # the PEFT module keys it updates, sorted
+    # its updates as the C++ kernels take them (torch.classes.tritonlm.LoraWeights), made at
+    # its first step on the CPU kernels (lora.apply.cpp_weights)
+    cpp: object | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return f"LoraAdapter({self.name!r}, rank {self.rank}, {len(self.targets)} targets)"

@@ -3,13 +3,23 @@
     attach_lora(model) -> LoraState     wraps the model's projections and LM head, once
     LoraStep.plan(adapters, plan)       which rows of a step run under which adapter
     with state.running(step): ...       the step's forward pass, the adapters applied
+    decode_batch(adapters, model)       a decode step's adapters for the C++ decode step
 
 Every projection of the layers becomes a LoraLinear: the base projection (any weight format:
 float, blocked, panels, int8, int8 weight-only) computes every row, then each adapter of the
-step gathers its own rows, computes (x_i @ a_i) @ b_i in float32 and index-adds it into them.
-Adapters of different ranks share the step, each at its own rank (no padding to the
-largest); rows without an adapter get nothing added. With no step running (or a step of base
-rows only) a wrapper is one attribute test over the base projection.
+step adds (x_i @ a_i) @ b_i, float32, to its own rows. Adapters of different ranks share the
+step, each at its own rank (no padding to the largest); rows without an adapter get nothing
+added. With no step running (or a step of base rows only) a wrapper is one attribute test over
+the base projection.
+
+Where tritonlm's C++ ops run (float32 on the CPU, Transformer.cpp_ops) the update is one call
+per projection, grouped by adapter (kernels/lora_ops.cpp, torch.ops.tritonlm.lora_apply), and
+the C++ decoder stack runs the same kernel right after each base projection: a decode step
+with adapter rows is still one C++ call (Transformer.decode_step with a LoraBatch, or the stack
+inside run_layers), with the same bits as the Python layer loop. Only a decode step whose
+adapters replace the embedding or the LM head (modules_to_save) takes the Python path around
+the stack, which applies those for their rows. Elsewhere (GPUs, bfloat16) each adapter's rows
+are gathered, multiplied with torch ops and index-added.
 
 The rows a projection sees are the step's tokens in one of two layouts (runners.model): packed
 (ForwardBatch.packed, the N valid tokens) or the whole padded [B, T]; the step holds both, and
@@ -17,8 +27,8 @@ a projection's row count says which it got (N < B*T whenever the batch is packed
 sees B rows (each row's last token) or B*T (all_logits). modules_to_save's replacement
 embedding and LM head are looked up / applied for their adapter's rows only.
 
-The C++ decoder stack and CUDA decode graphs hold the base projections: they still run steps
-of base rows only; a step with adapter rows takes the Python path (runners.torch_runner).
+CUDA decode graphs hold the base projections only: a GPU step with adapter rows runs eagerly
+(runners.torch_runner).
 """
 
 from __future__ import annotations
@@ -32,6 +42,46 @@ import torch.nn.functional as F
 
 from tritonlm.engine.lora.adapter import LoraAdapter, projection_widths
 from tritonlm.engine.runners.layers import PROJECTION_NAMES, Linear
+
+# a Layer's projection -> its place in the C++ decoder stack's layer (DecoderStack's order)
+STACK_INDEX = {"qkv": 0, "o": 1, "gate_up": 2, "fc": 2, "down": 3}
+
+
+def cpp_weights(adapter: LoraAdapter, num_layers: int) -> object:
+    """The adapter's updates as torch.classes.tritonlm.LoraWeights (kept on the adapter): its
+    a [in, R] referenced, its b packed to each row's non-zero columns."""
+    if adapter.cpp is None:
+        weights = torch.classes.tritonlm.LoraWeights(num_layers)
+        for (layer, name), delta in adapter.deltas.items():
+            weights.set(layer, STACK_INDEX[name], delta.a, delta.b)
+        adapter.cpp = weights
+    return adapter.cpp
+
+
+def cpp_batch(adapters: list[LoraAdapter], groups: list[torch.Tensor], num_layers: int) -> object:
+    """A torch.classes.tritonlm.LoraBatch: adapters[i] on rows groups[i] (int64 [n_i])."""
+    batch = torch.classes.tritonlm.LoraBatch()
+    for adapter, rows in zip(adapters, groups):
+        if rows.numel():
+            batch.add(cpp_weights(adapter, num_layers), rows)
+    return batch
+
+
+def decode_batch(adapters: list[LoraAdapter | None], num_layers: int) -> object | None:
+    """A decode step's rows (one token each) per adapter, as the C++ decode step takes them;
+    None when no row has an adapter."""
+    rows: dict[int, list[int]] = {}
+    order: list[LoraAdapter] = []
+    for b, a in enumerate(adapters):
+        if a is None:
+            continue
+        if id(a) not in rows:
+            rows[id(a)] = []
+            order.append(a)
+        rows[id(a)].append(b)
+    if not order:
+        return None
+    return cpp_batch(order, [torch.tensor(rows[id(a)], dtype=torch.int64) for a in order], num_layers)
 
 
 @dataclass(eq=False)
@@ -47,10 +97,15 @@ class LoraStep:
     num_packed: int  # N
     batch: int  # B
     width: int  # T
+    # the model's layers, where the C++ kernels apply the updates (lora_ops.cpp); 0: torch ops
+    cpp_layers: int = 0
+    _cpp: dict[int, object] = field(default_factory=dict, repr=False)  # rows of a projection -> LoraBatch
 
     @staticmethod
-    def plan(adapters: list[LoraAdapter | None], valid: torch.Tensor, device: torch.device) -> "LoraStep | None":
-        """adapters[b]: row b's adapter (None: the base); valid [B, T] bool (ForwardBatch.valid).
+    def plan(adapters: list[LoraAdapter | None], valid: torch.Tensor, device: torch.device,
+             cpp_layers: int = 0) -> "LoraStep | None":
+        """adapters[b]: row b's adapter (None: the base); valid [B, T] bool (ForwardBatch.valid);
+        cpp_layers: the model's layer count where its C++ ops run (CPU, float32), else 0.
         None when no row has an adapter."""
         distinct: dict[int, int] = {}
         order: list[LoraAdapter] = []
@@ -78,7 +133,14 @@ class LoraStep:
 
         ks = range(len(order))
         return LoraStep(order, [where(packed_slot, k) for k in ks], [where(token_slot, k) for k in ks],
-                        [where(row_slot, k) for k in ks], int(packed_slot.shape[0]), bsz, width)
+                        [where(row_slot, k) for k in ks], int(packed_slot.shape[0]), bsz, width, cpp_layers)
+
+    def cpp_batch(self, rows: int) -> object:
+        """The adapters' rows among a projection's `rows` rows as a C++ LoraBatch (made once per layout)."""
+        batch = self._cpp.get(rows)
+        if batch is None:
+            batch = self._cpp[rows] = cpp_batch(self.adapters, self.token_groups(rows), self.cpp_layers)
+        return batch
 
     def token_groups(self, rows: int) -> list[torch.Tensor]:
         """Per adapter, its rows among a projection's `rows` rows (N packed, or B*T)."""
@@ -104,6 +166,7 @@ class LoraState:
     for base-only steps), read by the wrapped projections (one runner, one thread)."""
 
     step: LoraStep | None = None
+    stack_steps: int = 0  # steps whose adapter rows ran inside the C++ decoder stack (tests read it)
     wrapped: dict[tuple[int, str], "LoraLinear"] = field(default_factory=dict)
     # {(layer, projection): (inputs, outputs)} (adapter.projection_widths), taken at attach
     widths: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
@@ -148,6 +211,10 @@ class LoraLinear(Linear):
             return y
         y = y.contiguous()
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # [M, in], [M, out]
+        if step.cpp_layers and flat_x.dtype == torch.float32 and flat_y.dtype == torch.float32:
+            torch.ops.tritonlm.lora_apply(flat_y, flat_x.contiguous(), step.cpp_batch(flat_x.shape[0]), self.key[0],
+                                          STACK_INDEX[self.key[1]])
+            return y
         for adapter, idx in zip(step.adapters, step.token_groups(flat_x.shape[0])):
             delta = adapter.deltas.get(self.key)
             if delta is None or not idx.numel():
@@ -198,7 +265,7 @@ def attach_lora(model) -> LoraState:
     """Wrap the layers' projections and the LM head of the runners.model.Transformer `model` so
     steps can run adapters (once: attaching again returns the same state). After any
     quantization and packing, which read the plain weights. The decoder stack already built
-    keeps the base projections, for base-only steps."""
+    keeps the base projections; a step's adapters reach it as a LoraBatch (cpp_batch)."""
     state = getattr(model, "lora", None)
     if isinstance(state, LoraState):
         return state

@@ -2,16 +2,18 @@
 
     build_decoder_stack(model) -> torch.classes.tritonlm.DecoderStack | None
     torch.ops.tritonlm.decoder_stack(stack, x, k_caches, v_caches, write_slots, slot_table,
-                                     positions, cos, sin, rows)   (Transformer.run_layers)
+                                     positions, cos, sin, rows, lora)   (Transformer.run_layers)
     torch.ops.tritonlm.decode_step(stack, input_ids, past_len, block_table, block_size,
-                                   k_caches, v_caches, rows)     (Transformer.decode_step)
+                                   k_caches, v_caches, rows, lora)     (Transformer.decode_step)
         with the model's ends too (the embedding, the final norm, the LM head: a whole model
         on one rank), a decode step from the rows' block tables to their logits in one call
 
 The stack runs the same ops as Transformer.run_layers' Python loop, in the same order,
 through torch's C++ dispatcher, so the logits are the same bits; what it saves is the
 interpreter's and torch's Python dispatch per op (docs/performance-notes.md, "The decode
-step"). It references the layers' weights, it does not copy them.
+step"). It references the layers' weights, it does not copy them. `lora` (None: the base
+alone) is a step's LoRA adapters and their rows (lora.apply.cpp_batch), applied after each
+projection by the same kernel the Python loop calls (kernels/lora_ops.cpp).
 
 The builder lives beside the runner, not in kernels/: it reads the model's layers and
 projection classes, while kernels/ only compiles and registers the ops. It reads the model

@@ -592,14 +592,20 @@ class Transformer:
         ctx = self._context(plan, pool)
         # sliding_window_kv 'window': the windowed layers read and write their own rings (window_kv.py)
         ring_ctx = ctx if plan.window is None else self._context(plan.window, pool)
-        # every layer in one call (the stack holds the base projections and one slot table: not
-        # for a step with adapters, nor one whose layers keep two groups of blocks)
+        # every layer in one call (the stack holds one slot table: not for a step whose layers
+        # keep two groups of blocks); a step's adapters go with it, on the whole [B, T] rows
+        lora_step = getattr(self.lora, "step", None)
         if (ctx.kernel and self.decoder_stack is not None and comm.world == 1 and plan.window is None
-                and getattr(self.lora, "step", None) is None):
+                and (lora_step is None or lora_step.cpp_layers)):
             cos, sin = ctx.rope if ctx.rope is not None else (None, None)
+            rows = x.shape[0] * x.shape[1]
+            lora = None
+            if lora_step is not None:
+                lora = lora_step.cpp_batch(rows)
+                self.lora.stack_steps += 1
             return torch.ops.tritonlm.decoder_stack(
                 self.decoder_stack, x, pool.k, pool.v, plan.write_slots, ctx.slot_table, plan.positions, cos, sin,
-                blocked_rows(x.shape[0] * x.shape[1]))
+                blocked_rows(rows), lora)
         shape, full_ctx = x.shape, ctx
         if ctx.packed is not None:  # [B, T, C] -> [N, C]: the padding never reaches a matmul
             x = x.reshape(-1, shape[-1]).index_select(0, ctx.packed)
@@ -647,14 +653,18 @@ class Transformer:
         return self._has_ends
 
     @torch.inference_mode()
-    def decode_step(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
+    def decode_step(self, batch: StepBatch, pool: KVPool, lora: object | None = None) -> torch.Tensor:
         """forward() of a decode batch (one new token per row, its last logits; block tables
         on the CPU) in one C++ call (the DecoderStack, runners/decoder_stack.py): its index tensors, the embedding,
         RoPE, the layers, the final norm and the LM head, the same ops as plan_step and
-        forward run, so the same logits, bit for bit. -> float32 [B, V]."""
+        forward run, so the same logits, bit for bit. lora: the rows' adapters
+        (lora.apply.decode_batch; none of them replacing the embedding or the LM head), applied
+        after each projection as the Python path applies them. -> float32 [B, V]."""
+        if lora is not None:
+            self.lora.stack_steps += 1
         return torch.ops.tritonlm.decode_step(
             self.decoder_stack, batch.input_ids, batch.past_len, batch.block_table, batch.block_size, pool.k, pool.v,
-            blocked_rows(batch.input_ids.shape[0]))
+            blocked_rows(batch.input_ids.shape[0]), lora)
 
     @torch.inference_mode()
     def forward(self, plan: ForwardBatch, all_logits: bool, pool: KVPool, comm: Comm = ONE_RANK) -> torch.Tensor | None:

@@ -119,32 +119,45 @@ class TorchRunner:
 
     def forward(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
         check_pool(self.spec, self.device, pool)
+        lean = (self.lean_decode and batch.width == 1 and not batch.all_logits and batch.block_table is not None
+                and batch.window_block_table is None and self.transformer.decode_step_ready)
         if batch.adapters is not None and any(a is not None for a in batch.adapters):
+            if lean and not any(a is not None and (a.embed is not None or a.head is not None) for a in batch.adapters):
+                from tritonlm.engine.lora.apply import decode_batch
+
+                self._lora_state()  # the adapters were attached
+                return self.transformer.decode_step(batch, pool, decode_batch(batch.adapters, len(self.transformer.layers)))
             return self._forward_lora(batch, pool)
         graphs = self._decode_graphs(batch, pool)
         if graphs is not None:
             if self.max_positions is not None and int((batch.past_len + batch.num_new).max()) > self.max_positions:
                 raise ValueError(f"sequence length exceeds the model's max_positions={self.max_positions}")
             return graphs.forward(batch)
-        if (self.lean_decode and batch.width == 1 and not batch.all_logits and batch.block_table is not None
-                and batch.window_block_table is None and self.transformer.decode_step_ready):
+        if lean:
             return self.transformer.decode_step(batch, pool)
         plan = plan_step(batch, self.device, self.max_positions)
         return self.transformer.forward(plan, batch.all_logits, pool)
 
     __call__ = forward
 
-    def _forward_lora(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
-        """A step with LoRA adapter rows (lora.apply): the Python path, each row's adapter
-        applied (the decoder stack and decode graphs hold the base projections only)."""
-        from tritonlm.engine.lora.apply import LoraStep
-
+    def _lora_state(self):
         state = self.transformer.lora
         if state is None:
             raise ValueError("StepBatch.adapters names LoRA adapters, but none are attached to this runner "
                              "(lora.apply.attach_lora)")
+        return state
+
+    def _forward_lora(self, batch: StepBatch, pool: KVPool) -> torch.Tensor:
+        """A step with LoRA adapter rows (lora.apply) that is not a plain decode step (a prefill,
+        or adapters that replace the embedding or LM head): Transformer.forward with each row's
+        adapter applied; its layers still run in the C++ decoder stack where it can take the
+        step (CUDA decode graphs hold the base projections only)."""
+        from tritonlm.engine.lora.apply import LoraStep
+
+        state = self._lora_state()
         plan = plan_step(batch, self.device, self.max_positions)
-        with state.running(LoraStep.plan(batch.adapters, plan.valid, self.device)):
+        cpp_layers = len(self.transformer.layers) if self.transformer.cpp_ops else 0
+        with state.running(LoraStep.plan(batch.adapters, plan.valid, self.device, cpp_layers)):
             return self.transformer.forward(plan, batch.all_logits, pool)
 
     def prepare_decode(self, pool: KVPool, block_size: int) -> str:

@@ -127,6 +127,7 @@ CHECKS = [
     "tests/unit/engine/kernels/test_kernels.py::test_fused_norm_and_activation_ops_equal_the_torch_math",
     "tests/unit/engine/kernels/test_weight_only_int8.py::test_w8_linear_equals_the_dequantized_matmul_on_every_path",
     "tests/unit/engine/kernels/test_int8_act8.py",
+    "tests/unit/engine/kernels/test_lora_ops.py",
 ]
 
 

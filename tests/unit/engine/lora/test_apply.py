@@ -257,3 +257,106 @@ def test_engine_refuses_an_adapter_where_none_are_attached(llama_adapters):
     engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(), max_context=64)
     with pytest.raises(InvalidRequestError, match="this model serves no LoRA adapters, so 'all4' cannot run"):
         engine.submit(GenerationRequest([5, 6, 7], SamplingParams(max_tokens=2), lambda ev: None, lora=adapter))
+
+
+# ---- the C++ kernels: the adapters inside the decoder stack and the one-call decode step --------
+
+
+@pytest.fixture(scope="module")
+def plain_adapters(tmp_path_factory, llama_adapters):
+    """llama_adapters' all4 (rank 4) and rs8 (rank 8, one layer) and a rank-16 all-linear one,
+    none of them replacing the embedding or the LM head: their decode steps can stay in C++."""
+    model, made = llama_adapters
+    root = tmp_path_factory.mktemp("plain")
+    made16 = make_adapter(model, root / "all16", seed=11, r=16, lora_alpha=32, target_modules="all-linear")
+    return model, {"all4": made["all4"], "rs8": made["rs8"], "all16": (root / "all16", made16)}
+
+
+def stack_runner(model, made):
+    runner = TorchRunner(model)
+    if not runner.transformer.decode_step_ready:
+        pytest.skip(f"no C++ decode step here: {runner.attention_why}")
+    return runner, loaded(runner, made)
+
+
+def test_mixed_decode_step_runs_in_one_cpp_call_exactly(plain_adapters):
+    """Base rows and rows of adapters of ranks 4, 8 and 16 in decode steps from block tables:
+    the step runs as one C++ decode step (the state's counter says so), every row's logits are
+    within ATOL of its PEFT-merged model's, and they are the same bits as the Python layer loop
+    (the stack off) and as the stack inside run_layers give for that step."""
+    model, made = plain_adapters
+    runner, adapters = stack_runner(model, made)
+    tr, state = runner.transformer, runner.transformer.lora
+    names = [None, "all4", "rs8", "all16", None, "all16", "all4"]
+    row_adapters = [None if n is None else adapters[n] for n in names]
+    refs = [model if n is None else made[n][1] for n in names]
+    seqs = [random_tokens(16, seed=60 + i) for i in range(len(names))]
+    want = [hf_logits(ref, seq) for ref, seq in zip(refs, seqs)]
+    mgr = paged_cache(runner, blocks=60)
+    prefill = [9, 12, 5, 10, 7, 11, 6]
+    for sid, seq in enumerate(seqs):
+        mgr.allocate(sid, len(seq))
+    lora_rows(runner, mgr, [(sid, 0, seqs[sid][:n]) for sid, n in enumerate(prefill)], row_adapters,
+              block_tables=True)
+    past = list(prefill)
+    for _ in range(3):
+        rows = [(sid, past[sid], [seqs[sid][past[sid]]]) for sid in range(len(seqs))]
+        before = state.stack_steps
+        fast = lora_rows(runner, mgr, rows, row_adapters, block_tables=True)
+        assert state.stack_steps == before + 1  # Transformer.decode_step with the adapters
+        for sid in range(len(seqs)):
+            assert_close(fast[sid], want[sid][past[sid]])
+        runner.lean_decode = False  # Transformer.forward: the stack inside run_layers
+        in_stack = lora_rows(runner, mgr, rows, row_adapters, block_tables=True)
+        assert state.stack_steps == before + 2
+        stack, tr.decoder_stack = tr.decoder_stack, None  # the Python layer loop
+        try:
+            loop = lora_rows(runner, mgr, rows, row_adapters, block_tables=True)
+        finally:
+            tr.decoder_stack, runner.lean_decode = stack, True
+        assert state.stack_steps == before + 2
+        assert torch.equal(fast, in_stack) and torch.equal(fast, loop)
+        past = [p + 1 for p in past]
+
+
+def test_greedy_answers_through_the_cpp_decode_step_equal_peft_generate(plain_adapters):
+    """Greedy decoding of four rows (base, ranks 4, 8, 16) with every decode step in one C++
+    call: each row's tokens equal its merged model's generate()."""
+    model, made = plain_adapters
+    runner, adapters = stack_runner(model, made)
+    names = [None, "all4", "rs8", "all16"]
+    row_adapters = [None if n is None else adapters[n] for n in names]
+    prompts = [random_tokens(n, seed=90 + n) for n in (6, 9, 4, 8)]  # none of them greedily reaches EOS
+    new = 10
+    mgr = paged_cache(runner, blocks=60)
+    for sid, p in enumerate(prompts):
+        mgr.allocate(sid, len(p) + new)
+    out = lora_rows(runner, mgr, [(sid, 0, p) for sid, p in enumerate(prompts)], row_adapters, block_tables=True)
+    answers = [[int(out[sid].argmax())] for sid in range(len(prompts))]
+    steps = runner.transformer.lora.stack_steps
+    for _ in range(new - 1):
+        rows = [(sid, len(p) + len(answers[sid]) - 1, [answers[sid][-1]]) for sid, p in enumerate(prompts)]
+        out = lora_rows(runner, mgr, rows, row_adapters, block_tables=True)
+        for sid in range(len(prompts)):
+            answers[sid].append(int(out[sid].argmax()))
+    assert runner.transformer.lora.stack_steps == steps + new - 1
+    for sid, name in enumerate(names):
+        ref = model if name is None else made[name][1]
+        assert answers[sid] == hf_greedy_ids(ref, prompts[sid], new), name
+
+
+def test_replacement_head_keeps_the_python_ends(llama_adapters):
+    """A decode step whose adapter replaces the LM head (modules_to_save) is not one C++ call:
+    its layers still run in the stack, the head in Python, and its logits stay its merged model's."""
+    model, made = llama_adapters
+    runner, adapters = stack_runner(model, made)
+    seq = random_tokens(10, seed=80)
+    mgr = paged_cache(runner)
+    mgr.allocate(0, len(seq))
+    lora_rows(runner, mgr, [(0, 0, seq[:9])], [adapters["regex16"]], block_tables=True)
+    state = runner.transformer.lora
+    before = state.stack_steps
+    out = lora_rows(runner, mgr, [(0, 9, seq[9:])], [adapters["regex16"]], block_tables=True)
+    assert state.stack_steps == before + 1  # run_layers' stack, not decode_step
+    assert_close(out[0], hf_logits(made["regex16"][1], seq)[9])
+
