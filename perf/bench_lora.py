@@ -22,10 +22,19 @@ prefill included, the best round). "vs base" is decode tok/s over base's; "16 on
 is compared with mixed 16 end to end (its decode steps hold 2 rows, not 32). stack_steps:
 steps whose adapter rows ran inside the C++ decoder stack.
 
-    .venv/bin/python perf/bench_lora.py [--streams 32] [--tokens 32] [--adapters 1,4,16,64]
-        [--targets q_proj,v_proj] [--repeat 3] [--decode native|python] [--out DIR]
+First, the decode step alone (runner.forward of one token for each row, --context tokens
+cached, from block tables as the engine's steps come), each case's step in turn, --step-reps
+times, the median of wall and of CPU time (every thread of the process; with --threads 1 a
+step's CPU time leaves out the time it was preempted): the least noisy figures on a shared
+host. "16 one at a time" is there a 2-row step of one adapter (32 streams over 16 adapters,
+one adapter's rows per step).
 
-Prints the host and a table; writes bench_lora.csv under results/bench_lora/ (or --out).
+    .venv/bin/python perf/bench_lora.py [--streams 32] [--tokens 32] [--adapters 1,4,16,64]
+        [--targets q_proj,v_proj] [--repeat 3] [--context 128] [--step-reps 20]
+        [--steps-only] [--decode native|python] [--out DIR]
+
+Prints the host and tables; writes bench_lora.csv and bench_lora_steps.csv under
+results/bench_lora/ (or --out).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import sys
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +50,7 @@ from typing import Any
 
 import torch
 
+from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.engine import Engine
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.lora import attach_lora, load_adapter
@@ -50,9 +60,7 @@ from tritonlm.engine.scheduler import SchedulerConfig
 from tritonlm.models.loading import load_model
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, table, write_csv
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine_overhead import set_server_threads  # noqa: E402
+from bench_engine_overhead import set_server_threads  # perf/ is the script's own folder on sys.path
 
 NAME = "bench_lora"
 BLOCK_SIZE = 16
@@ -60,6 +68,7 @@ PROMPT_LEN = 8
 RANK = 8
 BIG_RANK = 64
 GOAL_VS_BASE = 0.85
+STEP_COLUMNS = ["case", "rows", "distinct", "step_ms", "tok_s", "vs_base", "cpu_ms", "tok_per_cpu_s", "cpu_vs_base"]
 
 
 def make_adapters(model, folder: Path, count: int, targets: list[str]) -> list[Path]:
@@ -157,6 +166,36 @@ def run_round(engine: Engine, adapters: list, tokens: int) -> dict[str, Any]:
             "decode_steps_s": clock.decode_s, "stack_steps": fast}
 
 
+def step_times(runner: TorchRunner, cases: list[tuple[str, list]], context: int,
+               reps: int) -> dict[str, tuple[float, float]]:
+    """Median wall and CPU ms (every thread of this process) of one decode step (one token for each case's rows, context - 1 tokens cached,
+    from block tables as the engine's steps come) per case; the cases alternate step by step,
+    so load from other processes falls on each of them alike."""
+    rows = max(len(adapters) for _, adapters in cases)
+    cache = KVCacheManager(runner.spec, (rows * (context // BLOCK_SIZE + 2) + 1) * BLOCK_SIZE * runner.spec.bytes_per_token,
+                           BLOCK_SIZE, allocate_kv=runner.allocate_kv)
+    for b in range(rows):
+        cache.allocate(b, context)
+    batches = []
+    for _, adapters in cases:
+        n = len(adapters)
+        batch = StepBatch.from_block_table([[7]] * n, [context - 1] * n, cache.device_table.gather(list(range(n))),
+                                           BLOCK_SIZE, False)
+        batch.adapters = adapters
+        batches.append(batch)
+    times: list[list[float]] = [[] for _ in cases]
+    cpu: list[list[float]] = [[] for _ in cases]
+    for rep in range(reps + 1):  # rep 0: warm-up
+        for i, batch in enumerate(batches):
+            t0, c0 = time.perf_counter(), time.process_time()
+            runner.forward(batch, cache.pool)
+            if rep:
+                times[i].append(time.perf_counter() - t0)
+                cpu[i].append(time.process_time() - c0)
+    return {label: (1000 * statistics.median(t), 1000 * statistics.median(c))
+            for (label, _), t, c in zip(cases, times, cpu)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_out_arg(ap, NAME)
@@ -165,6 +204,9 @@ def main() -> int:
     ap.add_argument("--adapters", default="1,4,16,64", help="distinct rank-8 adapters of the mixed cases")
     ap.add_argument("--targets", default="q_proj,v_proj", help="the adapters' PEFT target_modules")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds per case (the best is kept)")
+    ap.add_argument("--context", type=int, default=128, help="tokens cached per row in the step-time table")
+    ap.add_argument("--step-reps", type=int, default=20, help="timed steps per case in the step-time table")
+    ap.add_argument("--steps-only", action="store_true", help="the step-time table alone, no engine rounds")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: the server's default)")
     ap.add_argument("--decode", choices=("native", "python"), default="native",
                     help="decode steps in one C++ call (Transformer.decode_step), or the Python path")
@@ -195,6 +237,31 @@ def main() -> int:
     mixed16 = [rank8[i % 16] for i in range(streams)]
     cases.append(("mixed 16, rank-64 beside", mixed16[:-1] + [big], 0))
     cases.append(("16 one at a time", sorted(mixed16, key=lambda a: a.name), 1))
+
+    # the decode step alone, the cases alternating step by step (one at a time: 2 rows of one adapter)
+    step_cases = [(label, adapters) for label, adapters, max_loras in cases if not max_loras]
+    step_cases.append(("16 one at a time", [rank8[0]] * (streams // 16)))
+    step_ms = step_times(runner, step_cases, args.context, args.step_reps)
+    steps: list[dict[str, Any]] = []
+    for label, adapters in step_cases:
+        wall, cpu = step_ms[label]
+        steps.append({"case": label, "rows": len(adapters), "distinct": len({id(a) for a in adapters if a is not None}),
+                      "step_ms": wall, "tok_s": 1000 * len(adapters) / wall, "cpu_ms": cpu,
+                      "tok_per_cpu_s": 1000 * len(adapters) / cpu})
+    for r in steps:
+        r["vs_base"] = r["tok_s"] / steps[0]["tok_s"]
+        r["cpu_vs_base"] = r["tok_per_cpu_s"] / steps[0]["tok_per_cpu_s"]
+        print(f"step {r['case']:>26}: {r['step_ms']:.1f} ms, {r['tok_s']:.1f} tok/s, {r['vs_base']:.3f} x base; "
+              f"CPU {r['cpu_ms']:.1f} ms, {r['cpu_vs_base']:.3f} x base", flush=True)
+
+    if args.steps_only:
+        print(table(steps, STEP_COLUMNS))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for r in steps:
+            r.update(streams=streams, context=args.context, targets=",".join(targets), host=describe_cpu())
+        print(f"wrote {write_csv(out / f'{NAME}_steps.csv', steps)}")
+        return 0
 
     # every case's engine side by side; rounds go round the cases (a neighbour's burst on a
     # shared host then touches each case alike), and each case keeps its best round
@@ -235,12 +302,24 @@ def main() -> int:
           f"{'met' if worst >= GOAL_VS_BASE else 'NOT met'})")
     print(f"rank-64 adapter beside 16 rank-8 adapters: {beside:.3f}x the rank-8 batch's decode tok/s")
     print(f"mixed 16 vs one adapter at a time (end to end): {speedup:.2f}x")
+    print()
+    print(f"decode step alone, context {args.context}, median of {args.step_reps} steps per case, the cases alternating:")
+    print(table(steps, STEP_COLUMNS))
+    by_step = {r["case"]: r for r in steps}
+    worst = min(by_step[f"mixed {n}"]["vs_base"] for n in counts)
+    print(f"mixed batches vs base (step): worst {worst:.3f} (goal >= {GOAL_VS_BASE}: "
+          f"{'met' if worst >= GOAL_VS_BASE else 'NOT met'}); rank-64 beside: "
+          f"{by_step['mixed 16, rank-64 beside']['tok_s'] / by_step['mixed 16']['tok_s']:.3f}x mixed 16; "
+          f"mixed 16 vs one at a time: {by_step['mixed 16']['tok_s'] / by_step['16 one at a time']['tok_s']:.2f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for r in results:
         r.update(streams=streams, tokens=args.tokens, targets=",".join(targets), decode=args.decode,
                  host=describe_cpu())
-    print(f"wrote {write_csv(out / f'{NAME}.csv', results)}")
+    for r in steps:
+        r.update(streams=streams, context=args.context, targets=",".join(targets), decode=args.decode,
+                 host=describe_cpu())
+    print(f"wrote {write_csv(out / f'{NAME}.csv', results)} and {write_csv(out / f'{NAME}_steps.csv', steps)}")
     return 0
 
 
