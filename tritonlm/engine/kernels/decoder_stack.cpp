@@ -208,12 +208,6 @@ struct Projection {
     sizes.back() = y.size(-1);
     return y.view(sizes);
   }
-
-  // world 1's row-parallel projection: the matmul, then the bias
-  at::Tensor row_parallel(const at::Tensor& x, int64_t padded, PinnedRows& pinned) const {
-    at::Tensor y = (*this)(x, false, padded, pinned);
-    return bias.has_value() ? at::add(y, *bias) : y;
-  }
 };
 
 struct Norm {
@@ -396,6 +390,7 @@ at::Tensor decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, const at
     tritonlm_lora::add_lora(**lora, li, proj, in.reshape({-1, in.size(-1)}).contiguous(), flat_y);
     return y;
   };
+  // world 1's row-parallel projection: the matmul, the adapters' updates, then the bias
   auto row_parallel = [&](const Projection& p, const at::Tensor& in, int64_t li, int64_t proj) {
     at::Tensor y = adapt(p(in, false, padded_rows, stack->pinned), in, li, proj);
     return p.bias.has_value() ? at::add(y, *p.bias) : y;

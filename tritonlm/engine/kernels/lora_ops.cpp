@@ -2,7 +2,8 @@
 //
 // A step's rows under one adapter are few (a decode step has one per sequence), so an update
 // is two thin products per row: h = x @ a ([in] -> [R]) and y += h @ b ([R] -> [out]). The
-// work is split into (adapter, up to kChunk rows) items over torch's threads: an item reads
+// work is split into (adapter, up to kChunk rows) items, over torch's threads when there is
+// enough of it (a wide prefill; a decode step's runs on the calling thread): an item reads
 // its adapter's a and b once for all its rows, and writes only its own rows of y, so items
 // never share an output and the order of the sums within a row is fixed (k over `in` in
 // order, then r over R in order): a row's bits do not depend on the batch around it.
@@ -21,6 +22,7 @@ namespace tritonlm_lora {
 namespace {
 
 constexpr int64_t kChunk = 4;  // rows per work item: a and b read once for them
+constexpr int64_t kParallelWork = int64_t{1} << 22;  // multiply-adds below which one thread does all
 
 struct Item {
   int64_t group, first, count;  // adapter, its first row (into its rows), rows
@@ -88,6 +90,7 @@ void add_lora(const LoraBatch& batch, int64_t layer, int64_t proj, const at::Ten
   std::vector<Item> items;
   std::vector<char> taken(M, 0);  // a row under two adapters would be written by two threads
   int64_t widest = 0;  // the largest rank among the items: the size of a thread's h
+  int64_t work = 0;    // multiply-adds in all
   for (int64_t g = 0; g < batch.size(); ++g) {
     const auto& layers = batch.adapters[g]->layers;
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers.size()), "lora_apply: layer ", layer,
@@ -104,12 +107,19 @@ void add_lora(const LoraBatch& batch, int64_t layer, int64_t proj, const at::Ten
       taken[rows[i]] = 1;
     }
     widest = std::max(widest, p->rank);
+    int64_t b_len = 0;
+    for (const int64_t len : p->len) b_len += len;
+    work += n * (in * p->rank + b_len);
     for (int64_t first = 0; first < n; first += kChunk) items.push_back({g, first, std::min(kChunk, n - first)});
   }
   if (items.empty()) return;
+  // a decode step's update is a few hundred thousand multiply-adds: this thread alone does it
+  // sooner than a team would wake up and meet at the barrier (twice per adapted layer)
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t grain = work < kParallelWork ? count : 1;
   const float* xs = x.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> h(kChunk * widest);
     for (int64_t it = begin; it < end; ++it) {
       const Item& item = items[it];

@@ -100,3 +100,22 @@ def test_bad_input_is_refused_by_name():
         torch.classes.tritonlm.LoraWeights(LAYERS).set(0, 0, torch.randn(IN, 4), torch.randn(5, OUT))
     with pytest.raises(ValueError, match="layer 2 is outside"):
         torch.classes.tritonlm.LoraWeights(LAYERS).set(2, 0, torch.randn(IN, 4), torch.randn(4, OUT))
+
+
+def test_a_wide_step_over_torchs_threads_gives_the_same_bits():
+    """Enough rows that the kernel splits them over torch's threads (a wide prefill): the float64
+    reference, and each row the bits it gets alone (on the calling thread)."""
+    g = torch.Generator().manual_seed(12)
+    n_in, out, rows = 512, 1024, 320
+    a, b = torch.randn(n_in, 16, generator=g), torch.randn(16, out, generator=g)
+    w = torch.classes.tritonlm.LoraWeights(1)
+    w.set(0, 3, a, b)
+    x, y0 = torch.randn(rows, n_in, generator=g), torch.randn(rows, out, generator=g)
+    y = y0.clone()
+    torch.ops.tritonlm.lora_apply(y, x, batch((w, list(range(rows)))), 0, 3)
+    want = y0.double() + (x.double() @ a.double()) @ b.double()
+    assert (y.double() - want).abs().max().item() < 1e-3
+    for row in (0, 157, rows - 1):
+        alone = y0[row:row + 1].clone()
+        torch.ops.tritonlm.lora_apply(alone, x[row:row + 1].contiguous(), batch((w, [0])), 0, 3)
+        assert torch.equal(alone[0], y[row]), row
