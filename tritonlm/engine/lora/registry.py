@@ -115,23 +115,18 @@ class LoraRegistry:
         past max_cpu_loras) if it is not loaded. ValueError for an unknown name or a refused
         adapter."""
         with self._lock:
-            found = self._hit(name)
-            if found is not None:
-                return found
-            folder, version = self._folder(name), self._versions[name]
-            self.requests[name] += 1
-        return self._load(name, folder, version)
+            found = self._lookup(name)
+        return found if isinstance(found, LoraAdapter) else self._load(name, *found)
 
     def acquire(self, name: str) -> LoraAdapter | PendingAdapter:
         """The adapter `name` if it is loaded, else a PendingAdapter whose load runs on the
         loader thread (one load per name at a time, shared by the requests that wait for it).
         ValueError for an unknown name, at once."""
         with self._lock:
-            found = self._hit(name)
-            if found is not None:
+            found = self._lookup(name)
+            if isinstance(found, LoraAdapter):
                 return found
-            folder, version = self._folder(name), self._versions[name]
-            self.requests[name] += 1
+            folder, version = found
             pending = self._pending.get(name)
             if pending is None:
                 if self._loader is None:
@@ -141,12 +136,16 @@ class LoraRegistry:
                 self._pending[name] = pending
             return pending
 
-    def _hit(self, name: str) -> LoraAdapter | None:
+    def _lookup(self, name: str) -> LoraAdapter | tuple[Path, int]:
+        """One request for `name` (lock held): its loaded adapter (now the most recently
+        used), else the (folder, version) to load it from. ValueError for an unknown name."""
         adapter = self._loaded.get(name)
         if adapter is not None:
             self._loaded.move_to_end(name)
-            self.requests[name] += 1
-        return adapter
+        else:
+            folder = self._folder(name)
+        self.requests[name] += 1
+        return adapter if adapter is not None else (folder, self._versions[name])
 
     def _load_in_background(self, name: str, folder: Path, version: int) -> LoraAdapter:
         try:
