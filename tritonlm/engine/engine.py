@@ -186,10 +186,12 @@ class Engine:
             if self._stop:
                 raise ServerBusyError("the model is shutting down; retry on another instance")
             self.scheduler.check_room(self.scheduler.num_waiting + len(self._inbox) + len(self._loading))
+            # judged now whether or not its adapter is loaded (a cold adapter is no way past
+            # shedding), behind those accepted before it, their adapters loading or not
+            self.scheduler.check_slo(seq, self._inbox + list(self._loading.values()))
             if pending is not None:  # queued when its adapter is ready (_adapter_loaded)
                 self._loading[seq.id] = seq
             else:
-                self.scheduler.check_slo(seq, self._inbox)
                 if self._idle:  # owed a step from now, not from the last step before the idle time
                     self._step_at = time.time()  # before the append: a beat never pairs the request with the old mark
                 self._inbox.append(seq)
@@ -203,7 +205,8 @@ class Engine:
         with self._cond:
             if self._loading.pop(seq.id, None) is None:
                 return  # cancelled or shut down meanwhile
-            error = future.exception()
+            # a load cancelled at shutdown fails its request like a refused one
+            error = "its load was cancelled: the model is shutting down" if future.cancelled() else future.exception()
             if error is None:
                 seq.request.lora = future.result()
                 if self._idle:

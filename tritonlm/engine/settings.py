@@ -124,9 +124,20 @@ class EngineSettings:
     enable_lora: bool = False
 
     @property
+    def multi_lora_file(self) -> bool:
+        """A multi_lora.json lies beside config.pbtxt, even one naming none ({}: every adapter
+        unloaded at run time): the frontend may write adapters into it, so the model takes them."""
+        return (self.model_dir / MULTI_LORA_FILE).is_file()
+
+    @property
     def takes_lora(self) -> bool:
-        """The model is built to run adapters: some are named, or enable_lora."""
-        return bool(self.lora_adapters) or self.enable_lora
+        """The model is built to run adapters: some are named, enable_lora, or a multi_lora.json."""
+        return bool(self.lora_adapters) or self.enable_lora or self.multi_lora_file
+
+    @property
+    def lora_field(self) -> str:
+        """The setting that makes the model take adapters, for error messages."""
+        return "lora_adapters" if self.lora_adapters else "enable_lora" if self.enable_lora else MULTI_LORA_FILE
 
     @property
     def is_parallel(self) -> bool:
@@ -290,9 +301,15 @@ class EngineSettings:
         check_sliding_window_kv(s)
         if s.takes_lora and (s.runtime != "torch" or s.is_parallel):
             raise SettingsError(
-                f"{'lora_adapters' if s.lora_adapters else 'enable_lora'}: LoRA adapters run on the torch runtime without model parallelism; "
+                f"{s.lora_field}: LoRA adapters run on the torch runtime without model parallelism; "
                 f"this model has runtime {s.runtime!r}, tensor_parallel_size {s.tensor_parallel_size}, "
                 f"pipeline_parallel_size {s.pipeline_parallel_size}"
+            )
+        if s.takes_lora and s.dtype == "int8":
+            raise SettingsError(
+                f"{s.lora_field}: LoRA adapters do not run on dtype 'int8' "
+                "(it rotates and smooths the residual stream, so the adapters' weights are in another basis); "
+                "use float32, bfloat16, auto or int8_weight_only"
             )
         return s
 
@@ -377,14 +394,20 @@ def lora_folders(text: str, model_dir: Path) -> tuple[tuple[str, Path], ...]:
         for name, raw in pairs:
             if name in out:
                 raise SettingsError(f"{field}: adapter {name!r} is also named in lora_adapters; name it once")
-            path = inside_repository(f"{field}: adapter {name!r}", raw, model_dir)
-            if not (path / "adapter_config.json").is_file():
-                raise SettingsError(
-                    f"{field}: adapter {name!r}: {raw!r} holds no adapter_config.json (looked at {path}); "
-                    "give a folder as PEFT's save_pretrained writes it"
-                )
-            out[name] = path
+            out[name] = adapter_folder(field, name, raw, model_dir)
     return tuple(out.items())
+
+
+def adapter_folder(field: str, name: str, raw: str, model_dir: Path) -> Path:
+    """One adapter's folder, `raw` relative to the model folder: inside the repository and
+    holding an adapter_config.json, else a SettingsError naming `field` and the adapter."""
+    path = inside_repository(f"{field}: adapter {name!r}", raw, model_dir)
+    if not (path / "adapter_config.json").is_file():
+        raise SettingsError(
+            f"{field}: adapter {name!r}: {raw!r} holds no adapter_config.json (looked at {path}); "
+            "give a folder as PEFT's save_pretrained writes it"
+        )
+    return path
 
 
 # ---- the parameters' documentation ---------------------------------------------------------

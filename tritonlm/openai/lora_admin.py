@@ -50,10 +50,14 @@ def _bad(param: str, message: str) -> OpenAIError:
 
 
 def takes_lora(model: ServedModel, repo: Path) -> bool:
-    """The model was loaded to run adapters: it names some, or sets enable_lora."""
+    """The model was loaded to run adapters: it names some, sets enable_lora, or has a
+    multi_lora.json (settings.EngineSettings.takes_lora: the same rule, so the engine has the
+    registry this frontend writes for; an empty {} left by unloading every adapter counts)."""
+    from tritonlm.engine.settings import MULTI_LORA_FILE
+
     params = model.parameters
     return (bool(params.get("lora_adapters", "").strip()) or params.get("enable_lora", "").strip().lower() in TRUE_WORDS
-            or (repo / model.name / "multi_lora.json").is_file() and bool(read_entries(repo / model.name)))
+            or (repo / model.name / MULTI_LORA_FILE).is_file())
 
 
 def read_entries(model_dir: Path) -> dict[str, str]:
@@ -80,6 +84,13 @@ def write_entries(model_dir: Path, entries: dict[str, str]) -> None:
 
     fd, tmp = tempfile.mkstemp(dir=model_dir, prefix="." + MULTI_LORA_FILE, suffix=".tmp")
     try:
+        # mkstemp makes it 0600: the model's instances may run as another user, so keep the old
+        # file's mode, or a plain file's
+        try:
+            mode = os.stat(model_dir / MULTI_LORA_FILE).st_mode & 0o777
+        except OSError:
+            mode = 0o644
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             json.dump(entries, f, indent=2, sort_keys=True)
             f.flush()

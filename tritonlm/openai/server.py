@@ -75,8 +75,12 @@ class OpenAIServer:
     def start(self, timeout_s: float = 30.0) -> "OpenAIServer":
         import uvicorn
 
-        from tritonlm.server import port_is_free
+        from tritonlm.server import is_loopback, port_is_free
 
+        if self.allow_runtime_lora and self.api_key is None and not is_loopback(self.host):
+            raise CliError(f"--allow-runtime-lora on {self.host} without an API key lets any client that reaches the "
+                           "port load, replace and unload the models' LoRA adapters; set --api-key (or "
+                           "TRITONLM_API_KEY), or serve on 127.0.0.1")
         if not port_is_free(self.port, self.host):
             raise CliError(f"port {self.port} (--openai-port) is already in use: stop what holds it, choose another, "
                            "or 0 to turn the OpenAI API off")

@@ -159,7 +159,7 @@ class TraceArrivals:
             if (count is not None and len(out) >= count) or (duration_s is not None and t >= duration_s):
                 break
             out.append((t, i))
-        if count is not None and out:
+        if count is not None and out and out[-1][0] > 0:  # a window of simultaneous arrivals stays a burst at 0
             stretch = count / self.rate / out[-1][0]  # the mean gap (first one from 0) becomes 1 / rate
             out = [(t * stretch, i) for t, i in out]
         return out

@@ -61,3 +61,27 @@ def test_multi_lora_json_is_rewritten_whole(tmp_path):
     (tmp_path / "multi_lora.json").write_text("[1]")
     with pytest.raises(OpenAIError, match="is not a JSON object"):
         read_entries(tmp_path)
+
+
+def test_runtime_lora_on_a_reachable_address_needs_an_api_key():
+    """Anyone who reaches the port could rewrite the adapters otherwise: refused before binding."""
+    from tritonlm.errors import CliError
+    from tritonlm.openai.server import OpenAIServer
+    from tritonlm.server import free_ports
+
+    (port,) = free_ports(1)
+    server = OpenAIServer("127.0.0.1:1", host="0.0.0.0", port=port, allow_runtime_lora=True)
+    with pytest.raises(CliError, match=r"^--allow-runtime-lora on 0.0.0.0 without an API key .* set --api-key"):
+        server.start()
+
+
+def test_the_rewritten_file_is_readable_by_the_models_instances(tmp_path):
+    """Rewritten whole through a temporary file: the new file keeps the old one's mode (a
+    plain 0644 at first), never mkstemp's 0600, so instances running as another user read it."""
+    write_entries(tmp_path, {"a": "adapters/a"})
+    path = tmp_path / "multi_lora.json"
+    assert path.stat().st_mode & 0o777 == 0o644 and read_entries(tmp_path) == {"a": "adapters/a"}
+    path.chmod(0o664)
+    write_entries(tmp_path, {})
+    assert path.stat().st_mode & 0o777 == 0o664 and read_entries(tmp_path) == {}
+    assert [p.name for p in tmp_path.iterdir()] == ["multi_lora.json"]  # no temporary file left

@@ -12,7 +12,8 @@ LoraAdapter), new names added, and a name whose folder or whose files changed (a
 adapter_model.safetensors written in place, or the name unloaded and loaded again) is added
 again, so it reloads with a new digest and the prefix cache's blocks of the old content are
 never reused. The `lora_adapters` parameter's names (`fixed`) are the config's: the file
-cannot drop or replace them. A file that cannot be read keeps the adapters as they were, logged.
+cannot drop or replace them. A file that cannot be read keeps the adapters as they were, logged;
+an entry whose folder is gone or wrong is left out, logged, and the others apply.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from tritonlm.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from tritonlm.engine.lora.registry import LoraRegistry
-from tritonlm.engine.settings import MULTI_LORA_FILE, SettingsError, lora_folders
+from tritonlm.engine.settings import MULTI_LORA_FILE, SettingsError, adapter_folder, adapter_pairs
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,29 @@ class MultiLoraFile:
                 return False
             self._seen = stamp
             try:
-                wanted = dict(lora_folders("", self.model_dir)) if stamp is not None else {}
+                wanted = self._read() if stamp is not None else {}
             except SettingsError as e:
                 log.error("%s changed but cannot be used (%s); the LoRA adapters stay as they were: %s",
                           MULTI_LORA_FILE, e, ", ".join(self.registry.names) or "none")
                 return False
             return self._apply(wanted)
+
+    def _read(self) -> dict[str, Path]:
+        """The file's adapters, entry by entry: one whose folder is gone or wrong is left out,
+        logged, and the others still apply (a whole file that cannot be parsed raises)."""
+        try:
+            content = self.path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SettingsError(f"{MULTI_LORA_FILE}: cannot be read ({e})") from None
+        if not content.strip().startswith("{"):
+            raise SettingsError(f"{MULTI_LORA_FILE}: expected a JSON object {{\"name\": \"folder\", ...}}")
+        wanted: dict[str, Path] = {}
+        for name, raw in adapter_pairs(content, MULTI_LORA_FILE):
+            try:
+                wanted[name] = adapter_folder(MULTI_LORA_FILE, name, raw, self.model_dir)
+            except SettingsError as e:
+                log.error("%s; adapter %r is not served until its entry is mended", e, name)
+        return wanted
 
     def _apply(self, wanted: dict[str, Path]) -> bool:
         for name in sorted(self.fixed & set(wanted)):

@@ -69,6 +69,8 @@ def test_multi_lora_json_beside_the_model_adds_adapters(model_dir):
     ({"lora_adapters": "a=../../x"}, r"lora_adapters: adapter 'a': '../../x' leaves the model repository"),
     ({"lora_adapters": "a=adapters/a", "runtime": "onnx", "onnx_model": "1/hf"},
      r"lora_adapters: LoRA adapters run on the torch runtime"),
+    ({"lora_adapters": "a=adapters/a", "dtype": "int8"}, r"lora_adapters: LoRA adapters do not run on dtype 'int8'"),
+    ({"enable_lora": "true", "dtype": "int8"}, r"enable_lora: LoRA adapters do not run on dtype 'int8'"),
     ({"max_lora_rank": "0"}, r"max_lora_rank: must be >= 1"),
     ({"max_cpu_loras": "0"}, r"max_cpu_loras: must be >= 1"),
 ])

@@ -69,7 +69,7 @@ def test_names_come_and_go_with_the_file(model_and_adapters):
     assert file.check() and registry.names == ["a"]  # the config's adapter stays
 
 
-def test_the_config_names_stay_and_a_bad_file_changes_nothing(model_and_adapters, caplog):
+def test_the_config_names_stay_a_bad_entry_is_left_out_and_a_bad_file_changes_nothing(model_and_adapters, caplog):
     model, root, _ = model_and_adapters
     _, registry, file = served(model, root, "a=adapters/a", {"b": "adapters/b"})
     caplog.set_level(logging.ERROR)
@@ -80,8 +80,11 @@ def test_the_config_names_stay_and_a_bad_file_changes_nothing(model_and_adapters
     rewrite(root, {"b": "adapters/b", "x": "adapters/missing"})
     assert not file.check() and registry.names == ["a", "b"]
     assert "adapter 'x'" in caplog.text and "holds no adapter_config.json" in caplog.text
+    # the other entries still apply beside a bad one: later loads and unloads are not frozen
+    rewrite(root, {"c": "adapters/c", "x": "adapters/missing"})
+    assert file.check() and registry.names == ["a", "c"]
     (root / MULTI_LORA_FILE).write_text("not json")
-    assert not file.check() and registry.names == ["a", "b"]
+    assert not file.check() and registry.names == ["a", "c"]
 
 
 def test_a_reload_in_place_gets_a_new_digest_and_no_old_cached_blocks(model_and_adapters, tmp_path):
