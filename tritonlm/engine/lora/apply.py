@@ -18,8 +18,11 @@ the C++ decoder stack runs the same kernel right after each base projection: a d
 with adapter rows is still one C++ call (Transformer.decode_step with a LoraBatch, or the stack
 inside run_layers), with the same bits as the Python layer loop. Only a decode step whose
 adapters replace the embedding or the LM head (modules_to_save) takes the Python path around
-the stack, which applies those for their rows. Elsewhere (GPUs, bfloat16) each adapter's rows
-are gathered, multiplied with torch ops and index-added.
+the stack, which applies those for their rows. On CUDA, where Triton runs, the update is two
+Triton launches per projection whatever the number of adapters (kernels/lora_triton.py), over
+the step's adapters packed once per projection (LoraStep.triton_pack). Elsewhere (no Triton,
+CPU without the C++ ops, bfloat16 on the CPU) each adapter's rows are gathered, multiplied
+with torch ops and index-added.
 
 The rows a projection sees are the step's tokens in one of two layouts (runners.model): packed
 (ForwardBatch.packed, the N valid tokens) or the whole padded [B, T]; the step holds both, and
@@ -40,8 +43,13 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from tritonlm.engine.kernels import lora_triton
 from tritonlm.engine.lora.adapter import LoraAdapter, projection_widths
 from tritonlm.engine.runners.layers import PROJECTION_NAMES, Linear
+
+# Tests set this to run the Triton kernels on CPU tensors (under TRITON_INTERPRET=1), which
+# otherwise serve CUDA tensors only.
+TRITON_ON_CPU = False
 
 # a Layer's projection -> its place in the C++ decoder stack's layer (DecoderStack's order)
 STACK_INDEX = {"qkv": 0, "o": 1, "gate_up": 2, "fc": 2, "down": 3}
@@ -100,6 +108,9 @@ class LoraStep:
     # the model's layers, where the C++ kernels apply the updates (lora_ops.cpp); 0: torch ops
     cpp_layers: int = 0
     _cpp: dict[int, object] = field(default_factory=dict, repr=False)  # rows of a projection -> LoraBatch
+    _slots: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # rows of a projection -> [rows] int32
+    # (layer, projection) -> its updates of the step's adapters, packed for the Triton kernels
+    _packs: dict[tuple[int, str], lora_triton.LoraPack] = field(default_factory=dict, repr=False)
 
     @staticmethod
     def plan(adapters: list[LoraAdapter | None], valid: torch.Tensor, device: torch.device,
@@ -141,6 +152,28 @@ class LoraStep:
         if batch is None:
             batch = self._cpp[rows] = cpp_batch(self.adapters, self.token_groups(rows), self.cpp_layers)
         return batch
+
+    def triton_slots(self, rows: int, device: torch.device) -> torch.Tensor:
+        """[rows] int32: each of a projection's rows' adapter (its index in `adapters`), -1
+        for base rows, as the Triton kernels take them (made once per layout)."""
+        slots = self._slots.get(rows)
+        if slots is None:
+            slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
+            for k, idx in enumerate(self.token_groups(rows)):
+                slots[idx.to(device)] = k
+            self._slots[rows] = slots
+        return slots
+
+    def triton_pack(self, key: tuple[int, str], in_features: int, out_features: int,
+                    device: torch.device) -> lora_triton.LoraPack:
+        """The adapters' updates of projection `key`, packed for the Triton kernels (once per
+        step: the step's adapters differ from step to step)."""
+        pack = self._packs.get(key)
+        if pack is None:
+            deltas = [adapter.deltas.get(key) for adapter in self.adapters]
+            pack = self._packs[key] = lora_triton.pack_deltas(
+                [None if d is None else (d.a, d.b) for d in deltas], in_features, out_features, device)
+        return pack
 
     def token_groups(self, rows: int) -> list[torch.Tensor]:
         """Per adapter, its rows among a projection's `rows` rows (N packed, or B*T)."""
@@ -211,6 +244,11 @@ class LoraLinear(Linear):
             return y
         y = y.contiguous()
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # [M, in], [M, out]
+        if (flat_x.is_cuda or TRITON_ON_CPU) and lora_triton.available(flat_x.device)[0]:
+            rows, width_in, width_out = flat_x.shape[0], flat_x.shape[1], flat_y.shape[1]
+            lora_triton.lora_apply(flat_y, flat_x.contiguous(), step.triton_slots(rows, flat_x.device),
+                                   step.triton_pack(self.key, width_in, width_out, flat_x.device))
+            return y
         if step.cpp_layers and flat_x.dtype == torch.float32 and flat_y.dtype == torch.float32:
             torch.ops.tritonlm.lora_apply(flat_y, flat_x.contiguous(), step.cpp_batch(flat_x.shape[0]), self.key[0],
                                           STACK_INDEX[self.key[1]])

@@ -276,14 +276,8 @@ def test_host_side_reads_no_tensor_values(interpret, splits):
     """A CUDA graph replays the launches it captured, so their grid and arguments must not
     depend on tensor values: the wrapper's checks and launch planning run under a dispatch
     mode that fails on a read of a value to the host (.item(), int(), bool(), max() over a tensor)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from tests.helpers.dispatch import NoValueReads
     from tritonlm.engine.kernels.paged_decode import _check, _launches
-
-    class NoValueReads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            assert func is not torch.ops.aten._local_scalar_dense.default, "a tensor value was read on the host"
-            return func(*args, **(kwargs or {}))
 
     case = make_case(31, [3, 50], 6, 2, 64, 16, torch.float32)
     args = {k: v for k, v in case.items() if k != "slots_of"}
