@@ -6,6 +6,7 @@ lora.apply.LoraLinear, a tiny model's logits against the torch path's and PEFT's
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -219,3 +220,25 @@ def test_lora_linear_on_the_triton_path_matches_torch_and_peft(interpret, monkey
     for sid, (name, seq) in enumerate(zip(names, seqs)):
         assert_close(triton_path[sid, : len(seq)], torch_path[sid, : len(seq)])
         assert_close(triton_path[sid, : len(seq)], hf_logits(model if name is None else made[name][1], seq))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_launches_compile_for_hopper(monkeypatch, tmp_path, dtype):
+    """The interpreter does not run the GPU compiler, so both launches of a call are compiled
+    here for sm_90 as the JIT would on a GPU (early exits, rank-bounded loops, int64
+    offsets); the expand kernel's PTX rounds its float32 sum to y's dtype when y is bfloat16."""
+    from tests.helpers.triton_compile import compile_for_hopper, skip_unless_compilable
+    from tritonlm.engine.kernels.lora_triton import _launches
+
+    skip_unless_compilable()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the compiled-mode kernels
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    case = make_case(8, dtype)
+    pack = pack_deltas(case["deltas"], IN, OUT, "cpu")
+    launches = _launches(case["y"], case["x"], case["slots"], pack, None, None, None, None)
+    assert [kernel.__name__ for kernel, *_ in launches] == ["shrink_kernel", "expand_kernel"]
+    for kernel, _grid, values, consts in launches:
+        ptx = compile_for_hopper(kernel, values, consts)
+        assert f".entry {kernel.__name__}" in ptx
+        if kernel.__name__ == "expand_kernel" and dtype == torch.bfloat16:
+            assert re.search(r"cvt\.rn\.bf16(x2)?\.f32", ptx)

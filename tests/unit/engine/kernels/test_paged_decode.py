@@ -418,9 +418,6 @@ def test_cuda_graph_replays_with_new_lengths_and_tables(monkeypatch):
 
 # ---------------------------------------------------------------------------- compiled for a GPU, here
 
-_TT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
-
-
 @pytest.mark.parametrize(
     "dtype, heads, kv_heads, dim, splits, options",
     [(torch.bfloat16, 9, 3, 64, 4, {}), (torch.float32, 8, 2, 80, 1, {}), (torch.float16, 4, 4, 128, 2, {}),
@@ -433,17 +430,10 @@ def test_launches_compile_for_hopper(monkeypatch, tmp_path, dtype, heads, kv_hea
     here for sm_90 (the H200) as the JIT would on a GPU: same constexprs, pointers and
     strides divisible by 16 marked so. Half types multiply on tensor cores (mma); float32
     stays off tf32 (the engine compares against a float32 reference)."""
-    import triton
-    from triton.backends import backends
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from tests.helpers.triton_compile import compile_for_hopper, skip_unless_compilable
     from tritonlm.engine.kernels.paged_decode import _launches
 
-    if "nvidia" not in backends:
-        pytest.skip("triton has no NVIDIA backend")
-    if not isinstance(triton.language.standard.sum, triton.runtime.JITFunction):
-        pytest.skip("triton was imported under TRITON_INTERPRET=1: its library cannot compile in this process")
+    skip_unless_compilable()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the compiled-mode kernels
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     case = make_case(29, [5, 70], heads, kv_heads, dim, 16, dtype)
@@ -452,26 +442,7 @@ def test_launches_compile_for_hopper(monkeypatch, tmp_path, dtype, heads, kv_hea
                          **options_for(case, options, 73))
     assert len(launches) == (2 if splits > 1 else 1)
     for kernel, _grid, values, consts in launches:
-        names = kernel.arg_names
-        signature: dict[str, str] = {}
-        attrs: dict[tuple[int, ...], list] = {}
-        for i, (name, value) in enumerate(zip(names, values)):
-            if isinstance(value, torch.Tensor):
-                signature[name] = "*" + _TT[value.dtype]
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            elif isinstance(value, float):
-                signature[name] = "fp32"
-            else:
-                signature[name] = "i32"
-                if value % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        constexprs = {}
-        for i, name in enumerate(names[len(values) :], start=len(values)):
-            signature[name] = "constexpr"
-            constexprs[(i,)] = consts[name]
-        src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": consts["num_warps"]})
-        ptx = compiled.asm["ptx"]
+        ptx = compile_for_hopper(kernel, values, consts)
         if kernel.__name__ == "decode_kernel":
             if dtype == torch.float32:
                 assert "tf32" not in ptx
