@@ -41,40 +41,18 @@ Shapes: M rows, K inputs (in), N outputs (out), S adapters (slots), R_s slot s's
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from tritonlm.engine.kernels.triton_device import available, interpreting  # noqa: F401 - available is this module's API too
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The jitted kernels, built on first use and keyed by whether the interpreter was on then
 # (kernels/paged_decode.py says why not at import).
 _KERNELS: dict[bool, tuple[Any, Any]] = {}
-
-
-def _interpreting() -> bool:
-    # The values triton's own env_bool accepts for TRITON_INTERPRET.
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
-
-
-def available(device: str | torch.device) -> tuple[bool, str]:
-    """(True, what runs) when the kernels can run for tensors on `device`: triton imports and
-    the device is CUDA, or TRITON_INTERPRET=1 is set (the interpreter, on CPU tensors, for
-    tests); otherwise (False, why)."""
-    try:
-        import triton
-    except ImportError as e:
-        return False, f"triton is not installed ({e})"
-    if _interpreting():
-        return True, f"triton {triton.__version__} interpreter (TRITON_INTERPRET=1)"
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return False, f"device {dev} is not CUDA (set TRITON_INTERPRET=1 to run the interpreter)"
-    if not torch.cuda.is_available():
-        return False, "torch has no usable CUDA device"
-    return True, f"triton {triton.__version__} on {dev}"
 
 
 @dataclass(eq=False)
@@ -141,7 +119,7 @@ def pack_deltas(deltas: Sequence[tuple[torch.Tensor, torch.Tensor] | None], in_f
 
 
 def _kernels() -> tuple[Any, Any]:
-    interpret = _interpreting()
+    interpret = interpreting()
     if interpret not in _KERNELS:
         _KERNELS[interpret] = _build_kernels()
     return _KERNELS[interpret]

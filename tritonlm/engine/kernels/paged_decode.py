@@ -57,10 +57,11 @@ pool slots outside a row's blocks are never read.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
+
+from tritonlm.engine.kernels.triton_device import available, interpreting  # noqa: F401 - available is this module's API too
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -73,31 +74,8 @@ _LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e)
 _KERNELS: dict[bool, tuple[Any, Any]] = {}
 
 
-def _interpreting() -> bool:
-    # The values triton's own env_bool accepts for TRITON_INTERPRET.
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
-
-
-def available(device: str | torch.device) -> tuple[bool, str]:
-    """(True, what runs) when the kernel can run for tensors on `device`: triton imports and
-    the device is CUDA, or TRITON_INTERPRET=1 is set (the interpreter, on CPU tensors, for
-    tests); otherwise (False, why)."""
-    try:
-        import triton
-    except ImportError as e:
-        return False, f"triton is not installed ({e})"
-    if _interpreting():
-        return True, f"triton {triton.__version__} interpreter (TRITON_INTERPRET=1)"
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return False, f"device {dev} is not CUDA (set TRITON_INTERPRET=1 to run the interpreter)"
-    if not torch.cuda.is_available():
-        return False, "torch has no usable CUDA device"
-    return True, f"triton {triton.__version__} on {dev}"
-
-
 def _kernels() -> tuple[Any, Any]:
-    interpret = _interpreting()
+    interpret = interpreting()
     if interpret not in _KERNELS:
         _KERNELS[interpret] = _build_kernels()
     return _KERNELS[interpret]
@@ -470,7 +448,7 @@ def _launches(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         EXACT=q.dtype == torch.float32,
-        WIDEN=q.dtype == torch.bfloat16 and _interpreting(),
+        WIDEN=q.dtype == torch.bfloat16 and interpreting(),
         HAS_WINDOW=window > 0,
         SOFTCAP=softcap > 0,
         SINKS=sinks is not None,
