@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.servers import stall_env
 from tritonlm.paths import REPO_ROOT
 from tritonlm.server import TritonServer, free_ports
 
@@ -23,6 +24,14 @@ def triton_repo(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("repo")
     shutil.copytree(REPO_ROOT / "model_repository" / "echo", repo / "echo")
     return repo
+
+
+@pytest.fixture(scope="module")
+def stall_file(tmp_path_factory) -> Path:
+    """While this file exists the module's engines hold in their step (helpers.servers.stall_env):
+    a module's `triton_repo` that asks for it makes tritonserver inherit the setting."""
+    with stall_env(tmp_path_factory.mktemp("stall") / "stall") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, release_when, stall_env
+from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, release_when
 from tritonlm.cli import main as cli_main
 from tritonlm.client.generate import generate_grpc
 from tritonlm.engine.slo.controller import COLD_STEPS
@@ -28,12 +28,6 @@ from tritonlm.server import free_ports
 COUNT = 5
 # after one request this long the SLO controller predicts (its cold steps are not fitted)
 WARM_TOKENS = COLD_STEPS + StepTimeModel().min_steps + 2
-
-
-@pytest.fixture(scope="module")
-def stall_file(tmp_path_factory):
-    with stall_env(tmp_path_factory.mktemp("stall") / "stall") as path:
-        yield path
 
 
 @pytest.fixture(scope="module")

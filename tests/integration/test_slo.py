@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.helpers.models import hf_greedy_text, tiny
-from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, stall_env, wait_until
+from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, wait_until
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.engine.slo.controller import COLD_STEPS
 from tritonlm.engine.slo.step_time import StepTimeModel
@@ -25,13 +25,6 @@ from tritonlm.server import free_ports
 
 # one prefill step and the decode steps: the model is ready after (the cold steps not fitted)
 WARM_TOKENS = COLD_STEPS + StepTimeModel().min_steps + 2
-
-
-@pytest.fixture(scope="module")
-def stall_file(tmp_path_factory):
-    """While this file exists the engine holds in its step (tritonserver inherits the variable)."""
-    with stall_env(tmp_path_factory.mktemp("stall") / "stall") as path:
-        yield path
 
 
 @pytest.fixture(scope="module")

@@ -46,12 +46,11 @@ from typing import Any, Sequence
 
 import torch
 
-from tritonlm.engine.kernels.triton_device import available, interpreting  # noqa: F401 - available is this module's API too
+from tritonlm.engine.kernels.triton_device import available, built, interpreting  # noqa: F401 - available is this module's API too
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# The jitted kernels, built on first use and keyed by whether the interpreter was on then
-# (kernels/paged_decode.py says why not at import).
+# The jitted kernels, built on first use per interpreter setting (triton_device.built says why)
 _KERNELS: dict[bool, tuple[Any, Any]] = {}
 
 
@@ -119,10 +118,7 @@ def pack_deltas(deltas: Sequence[tuple[torch.Tensor, torch.Tensor] | None], in_f
 
 
 def _kernels() -> tuple[Any, Any]:
-    interpret = interpreting()
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = _build_kernels()
-    return _KERNELS[interpret]
+    return built(_KERNELS, _build_kernels)
 
 
 def _build_kernels() -> tuple[Any, Any]:

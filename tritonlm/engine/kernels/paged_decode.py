@@ -61,24 +61,19 @@ from typing import Any
 
 import torch
 
-from tritonlm.engine.kernels.triton_device import available, interpreting  # noqa: F401 - available is this module's API too
+from tritonlm.engine.kernels.triton_device import available, built, interpreting  # noqa: F401 - available is this module's API too
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_SPLITS = 32  # a power of two: the combine kernel's tile covers them without padding
 _LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
 
-# The jitted kernels, built on first use and keyed by whether the interpreter was on then:
-# triton.jit reads TRITON_INTERPRET when it decorates, so building them at import would fix
-# that choice for the whole process (and would need triton to import this module at all).
+# The jitted kernels, built on first use per interpreter setting (triton_device.built says why)
 _KERNELS: dict[bool, tuple[Any, Any]] = {}
 
 
 def _kernels() -> tuple[Any, Any]:
-    interpret = interpreting()
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = _build_kernels()
-    return _KERNELS[interpret]
+    return built(_KERNELS, _build_kernels)
 
 
 def _build_kernels() -> tuple[Any, Any]:

@@ -2,11 +2,13 @@
 
     interpreting() -> bool                 TRITON_INTERPRET is on: kernels run on CPU tensors
     available(device) -> (bool, why)       triton imports and the device is CUDA, or interpreting
+    built(cache, build) -> kernels         build() once per interpreter setting
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import torch
 
@@ -32,3 +34,13 @@ def available(device: str | torch.device) -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "torch has no usable CUDA device"
     return True, f"triton {triton.__version__} on {dev}"
+
+
+def built(cache: dict[bool, Any], build: Callable[[], Any]) -> Any:
+    """The kernels build() makes, made once for each interpreter setting: triton.jit reads
+    TRITON_INTERPRET when it decorates, so building them at import would fix that choice for
+    the whole process (and would need triton to import the kernel's module at all)."""
+    interpret = interpreting()
+    if interpret not in cache:
+        cache[interpret] = build()
+    return cache[interpret]

@@ -159,19 +159,6 @@ def test_bad_inputs_are_refused_on_the_host():
         lora_apply(y, x, slots, pack, block_r=24)
 
 
-def test_available(monkeypatch: pytest.MonkeyPatch):
-    """CUDA or the interpreter; otherwise False with the reason, also without triton."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    ok, why = available("cpu")
-    assert not ok and "not CUDA" in why
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ok, why = available("cpu")
-    assert ok and "interpreter" in why
-    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
-    ok, why = available("cpu")
-    assert not ok and "not installed" in why
-
-
 def test_module_imports_without_triton():
     """Importing the module (and lora.apply, which imports it) does not import triton."""
     code = (

@@ -320,19 +320,6 @@ def test_bad_inputs_are_refused_on_the_host():
     refused("sinks must be contiguous", sinks=torch.zeros(8)[::2])
 
 
-def test_available(monkeypatch: pytest.MonkeyPatch):
-    """CUDA or the interpreter; otherwise False with the reason, also without triton."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    ok, why = available("cpu")
-    assert not ok and "not CUDA" in why
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ok, why = available("cpu")
-    assert ok and "interpreter" in why
-    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
-    ok, why = available("cpu")
-    assert not ok and "not installed" in why
-
-
 def test_module_imports_without_triton():
     """Importing the module does not import triton (CPU-only installs lack it)."""
     code = (
