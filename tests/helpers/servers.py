@@ -113,22 +113,27 @@ def wait_until(cond, timeout_s: float, step: float = 0.1) -> bool:
     return cond()
 
 
-def wait_for_requests(metrics_port: int, model: str, count: int, timeout_s: float = HANG_GUARD_S) -> bool:
-    """Wait until `count` requests have reached the model's engine (waiting + running +
-    finished, from the server's metrics): a test that signals the server must know its
-    requests are in. Finished ones count too, so a fast host that completes the first
-    requests before the last arrive still gets there."""
+def requests_arrived(metrics_port: int, model: str) -> float:
+    """Requests that have reached the model's engine so far (waiting + running + finished,
+    from the server's metrics; -1 while the metrics endpoint does not answer)."""
     from tritonlm.perf.serverstats import metric_sum, read_metrics
 
-    def arrived() -> float:
-        try:
-            samples = read_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
-        except OSError:
-            return -1
-        names = ("tritonlm_requests_waiting", "tritonlm_requests_running", "tritonlm_requests_finished_total")
-        return sum(metric_sum(samples, n, model) or 0 for n in names)
+    try:
+        samples = read_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
+    except OSError:
+        return -1
+    names = ("tritonlm_requests_waiting", "tritonlm_requests_running", "tritonlm_requests_finished_total")
+    return sum(metric_sum(samples, n, model) or 0 for n in names)
 
-    return wait_until(lambda: arrived() >= count, timeout_s)
+
+def wait_for_requests(metrics_port: int, model: str, count: int, since: float = 0.0,
+                      timeout_s: float = HANG_GUARD_S) -> bool:
+    """Wait until `count` requests more than `since` (requests_arrived before they were sent)
+    have reached the model's engine: a test that signals the server must know its requests
+    are in. Finished ones count too, so a fast host that completes the first requests before
+    the last arrive still gets there; the finished counter is cumulative, hence `since` for a
+    server that served earlier requests."""
+    return wait_until(lambda: requests_arrived(metrics_port, model) >= since + count, timeout_s)
 
 
 def stream_responses(grpc_url: str, model: str, inputs: list) -> list[dict]:

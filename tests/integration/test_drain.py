@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.servers import HANG_GUARD_S, Serve, add_generation_model, add_slow_model, wait_for_requests, wait_until
+from tests.helpers.servers import (HANG_GUARD_S, Serve, add_generation_model, add_slow_model, requests_arrived,
+                                   wait_for_requests, wait_until)
 from tritonlm.client.generate import GenerateError, generate_grpc
 from tritonlm.paths import REPO_ROOT
 from tritonlm.server import free_ports
@@ -73,8 +74,9 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(slow_repo):
         assert all(reference[i][:2] == ("length", TOKENS) for i in range(STREAMS)), reference
 
         results: dict = {}
+        served = requests_arrived(serve.metrics, "slow")  # the reference round's, already finished
         threads = run_streams(serve.grpc, TOKENS, results)
-        assert wait_for_requests(serve.metrics, "slow", STREAMS), serve.output  # all sent before the signal
+        assert wait_for_requests(serve.metrics, "slow", STREAMS, since=served), serve.output  # all sent before the signal
         assert len(results) < STREAMS  # streams are in flight when the signal comes
         serve.proc.send_signal(signal.SIGTERM)
         # readiness goes off (tritonserver takes its HTTP endpoint down) ...
