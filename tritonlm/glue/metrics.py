@@ -264,7 +264,7 @@ class TritonMetrics:
             self._set("slo_budget", scheduler.config.max_num_batched_tokens)
             self._set("slo_cap", scheduler.config.max_num_seqs)
             return
-        self._set("slo_budget", slo.budget)
+        self._set("slo_budget", slo.step_budget)
         self._set("slo_cap", slo.cap)
         self._set("slo_ttft", slo.predicted_ttft_s)
         self._set("slo_tpot", slo.step_s)

@@ -12,7 +12,9 @@ first token) / (tokens - 1)) within slo_tpot_ms; an SLO not set is not checked.
 The controller turns the two targets into the scheduler's knobs, from a step-time model
 fitted online (step_time.py):
 - the step's token budget (the chunked-prefill size): the most tokens whose predicted step
-  stays within slo_tpot, since every running stream waits one step per token;
+  stays within slo_tpot, since every running stream waits one step per token; on top of it
+  a step may spend the TPOT slack the running streams have (TPOT is a mean: a stream whose
+  steps ran short, or with many tokens to come, can carry one longer step and end on target);
 - the running cap: the most sequences whose decode step, plus one prefill chunk, stays
   within slo_tpot; beyond it requests wait in the queue rather than slow everyone;
 - admission: a request whose predicted time to first token, behind the queue ahead of it,

@@ -25,6 +25,11 @@ OUTPUT_RATIO_ALPHA = 0.1  # weight of each finished request in the output-length
 # cold, a GPU's kernel compiles): they are not the host's pace, and a fit that learned them
 # would shed requests the host can serve
 COLD_STEPS = 4
+SLACK_SHARE = 0.5  # of a stream's TPOT slack, the most one step may spend
+# a stream is counted on for at most this many more tokens: slack it would bank later is a
+# bet on its length, and an answer may end at any token (EOS), so the bet is kept short
+SLACK_LOOKAHEAD = 16
+TYPICAL_ALPHA = 0.1  # weight of each step's seconds in the typical step's
 
 
 class SloShedError(ServerBusyError):
@@ -36,7 +41,7 @@ class SloShedError(ServerBusyError):
 class Decision:
     budget: int  # tokens in the next step
     cap: int  # running sequences
-    step_s: float  # predicted seconds of a step at this budget: the running streams' TPOT
+    step_s: float  # predicted seconds of the step at this budget
 
 
 class SloController:
@@ -48,23 +53,26 @@ class SloController:
         self.max_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
         self.model = model or StepTimeModel()
-        self.budget = max_num_batched_tokens
+        self.budget = max_num_batched_tokens  # the steady budget
+        self.step_budget = max_num_batched_tokens  # the last step's: the steady one and the slack it spent
         self.cap = max_num_seqs
         self.step_s = 0.0
         self.predicted_ttft_s = 0.0  # the last admission's prediction
         self.output_ratio = 1.0  # generated / max_tokens of finished requests (EWMA): slots free sooner than max_tokens
         self.changes = 0  # decisions that changed budget or cap
         self.row_context = 0.0  # cached positions of a decoding row (EWMA over steps)
+        self.typical_step_s = 0.0  # steps' measured seconds (EWMA)
         self._smooth_budget = float(max_num_batched_tokens)  # the model's targets, smoothed over steps
         self._smooth_cap = float(max_num_seqs)
         self._primed = False
         self.steps_seen = 0  # steps reported, the cold ones included
 
     # ---- what the engine reports -------------------------------------------------------------
-    def observe_step(self, tokens: int, context: int, seconds: float) -> None:
+    def observe_step(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float) -> None:
         self.steps_seen += 1
         if self.steps_seen > COLD_STEPS:
-            self.model.observe(tokens, context, seconds)
+            self.model.observe(prefill_tokens, decode_rows, context, seconds)
+            self.typical_step_s += TYPICAL_ALPHA * (seconds - self.typical_step_s)
 
     def request_finished(self, generated: int, max_tokens: int) -> None:
         ratio = min(1.0, generated / max_tokens) if max_tokens > 0 else 1.0
@@ -75,35 +83,74 @@ class SloController:
         """The next step's budget and the running cap, given the running sequences."""
         budget, cap = self.max_tokens, self.max_seqs
         decoding = [s for s in running if not s.in_prefill]
+        rows = len(decoding)
         context = sum(s.num_computed + 1 for s in decoding)
         if decoding:  # the cap plans for a typical row, not for the mix of this instant
-            self.row_context += ROW_CONTEXT_ALPHA * (context / len(decoding) - self.row_context)
+            self.row_context += ROW_CONTEXT_ALPHA * (context / rows - self.row_context)
         per_row = self.row_context
+        cost = self.model.cost
+        step_budget = budget
         if self.model.ready and self.targets.tpot_s is not None:
-            a, b, c = self.model.coefficients
             tau = self.targets.tpot_s * HEADROOM
+            decode_s = cost.predict(0, rows, context)  # this step without prefill
             # a prefill chunk reads its own positions too: one row's worth beside the decodes
-            room = tau - a - c * (context + per_row)
-            per_seq = b + c * per_row
-            cap_room = tau - a - (b * QUANTUM + c * per_row)  # every step keeps room for a prefill chunk
+            chunk_room = tau - decode_s - cost.position_s * per_row
+            per_seq = cost.decode_row_s + cost.position_s * per_row
+            cap_room = tau - cost.predict(QUANTUM, 0, per_row)  # every step keeps room for a prefill chunk
             # the raw targets carry the fit's noise (a steady load barely tells the intercept
             # from the per-row cost): they are smoothed over steps before they decide
-            raw_budget = min(room / b, self.max_tokens) if b > 0 else self.max_tokens
+            raw_budget = min(rows + self._chunk_tokens(chunk_room, cost), self.max_tokens)
             raw_cap = min(cap_room / per_seq, self.max_seqs) if per_seq > 0 else self.max_seqs
             alpha = SMOOTH_ALPHA if self._primed else 1.0  # the first fit's targets at once
             self._primed = True
             self._smooth_budget += alpha * (raw_budget - self._smooth_budget)
             self._smooth_cap += alpha * (raw_cap - self._smooth_cap)
-            budget = int(self._smooth_budget)
-            if budget > QUANTUM:
-                budget -= budget % QUANTUM
-            # decode rows run whatever the budget: a budget below them only stops prefill,
-            # which the cap prevents; this floor keeps a chunk moving when the host slows
-            budget = _clamp(budget, min(QUANTUM, self.max_tokens), self.max_tokens)
+            budget = _quantized(int(self._smooth_budget), self.max_tokens)
             cap = _clamp(int(self._smooth_cap), 1, self.max_seqs)
-        self._apply(budget, cap)
-        self.step_s = self.model.predict(self.budget, int(context + per_row))
-        return Decision(self.budget, self.cap, self.step_s)
+            self._apply(budget, cap)
+            # on top of the steady budget, this step may spend slack the running streams have
+            # banked (decode steps shorter than the target) or will bank before they end
+            limit = self._slack_limit(decoding, decode_s, tau)
+            slack_tokens = rows + self._chunk_tokens(limit - decode_s - cost.position_s * per_row, cost)
+            step_budget = max(self.budget, _quantized(int(min(slack_tokens, self.max_tokens)), self.max_tokens))
+        else:
+            self._apply(budget, cap)
+            step_budget = self.budget
+        self.step_budget = step_budget
+        self.step_s = cost.predict(max(0, step_budget - rows), rows, int(context + per_row))
+        return Decision(step_budget, self.cap, self.step_s)
+
+    @staticmethod
+    def _chunk_tokens(room_s: float, cost) -> float:
+        """Prompt tokens that fit in `room_s` seconds of a step (no limit where they are free)."""
+        if room_s <= 0:
+            return 0.0
+        return room_s / cost.prefill_token_s if cost.prefill_token_s > 0 else math.inf
+
+    def _slack_limit(self, decoding, decode_s: float, tau: float) -> float:
+        """The longest this step may take and still let every decoding stream end within
+        slo_tpot (with the headroom), planning its remaining steps at the typical step's
+        time (at least `decode_s`): where steps usually carry prefill up to the target, only
+        the slack already banked is offered.
+
+        A stream's TPOT is the mean gap over its answer, not the longest one: one that has
+        run decode steps shorter than the target, or has many tokens still to make, can
+        carry a longer step now (a prefill chunk that gets a waiting request its first token
+        sooner) and still end on target. Each stream offers SLACK_SHARE of its slack, so
+        that one step does not spend all of it and the next arrivals find some. Its length
+        is estimated from the answers that finished (their share of max_tokens), and at most
+        SLACK_LOOKAHEAD tokens past where it is; a stream that ends sooner than that has
+        offered slack it did not have, which the headroom and the share cover."""
+        limit = math.inf
+        future_s = max(decode_s, self.typical_step_s)
+        for seq in decoding:
+            made = seq.num_output_tokens
+            expected = max(made + 1, min(math.ceil(seq.request.params.max_tokens * self.output_ratio),
+                                         made + SLACK_LOOKAHEAD))
+            spent = (seq.last_token_time - seq.first_token_time) if seq.first_token_time is not None else 0.0
+            allowed = tau * (expected - 1) - spent - (expected - made - 1) * future_s  # this step's most
+            limit = min(limit, decode_s + SLACK_SHARE * (allowed - decode_s))
+        return limit
 
     def _apply(self, budget: int, cap: int) -> None:
         """Down when the model asks for less than all but a sliver of the current value (the
@@ -113,10 +160,11 @@ class SloController:
         new_cap = _banded(self.cap, cap, 1, self.max_seqs)
         if (new_budget, new_cap) != (self.budget, self.cap):
             self.changes += 1
-            a, b, c = self.model.coefficients
+            cost = self.model.cost
             log.info(
-                "SLO controller: token budget %d -> %d, running cap %d -> %d (step model: %.2f ms + %.3f ms/token "
-                "+ %.2f us/cached position)", self.budget, new_budget, self.cap, new_cap, a * 1e3, b * 1e3, c * 1e6)
+                "SLO controller: token budget %d -> %d, running cap %d -> %d (step model: %.2f ms + %.3f ms/prompt "
+                "token + %.3f ms/decoding row + %.2f us/cached position)", self.budget, new_budget, self.cap, new_cap,
+                cost.step_s * 1e3, cost.prefill_token_s * 1e3, cost.decode_row_s * 1e3, cost.position_s * 1e6)
             self.budget, self.cap = new_budget, new_cap
 
     # ---- admission ------------------------------------------------------------------------------
@@ -126,8 +174,10 @@ class SloController:
         waits for the prefill work ahead and for a running slot, then takes its own chunks."""
         # while it waits, those ahead of it decode too: the prefill share of a step shrinks
         decoding = min(self.cap, len(running) + len(waiting))
-        per_step = max(1, self.budget - decoding)  # prefill tokens a step carries
-        step_s = self.step_s or self.model.predict(self.budget, 0)
+        # prefill tokens a step carries: the steady budget (a step may carry more where the
+        # running streams have slack to spend, but a queue that admissions lengthen uses it up)
+        per_step = max(1, self.budget - decoding)
+        step_s = self.model.predict(per_step, decoding, int(decoding * self.row_context))
         ahead = sum(s.num_prompt_tokens - s.num_computed for s in running if s.in_prefill)
         ahead += sum(s.num_prompt_tokens for s in waiting)
         prefill_steps = math.ceil(ahead / per_step)
@@ -182,6 +232,15 @@ def ahead_of(priority: int, waiting) -> list:
     """The queued requests that run before a new one of `priority`: better priority (lower),
     or equal and there first (all of `waiting` arrived before it)."""
     return [s for s in waiting if s.request.priority <= priority]
+
+
+def _quantized(budget: int, limit: int) -> int:
+    """A budget in whole QUANTUM steps, at least one (or `limit`, when smaller): decode rows
+    run whatever the budget, so a budget below them only stops prefill (which the cap
+    prevents); the floor keeps a chunk moving when the host slows."""
+    if budget > QUANTUM:
+        budget -= budget % QUANTUM
+    return _clamp(budget, min(QUANTUM, limit), limit)
 
 
 def _clamp(value: int, lo: int, hi: int) -> int:

@@ -1,29 +1,54 @@
-"""How long a step takes, learned while serving: step_seconds ~ a + b * tokens + c * context.
+"""How long a step takes, learned while serving:
 
-`tokens` are the new tokens a forward pass runs (decode rows and prefill chunks), `context`
-the KV positions it reads (each row's cached length after the pass, summed). On a CPU the
-pass streams every weight once (a), then pays per token for the projections (b) and per
-cached position for attention (c); on a GPU the same shape holds above its launch floor.
+    step_seconds ~ a + b_prefill * prefill_tokens + b_decode * decode_rows + c * context
+
+`prefill_tokens` are the prompt tokens a forward pass runs in chunks (and a verify row's
+tokens past its first), `decode_rows` the rows that each add one token to a running answer,
+`context` the KV positions the pass reads (each row's cached length after it, summed). On a
+CPU the pass streams every weight once (a), then pays per token for the projections and
+per cached position for attention (c). A prefill token and a decode row cost different
+amounts: a decode row also pays for its sampling, its detokenizing and its response to the
+client, while a prefill chunk runs the projections as one wide matrix product but its
+attention over the chunk's own positions, and on the CPU the two take different kernels.
+One per-token cost fitted over both would be wrong for each, and the controller sizes the
+running cap by one and the prefill budget by the other.
 
 The fit is least squares with exponential forgetting: every finished step adds its
 sample with weight 1, and older samples fade by `forget` per step, so the fit follows a
 change (another tenant on the host, longer prompts, a governor resizing the thread team)
 within ~1 / (1 - forget) steps. A steady load barely moves some directions (a constant
 batch does not tell the intercept from the per-row cost; the context grows with the
-tokens), and a short window alone would let noise swing the coefficients there. So a
+rows), and a short window alone would let noise swing the coefficients there. So a
 second fit with a long memory is kept, and the short one is solved with a ridge toward it:
 where recent steps say something, they win; where they are silent, the long-run fit holds.
 """
 
 from __future__ import annotations
 
+from itertools import combinations
+from typing import NamedTuple
+
 import numpy as np
 
-# features are scaled so the three coefficients are of one order in a solve (a step runs
-# tens to hundreds of tokens and reads thousands to hundreds of thousands of positions)
+# features are scaled so the coefficients are of one order in a solve (a step runs tens to
+# hundreds of tokens and reads thousands to hundreds of thousands of positions)
 TOKEN_SCALE = 100.0
 CONTEXT_SCALE = 10_000.0
 RIDGE = 1e-6  # keeps the long-run solve defined before every direction has been seen
+FEATURES = 4
+
+
+class StepCost(NamedTuple):
+    """The fitted costs, each at least 0."""
+
+    step_s: float  # a: every step
+    prefill_token_s: float  # b_prefill: per prompt token in a chunk
+    decode_row_s: float  # b_decode: per decoding row
+    position_s: float  # c: per cached position read
+
+    def predict(self, prefill_tokens: float, decode_rows: float, context: float) -> float:
+        return (self.step_s + self.prefill_token_s * prefill_tokens + self.decode_row_s * decode_rows
+                + self.position_s * context)
 
 
 class StepTimeModel:
@@ -38,26 +63,27 @@ class StepTimeModel:
         self.long_forget = long_forget
         self.prior_weight = prior_weight
         self.min_steps = min_steps
-        # normal equations, x = [1, tokens, context] scaled: sum of w x x^T [3, 3] and w x y [3]
-        self._xtx, self._xty = np.zeros((3, 3)), np.zeros(3)
-        self._long_xtx, self._long_xty = np.zeros((3, 3)), np.zeros(3)
-        self._coef = np.zeros(3)  # (a, b, c) in scaled units
+        # normal equations, x = [1, prefill tokens, decode rows, context] scaled:
+        # sum of w x x^T [4, 4] and w x y [4]
+        self._xtx, self._xty = np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES)
+        self._long_xtx, self._long_xty = np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES)
+        self._coef = np.zeros(FEATURES)  # in scaled units
         self.steps = 0
 
     @staticmethod
-    def _features(tokens: float, context: float) -> np.ndarray:
-        return np.array([1.0, tokens / TOKEN_SCALE, context / CONTEXT_SCALE])
+    def _features(prefill_tokens: float, decode_rows: float, context: float) -> np.ndarray:
+        return np.array([1.0, prefill_tokens / TOKEN_SCALE, decode_rows / TOKEN_SCALE, context / CONTEXT_SCALE])
 
-    def observe(self, tokens: int, context: int, seconds: float) -> None:
+    def observe(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float) -> None:
         """A finished step: refit with it."""
-        x = self._features(tokens, context)
+        x = self._features(prefill_tokens, decode_rows, context)
         xx, xy = np.outer(x, x), x * seconds
         self._xtx = self.forget * self._xtx + xx
         self._xty = self.forget * self._xty + xy
         self._long_xtx = self.long_forget * self._long_xtx + xx
         self._long_xty = self.long_forget * self._long_xty + xy
         self.steps += 1
-        eye = np.eye(3)
+        eye = np.eye(FEATURES)
         prior = _nonnegative_solve(self._long_xtx + RIDGE * eye, self._long_xty)
         w = self.prior_weight
         self._coef = _nonnegative_solve(self._xtx + w * eye, self._xty + w * prior)
@@ -67,30 +93,31 @@ class StepTimeModel:
         return self.steps >= self.min_steps
 
     @property
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a seconds, b seconds per token, c seconds per cached position), each at least 0."""
-        a, b, c = self._coef
-        return float(a), float(b) / TOKEN_SCALE, float(c) / CONTEXT_SCALE
+    def cost(self) -> StepCost:
+        a, bp, bd, c = (float(v) for v in self._coef)
+        return StepCost(a, bp / TOKEN_SCALE, bd / TOKEN_SCALE, c / CONTEXT_SCALE)
 
-    def predict(self, tokens: int, context: int) -> float:
-        """Seconds a step of `tokens` new tokens reading `context` cached positions takes."""
-        a, b, c = self.coefficients
-        return a + b * tokens + c * context
+    def predict(self, prefill_tokens: int, decode_rows: int, context: int) -> float:
+        """Seconds a step of `prefill_tokens` prompt tokens and `decode_rows` decoding rows,
+        reading `context` cached positions, takes."""
+        return self.cost.predict(prefill_tokens, decode_rows, context)
 
 
-_SUBSETS = [[i for i in range(3) if mask >> i & 1] for mask in range(1, 8)]
+_SUBSETS = [list(free) for k in range(1, FEATURES + 1) for free in combinations(range(FEATURES), k)]
 
 
 def _nonnegative_solve(m: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """argmin over beta >= 0 of beta' m beta - 2 beta' v (m [3, 3] positive definite).
+    """argmin over beta >= 0 of beta' m beta - 2 beta' v (m [n, n] positive definite).
 
     No cost is negative, and a fit solved freely and then clipped is not the best fit with
     that cost at 0: over too few distinct steps the free fit trades a negative intercept for
-    inflated per-token and per-position costs, which clipping the intercept keeps. With three
-    coefficients every set of free ones is tried; the best feasible one is the optimum."""
-    best, best_value = np.zeros(3), 0.0
-    for free in _SUBSETS:
-        beta = np.zeros(3)
+    inflated per-token and per-position costs, which clipping the intercept keeps. With four
+    coefficients every set of free ones (15) is tried; the best feasible one is the optimum."""
+    n = len(v)
+    subsets = _SUBSETS if n == FEATURES else [list(f) for k in range(1, n + 1) for f in combinations(range(n), k)]
+    best, best_value = np.zeros(n), 0.0
+    for free in subsets:
+        beta = np.zeros(n)
         beta[free] = np.linalg.solve(m[np.ix_(free, free)], v[free])
         if (beta < 0).any():
             continue

@@ -72,7 +72,7 @@ def test_a_request_that_cannot_meet_its_ttft_is_shed_at_submit_with_a_clear_erro
     engine = make_engine(slo_ttft_s=0.5)
     slo = engine.scheduler.slo
     for _ in range(COLD_STEPS + slo.model.min_steps):  # this host, as the model learned it: a second a step
-        slo.observe_step(64, 1000, 1.0)
+        slo.observe_step(64, 0, 1000, 1.0)
     col = Collector()
     # an idle engine admits whatever the prediction (controller.admit says why)
     first = col.request(engine, "Hello there", max_tokens=4)
@@ -89,7 +89,7 @@ def test_a_request_that_cannot_meet_its_ttft_is_shed_at_submit_with_a_clear_erro
     assert (error.status, error.code) == (503, "slo_overloaded")
     # a fast host again: admitted
     for _ in range(2000):
-        slo.observe_step(64, 1000, 0.001)
+        slo.observe_step(64, 0, 1000, 0.001)
     rid = col.request(engine, "Hello there", max_tokens=4)
     drain(engine)
     assert col.final(first).finish_reason == col.final(rid).finish_reason == "length"
