@@ -9,6 +9,11 @@ loaded one at a time:
                     and sheds arrivals it predicts would miss TTFT (docs/slo.md)
     s<N>_t<T>       static max_num_seqs N, max_num_batched_tokens T (--grid N:T,...)
 
+and, with --peer-slots N,..., llama.cpp's llama-server on the same weights (SmolLM2 F32 GGUF,
+perf/tritonlm_bench/llamacpp.py) with --parallel N, started for each repetition after
+tritonlm's configurations and sent the same schedules through the official openai client
+(/v1/completions, ignore_eos, cache_prompt off; tritonlm's configurations get gRPC streams).
+
 Every configuration gets the same KV room, prefix caching off and greedy answers forced to
 their length (end_id -1). Workload: --arrivals (default the Azure conversation trace, its
 lengths scaled to --prompt-tokens / --output-tokens: tritonlm/perf/trace.py), sent open loop
@@ -25,13 +30,14 @@ CSV and PNG under results/bench_goodput/.
 
     .venv/bin/python perf/bench_goodput.py [--model smollm2-135m] [--arrivals azure-conv]
         [--loads 0.5,1,1.5,2] [--count 40] [--prompt-tokens 128] [--output-tokens 32]
-        [--grid 4:128,16:512] [--slo-ttft-ms MS --slo-tpot-ms MS]
+        [--grid 4:128,16:512] [--slo-ttft-ms MS --slo-tpot-ms MS] [--reps 3] [--peer-slots 4,16]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -40,14 +46,20 @@ from tritonlm.engine.model_shape import ModelShape
 from tritonlm.export.repository import default_kv_cache_bytes
 from tritonlm.perf.goodput import Slo, parse_rates, request_metrics, summarize_run
 from tritonlm.perf.machine import describe_cpu
-from tritonlm.perf.openloop import GrpcTarget, PromptMaker, run_schedule, warm_up
+from tritonlm.perf.openloop import GrpcTarget, OpenAITarget, PromptMaker, run_schedule, warm_up
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, style_axes, table, write_csv
+from tritonlm.perf.stats import mean_ci95
 from tritonlm.perf.target import PerfError, Target
 from tritonlm.perf.trace import BUILTIN_TRACES, ScheduledRequest, build_schedule, parse_arrivals, with_rate
 from tritonlm.server import ServerStartError, TritonServer, free_ports
 from tritonlm_bench.benchrepo import link_generation_model, save_weights_once
+from tritonlm_bench.llamacpp import LlamaServer, ensure_gguf, ensure_llama_cpp
 
-CONTEXT = 1024  # or the model's positions, when fewer
+# max_context: the workload's longest request and this margin (a text prompt's token count
+# is near, not exactly, the one asked), or the model's positions when fewer. Sized to the
+# workload, the KV room stays small, and a configuration loads quickly while the previous
+# one's process still exits.
+CONTEXT_MARGIN = 64
 MAX_SEQS = 64  # the engine's default max_num_seqs: the KV room is sized for that many
 
 
@@ -66,13 +78,13 @@ class BenchRepo:
     """results/bench_goodput/repo: one entry per configuration, all linked to the weights saved
     once, all with the same KV room and prefix caching off."""
 
-    def __init__(self, out: Path, model_name: str):
+    def __init__(self, out: Path, model_name: str, longest_request: int):
         from tritonlm.models.loading import load_model
 
         model, tok, _ = load_model(model_name, progress=lambda *a, **k: None)
         self.weights = save_weights_once(model, tok, out / "weights" / model_name)
         positions = getattr(model.config, "max_position_embeddings", None) or model.config.n_positions
-        self.context = min(CONTEXT, positions)
+        self.context = min(longest_request + CONTEXT_MARGIN, positions)
         self.kv_cache_bytes = default_kv_cache_bytes(ModelShape.from_hf_config(model.config), self.context, sequences=MAX_SEQS)
         self.path = out / "repo"
 
@@ -106,24 +118,61 @@ async def measure(args, server: TritonServer, control: Target, repo: "BenchRepo"
     saturation = summarize_run(records, 0.0, slo)["throughput_rps"]
     print(f"saturation (default, {args.count} at once): {saturation:.3f} requests/s", flush=True)
     repo.add("slo", {"slo_ttft_ms": f"{slo.ttft_ms:g}", "slo_tpot_ms": f"{slo.tpot_ms:g}"})
-    previous = "default"
-    for name in configs:
-        if name != "default":
-            control.unload(previous)
-            control.load(name)
-        previous = name
-        await target.close()
-        target = GrpcTarget(server.grpc_url, name, timeout_s=600)
-        await warm_up(target, schedule_at(1.0)[:2], prompts)
+
+    async def sweep_loads(target, name: str, rep: int) -> None:
         for load in loads:
             rate = round(load * saturation, 4)
-            records = await run_schedule(target, schedule_at(rate), prompts)
-            row = {"config": name, "load": load, **summarize_run(records, rate, slo)}
+            records = await run_schedule(target, schedule_at(rate, rep), prompts)
+            row = {"config": name, "load": load, "rep": rep, **summarize_run(records, rate, slo)}
             rows.append(row)
-            print(f"[{name}] load {load:g} ({rate:.3f}/s): goodput {row['goodput_rps']:.3f}/s, attainment "
+            write_csv(Path(args.out) / "bench_goodput.csv", rows)  # so far: a run cut short keeps its points
+            print(f"[{name}] rep {rep} load {load:g} ({rate:.3f}/s): goodput {row['goodput_rps']:.3f}/s, attainment "
                   f"{row['attainment_pct']:g}%, shed {row['shed']}, errors {row['errors']}", flush=True)
+
+    loaded = "default"
+    # repetitions outside the configurations: drift on a shared host falls on every one alike
+    for rep in range(args.reps):
+        for name in configs:
+            if name != loaded:
+                control.unload(loaded)
+                control.load(name)
+                loaded = name
+            await target.close()
+            target = GrpcTarget(server.grpc_url, name, timeout_s=600)
+            await warm_up(target, schedule_at(1.0)[:2], prompts)
+            await sweep_loads(target, name, rep)
+        for slots in args.peer_slots:
+            name = f"llama-server np{slots}"
+            peer = LlamaServer(args.peer_gguf, free_ports(1)[0], args.peer_threads, Path(args.out) / "llama-server.log",
+                               slots=slots).start()
+            try:
+                await target.close()
+                target = OpenAITarget(f"http://127.0.0.1:{peer.port}", "smollm2", "none", 600,
+                                      extra_body={"cache_prompt": False})
+                await warm_up(target, schedule_at(1.0)[:2], prompts)
+                await sweep_loads(target, name, rep)
+            finally:
+                peer.stop()
     await target.close()
     return slo, saturation
+
+
+def summarize_reps(rows: list[dict]) -> list[dict]:
+    """One row per configuration and load: the mean over repetitions of each figure, and
+    the 95% confidence half-widths of goodput and attainment."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["config"], r["load"]), []).append(r)
+    summary = []
+    for (config, load), reps in groups.items():
+        row = {"config": config, "load": load, "reps": len(reps), "offered_rate": reps[0]["offered_rate"]}
+        for key in ("goodput_rps", "attainment_pct", "shed", "errors", "ttft_p99_ms", "tpot_p99_ms"):
+            mean, half = mean_ci95([float(r[key]) for r in reps])
+            row[key] = round(mean, 3)
+            if key in ("goodput_rps", "attainment_pct"):
+                row[key.replace("_rps", "").replace("_pct", "") + "_ci95"] = round(half, 3)
+        summary.append(row)
+    return summary
 
 
 def main() -> int:
@@ -140,8 +189,23 @@ def main() -> int:
     ap.add_argument("--ttft-factor", type=float, default=5.0, help="TTFT target: a lone request's times this (default 5)")
     ap.add_argument("--tpot-factor", type=float, default=2.0, help="TPOT target: a lone request's times this (default 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=1,
+                    help="repetitions, each with its own draw of the workload (seed + rep); with 2 or more the "
+                         "table shows means with 95%% confidence intervals (default 1)")
+    ap.add_argument("--peer-slots", default="",
+                    help="also llama-server with each --parallel N here, e.g. 4,16 (default none; SmolLM2 only)")
+    ap.add_argument("--peer-threads", type=int, default=2, help="llama-server -t (default 2)")
     add_out_arg(ap, "bench_goodput")
     args = ap.parse_args()
+    try:
+        args.peer_slots = [int(x) for x in args.peer_slots.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--peer-slots: {args.peer_slots!r} is not a list of slot counts (e.g. 4,16)") from None
+    if args.peer_slots:
+        if args.model != "smollm2-135m":
+            raise SystemExit("--peer-slots: llama-server gets SmolLM2's GGUF; use it with --model smollm2-135m")
+        ensure_llama_cpp(jobs=os.cpu_count() or 2)
+        args.peer_gguf = ensure_gguf("F32")
     loads = parse_rates(args.loads)
     grid = parse_grid(args.grid)
     kind, _, rest = args.arrivals.partition(":")
@@ -153,15 +217,16 @@ def main() -> int:
     cpu = describe_cpu()
     print(f"CPU: {cpu}", flush=True)
 
-    def schedule_at(rate: float | None) -> list[ScheduledRequest]:
+    def schedule_at(rate: float | None, rep: int = 0) -> list[ScheduledRequest]:
+        """The workload at `rate` (None: all at once); each repetition draws its own."""
         if rate is None:  # everything at once: the saturation run
             return [ScheduledRequest(0.0, s.prompt_tokens, s.output_tokens) for s in schedule_at(1.0)]
-        return build_schedule(with_rate(arrivals, rate), seed=args.seed, prompt_tokens=args.prompt_tokens,
+        return build_schedule(with_rate(arrivals, rate), seed=args.seed + rep, prompt_tokens=args.prompt_tokens,
                               output_tokens=args.output_tokens, count=args.count)
 
     configs: dict[str, dict[str, str]] = {"default": {}, "slo": {}}
     configs.update({f"s{n}_t{t}": {"max_num_seqs": str(n), "max_num_batched_tokens": str(t)} for n, t in grid})
-    repo = BenchRepo(out, args.model)
+    repo = BenchRepo(out, args.model, args.prompt_tokens + args.output_tokens)
     for name, params in configs.items():
         repo.add(name, params)  # slo: again once its targets are known
     prompts = PromptMaker(str(repo.weights), args.seed)
@@ -187,22 +252,31 @@ def main() -> int:
     for line in decisions[:20]:
         print(f"  {line}")
 
-    default = {r["load"]: r["goodput_rps"] for r in rows if r["config"] == "default"}
-    for r in rows:
+    summary = summarize_reps(rows) if args.reps > 1 else rows
+    default = {r["load"]: r["goodput_rps"] for r in summary if r["config"] == "default"}
+    for r in summary:
         r["goodput_vs_default"] = round(r["goodput_rps"] / default[r["load"]], 2) if default.get(r["load"]) else float("nan")
     columns = ["config", "load", "offered_rate", "sent_rate", "goodput_rps", "goodput_vs_default", "attainment_pct", "ok", "shed", "errors",
                "ttft_p99_ms", "tpot_p99_ms", "send_lag_max_ms"]
+    if args.reps > 1:
+        columns = ["config", "load", "offered_rate", "goodput_rps", "goodput_ci95", "goodput_vs_default", "attainment_pct",
+                   "attainment_ci95", "shed", "ttft_p99_ms", "tpot_p99_ms"]
     print()
-    print(table(rows, columns, title=f"{args.model}, {args.arrivals}, {args.count} requests a point, {slo.describe()}, "
-                                     f"saturation {saturation:.3f}/s (CPU: {cpu})"))
-    print(f"wrote {write_csv(out / 'bench_goodput.csv', [{**r, 'slo_ttft_ms': slo.ttft_ms, 'slo_tpot_ms': slo.tpot_ms, 'cpu': cpu} for r in rows])}")
+    reps = f", {args.reps} repetitions (means, 95% CI half-widths)" if args.reps > 1 else ""
+    print(table(summary, columns, title=f"{args.model}, {args.arrivals}, {args.count} requests a point{reps}, {slo.describe()}, "
+                                        f"saturation {saturation:.3f}/s (CPU: {cpu})"))
+    extra = {"slo_ttft_ms": slo.ttft_ms, "slo_tpot_ms": slo.tpot_ms, "cpu": cpu}
+    print(f"wrote {write_csv(out / 'bench_goodput.csv', [{**r, **extra} for r in rows])}")
+    if args.reps > 1:
+        print(f"wrote {write_csv(out / 'bench_goodput_summary.csv', [{**r, **extra} for r in summary])}")
     made = optional_figure(figsize=(7, 4.5))
     if made:
         fig, ax = made
-        for name in configs:
-            mine = [r for r in rows if r["config"] == name]
-            ax.plot([r["offered_rate"] for r in mine], [r["goodput_rps"] for r in mine], "o-", label=name)
-        offered = [r["offered_rate"] for r in rows if r["config"] == "default"]
+        for name in dict.fromkeys(r["config"] for r in summary):
+            mine = [r for r in summary if r["config"] == name]
+            ax.errorbar([r["offered_rate"] for r in mine], [r["goodput_rps"] for r in mine],
+                        yerr=[r.get("goodput_ci95", 0.0) for r in mine], fmt="o-", capsize=3, label=name)
+        offered = [r["offered_rate"] for r in summary if r["config"] == "default"]
         ax.plot(offered, offered, ":", color="grey", label="offered")
         style_axes(ax, "offered load (requests/s)", "goodput (requests/s)", f"{args.model}: {slo.describe()}")
         print(f"wrote {save_figure(fig, out / 'bench_goodput.png')}")

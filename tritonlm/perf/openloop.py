@@ -98,7 +98,9 @@ class PromptMaker:
 class OpenAITarget:
     """Streaming /v1/completions at base_url (…/v1 added when missing)."""
 
-    def __init__(self, url: str, model: str, api_key: str, timeout_s: float):
+    def __init__(self, url: str, model: str, api_key: str, timeout_s: float, extra_body: dict | None = None):
+        """extra_body: fields added to every request beside `ignore_eos` (a server's own
+        options, such as llama-server's `cache_prompt`)."""
         import openai
 
         base = url.rstrip("/")
@@ -107,6 +109,7 @@ class OpenAITarget:
         if not base.endswith("/v1"):
             base += "/v1"
         self.url, self.model = base, model
+        self.extra_body = {"ignore_eos": True, **(extra_body or {})}
         self._openai = openai
         self.client = openai.AsyncOpenAI(base_url=base, api_key=api_key, max_retries=0, timeout=timeout_s)
 
@@ -115,7 +118,7 @@ class OpenAITarget:
         try:
             stream = await self.client.completions.create(
                 model=self.model, prompt=prompt, max_tokens=record.output_tokens, stream=True,
-                stream_options={"include_usage": True}, temperature=0, extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True}, temperature=0, extra_body=self.extra_body,
             )
             async for chunk in stream:
                 now = clock()
