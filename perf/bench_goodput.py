@@ -144,7 +144,7 @@ async def measure(args, server: TritonServer, control: Target, repo: "BenchRepo"
         for slots in args.peer_slots:
             name = f"llama-server np{slots}"
             peer = LlamaServer(args.peer_gguf, free_ports(1)[0], args.peer_threads, Path(args.out) / "llama-server.log",
-                               slots=slots).start()
+                               slots=slots, slot_context=repo.context).start()
             try:
                 await target.close()
                 target = OpenAITarget(f"http://127.0.0.1:{peer.port}", "smollm2", "none", 600,
@@ -197,6 +197,8 @@ def main() -> int:
     ap.add_argument("--peer-threads", type=int, default=2, help="llama-server -t (default 2)")
     add_out_arg(ap, "bench_goodput")
     args = ap.parse_args()
+    if args.reps < 1:
+        raise SystemExit(f"--reps: at least 1, got {args.reps}")
     try:
         args.peer_slots = [int(x) for x in args.peer_slots.split(",") if x.strip()]
     except ValueError:

@@ -75,6 +75,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(slow_repo):
 
         results: dict = {}
         served = requests_arrived(serve.metrics, "slow")  # the reference round's, already finished
+        assert served >= STREAMS, serve.output
         threads = run_streams(serve.grpc, TOKENS, results)
         assert wait_for_requests(serve.metrics, "slow", STREAMS, since=served), serve.output  # all sent before the signal
         assert len(results) < STREAMS  # streams are in flight when the signal comes

@@ -124,7 +124,7 @@ class TritonMetrics:
                      "Requests judged against slo_ttft_ms / slo_tpot_ms: met both, missed one, or shed at arrival",
                      pb_utils.MetricFamily.COUNTER)
         self.slo_requests = {o: counter("", "", {"outcome": o}, fam) for o in SLO_OUTCOMES}
-        self.slo_budget = gauge("tritonlm_slo_token_budget", "SLO controller: new tokens allowed in the next step")
+        self.slo_budget = gauge("tritonlm_slo_token_budget", "SLO controller: new tokens allowed in the last step (the steady budget and the TPOT slack it spent)")
         self.slo_cap = gauge("tritonlm_slo_running_cap", "SLO controller: sequences allowed to run")
         self.slo_ttft = gauge("tritonlm_slo_predicted_ttft_seconds", "SLO controller: the last arrival's predicted time to first token")
         self.slo_tpot = gauge("tritonlm_slo_predicted_tpot_seconds", "SLO controller: the next step's predicted seconds (the running streams' TPOT)")

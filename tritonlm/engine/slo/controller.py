@@ -26,9 +26,6 @@ OUTPUT_RATIO_ALPHA = 0.1  # weight of each finished request in the output-length
 # would shed requests the host can serve
 COLD_STEPS = 4
 SLACK_SHARE = 0.5  # of a stream's TPOT slack, the most one step may spend
-# a stream is counted on for at most this many more tokens: slack it would bank later is a
-# bet on its length, and an answer may end at any token (EOS), so the bet is kept short
-SLACK_LOOKAHEAD = 16
 TYPICAL_ALPHA = 0.1  # weight of each step's seconds in the typical step's
 
 
@@ -72,6 +69,8 @@ class SloController:
         self.steps_seen += 1
         if self.steps_seen > COLD_STEPS:
             self.model.observe(prefill_tokens, decode_rows, context, seconds)
+            if self.typical_step_s == 0.0:
+                self.typical_step_s = seconds
             self.typical_step_s += TYPICAL_ALPHA * (seconds - self.typical_step_s)
 
     def request_finished(self, generated: int, max_tokens: int) -> None:
@@ -110,9 +109,11 @@ class SloController:
             self._apply(budget, cap)
             # on top of the steady budget, this step may spend slack the running streams have
             # banked (decode steps shorter than the target) or will bank before they end
-            limit = self._slack_limit(decoding, decode_s, tau)
-            slack_tokens = rows + self._chunk_tokens(limit - decode_s - cost.position_s * per_row, cost)
-            step_budget = max(self.budget, _quantized(int(min(slack_tokens, self.max_tokens)), self.max_tokens))
+            step_budget = self.budget
+            if cost.prefill_token_s > 0:  # a prompt cost fitted at 0 says nothing of what slack buys
+                limit = self._slack_limit(decoding, decode_s, tau)
+                slack_tokens = rows + self._chunk_tokens(limit - decode_s - cost.position_s * per_row, cost)
+                step_budget = max(self.budget, _quantized(int(min(slack_tokens, self.max_tokens)), self.max_tokens))
         else:
             self._apply(budget, cap)
             step_budget = self.budget
@@ -134,19 +135,19 @@ class SloController:
         the slack already banked is offered.
 
         A stream's TPOT is the mean gap over its answer, not the longest one: one that has
-        run decode steps shorter than the target, or has many tokens still to make, can
+        run decode steps shorter than the target, or that will make many more tokens, can
         carry a longer step now (a prefill chunk that gets a waiting request its first token
-        sooner) and still end on target. Each stream offers SLACK_SHARE of its slack, so
-        that one step does not spend all of it and the next arrivals find some. Its length
-        is estimated from the answers that finished (their share of max_tokens), and at most
-        SLACK_LOOKAHEAD tokens past where it is; a stream that ends sooner than that has
-        offered slack it did not have, which the headroom and the share cover."""
+        sooner) and still end on target. Only tokens it is sure to make count: an answer may
+        end at any token where an end token, a stop string or a guide can end it, so there
+        only the slack banked so far (and what min_tokens holds) is offered; an answer forced
+        to its length offers its whole max_tokens. Each stream offers
+        SLACK_SHARE of its slack, so that one step does not spend all of it and the next
+        arrivals find some."""
         limit = math.inf
         future_s = max(decode_s, self.typical_step_s)
         for seq in decoding:
             made = seq.num_output_tokens
-            expected = max(made + 1, min(math.ceil(seq.request.params.max_tokens * self.output_ratio),
-                                         made + SLACK_LOOKAHEAD))
+            expected = max(made + 1, _certain_tokens(seq))
             spent = (seq.last_token_time - seq.first_token_time) if seq.first_token_time is not None else 0.0
             allowed = tau * (expected - 1) - spent - (expected - made - 1) * future_s  # this step's most
             limit = min(limit, decode_s + SLACK_SHARE * (allowed - decode_s))
@@ -232,6 +233,17 @@ def ahead_of(priority: int, waiting) -> list:
     """The queued requests that run before a new one of `priority`: better priority (lower),
     or equal and there first (all of `waiting` arrived before it)."""
     return [s for s in waiting if s.request.priority <= priority]
+
+
+def _certain_tokens(seq) -> int:
+    """Output tokens the sequence will make whatever it generates: max_tokens when nothing
+    but the length can end it, min_tokens when only an end token can (min_tokens holds those
+    back), none when a stop string or a finished guide can end it at any token."""
+    params = seq.request.params
+    if params.stop_words or params.guided is not None:
+        return 0
+    ends = seq.sampling.end_ids if seq.sampling is not None else ()
+    return params.min_tokens if ends else params.max_tokens
 
 
 def _quantized(budget: int, limit: int) -> int:

@@ -2,8 +2,8 @@
 
     step_seconds ~ a + b_prefill * prefill_tokens + b_decode * decode_rows + c * context
 
-`prefill_tokens` are the prompt tokens a forward pass runs in chunks (and a verify row's
-tokens past its first), `decode_rows` the rows that each add one token to a running answer,
+`prefill_tokens` are the prompt tokens a forward pass runs in chunks, `decode_rows` the rows
+that each add a token to a running answer (a speculative verify row counts as one),
 `context` the KV positions the pass reads (each row's cached length after it, summed). On a
 CPU the pass streams every weight once (a), then pays per token for the projections and
 per cached position for attention (c). A prefill token and a decode row cost different
@@ -13,7 +13,8 @@ attention over the chunk's own positions, and on the CPU the two take different 
 One per-token cost fitted over both would be wrong for each, and the controller sizes the
 running cap by one and the prefill budget by the other.
 
-The fit is least squares with exponential forgetting: every finished step adds its
+The two per-token costs are tied (TIE) unless the steps tell them apart. The fit is least
+squares with exponential forgetting: every finished step adds its
 sample with weight 1, and older samples fade by `forget` per step, so the fit follows a
 change (another tenant on the host, longer prompts, a governor resizing the thread team)
 within ~1 / (1 - forget) steps. A steady load barely moves some directions (a constant
@@ -36,6 +37,20 @@ TOKEN_SCALE = 100.0
 CONTEXT_SCALE = 10_000.0
 RIDGE = 1e-6  # keeps the long-run solve defined before every direction has been seen
 FEATURES = 4
+PRIOR_EVERY = 8  # steps between solves of the long-memory fit
+# A prompt token and a decoding row are fitted as one cost unless the steps say otherwise:
+# (b_prefill - b_decode)^2 is penalized with this fraction of the steps' own weight in the
+# weaker of those two directions. Where steps barely tell a decoding row from the step's fixed cost (few
+# rows, always some), a free fit trades one for the other (no fixed cost, a huge per-row
+# cost); tied to the prompt-token cost, which chunks of every size pin down, it cannot.
+TIE = 0.01
+_TIE_DIRECTION = np.array([0.0, 1.0, -1.0, 0.0])
+
+
+def _tied(xtx: np.ndarray) -> np.ndarray:
+    """Normal equations with the tie between the prompt-token and decoding-row costs."""
+    weight = TIE * min(xtx[1, 1], xtx[2, 2])
+    return xtx + weight * np.outer(_TIE_DIRECTION, _TIE_DIRECTION)
 
 
 class StepCost(NamedTuple):
@@ -68,6 +83,7 @@ class StepTimeModel:
         self._xtx, self._xty = np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES)
         self._long_xtx, self._long_xty = np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES)
         self._coef = np.zeros(FEATURES)  # in scaled units
+        self._prior = np.zeros(FEATURES)  # the long-memory fit, the short one's ridge target
         self.steps = 0
 
     @staticmethod
@@ -84,9 +100,10 @@ class StepTimeModel:
         self._long_xty = self.long_forget * self._long_xty + xy
         self.steps += 1
         eye = np.eye(FEATURES)
-        prior = _nonnegative_solve(self._long_xtx + RIDGE * eye, self._long_xty)
+        if self.steps % PRIOR_EVERY == 1 or PRIOR_EVERY == 1:  # the long memory moves slowly
+            self._prior = _nonnegative_solve(_tied(self._long_xtx) + RIDGE * eye, self._long_xty)
         w = self.prior_weight
-        self._coef = _nonnegative_solve(self._xtx + w * eye, self._xty + w * prior)
+        self._coef = _nonnegative_solve(_tied(self._xtx) + w * eye, self._xty + w * self._prior)
 
     @property
     def ready(self) -> bool:

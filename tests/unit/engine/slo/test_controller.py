@@ -333,3 +333,41 @@ def test_the_scheduler_reports_prompt_tokens_and_decoding_rows_apart(monkeypatch
     simulate(arrivals(lambda t: 8.0, 10, seed=8), host=CountingHost())
     assert reported == ran
     assert any(p and r for p, r in ran) and any(r and not p for p, r in ran)  # mixed and decode-only steps
+
+
+def test_an_answer_that_may_end_at_any_token_offers_only_its_banked_slack():
+    """Slack a stream would bank later is only offered where its length is certain: an
+    answer an end token can stop may end after this very step, and its TPOT must hold then."""
+    from types import SimpleNamespace
+
+    from tritonlm.engine.slo.controller import SLACK_SHARE
+
+    ctl = SloController(TARGETS, 64, 512)
+    tau, decode_s = TPOT_S * 0.9, 0.012
+
+    def stream(end_ids, made, spent, **params):
+        req = GenerationRequest([1] * 10, SamplingParams(max_tokens=64, **params), on_event=lambda e: None)
+        seq = Sequence(request=req, token_ids=[1] * 10 + [2] * made, sampling=SimpleNamespace(end_ids=end_ids),
+                       detok=None, reserve_tokens=74)
+        seq.first_token_time, seq.last_token_time = 0.0, spent
+        return seq
+
+    # may end (EOS): one token made, nothing banked: this step may take the target, and half
+    # the way there from a decode step
+    assert ctl._slack_limit([stream([0], 1, 0.0)], decode_s, tau) == pytest.approx(decode_s + SLACK_SHARE * (tau - decode_s))
+    # eleven tokens made in 0.1 s: with this step's token, 11 gaps at tau less the 0.1 s spent
+    banked = tau * 11 - 0.1
+    assert ctl._slack_limit([stream([0], 11, 0.1)], decode_s, tau) == pytest.approx(decode_s + SLACK_SHARE * (banked - decode_s))
+    # forced to 64 tokens: the 62 steps still to come at decode_s bank slack as well
+    forced = tau * 63 - 0.0 - 62 * decode_s
+    assert ctl._slack_limit([stream([], 1, 0.0)], decode_s, tau) == pytest.approx(decode_s + SLACK_SHARE * (forced - decode_s))
+    # the tightest stream decides
+    assert ctl._slack_limit([stream([], 1, 0.0), stream([0], 1, 0.0)], decode_s, tau) == pytest.approx(
+        decode_s + SLACK_SHARE * (tau - decode_s))
+    # a stop string ends an answer at any token, min_tokens or not; an end token only past
+    # min_tokens, so those steps bank slack too
+    may_stop = decode_s + SLACK_SHARE * (tau - decode_s)
+    assert ctl._slack_limit([stream([], 1, 0.0, stop_words=("x",))], decode_s, tau) == pytest.approx(may_stop)
+    assert ctl._slack_limit([stream([0], 1, 0.0, min_tokens=32, stop_words=("x",))], decode_s, tau) == pytest.approx(may_stop)
+    held = tau * 31 - 30 * decode_s
+    assert ctl._slack_limit([stream([0], 1, 0.0, min_tokens=32)], decode_s, tau) == pytest.approx(decode_s + SLACK_SHARE * (held - decode_s))

@@ -113,3 +113,19 @@ def test_single_row_steps_are_predicted_and_no_cost_is_negative():
     assert min(model.cost) >= 0
     for shape in ((0, 1, 200), (16, 0, 200), (64, 0, 300)):
         assert model.predict(*shape) == pytest.approx(truth.predict(*shape), rel=0.15)
+
+
+def test_a_row_count_that_never_varies_leaves_the_row_cost_tied_to_the_token_cost():
+    """Every step runs the same two decoding rows: the steps cannot tell a decoding row's
+    cost from the step's fixed cost at all. The fit takes the prompt-token cost for the row
+    (the tie), so the fixed cost is the rest, and a step of many rows is predicted from it."""
+    rng = random.Random(9)
+    model = StepTimeModel()
+    truth = StepCost(0.020, 0.0017, 0.0017, 0.0)
+    for _ in range(400):
+        prefill = rng.choice([0, 16, 64, 128])
+        model.observe(prefill, 2, 0, truth.predict(prefill, 2, 0) * (1 + rng.gauss(0, 0.02)))
+    cost = model.cost
+    assert cost.decode_row_s == pytest.approx(cost.prefill_token_s, rel=0.1)
+    assert cost.step_s == pytest.approx(truth.step_s, rel=0.1)
+    assert model.predict(0, 32, 0) == pytest.approx(truth.predict(0, 32, 0), rel=0.1)
