@@ -191,6 +191,7 @@ class Engine:
             self.scheduler.check_slo(seq, self._inbox + list(self._loading.values()))
             if pending is not None:  # queued when its adapter is ready (_adapter_loaded)
                 self._loading[seq.id] = seq
+                self._cond.notify()  # an idle loop now waits with queue_timeout_s in view
             else:
                 if self._idle:  # owed a step from now, not from the last step before the idle time
                     self._step_at = time.time()  # before the append: a beat never pairs the request with the old mark
@@ -311,10 +312,11 @@ class Engine:
             idle_since = None
             with self._cond:
                 while (not self._stop and not self._inbox and not self._cancel and not self._load_failures
-                       and not self.has_work()):
+                       and not self.has_work() and not self._loading_overdue()):
                     idle_since = idle_since or time.monotonic()
                     self._idle = True
-                    self._cond.wait(timeout=EXPIRY_CHECK_S if self.scheduler.num_waiting else None)
+                    timed = self.scheduler.num_waiting or (self._loading and self.queue_timeout_s > 0)
+                    self._cond.wait(timeout=EXPIRY_CHECK_S if timed else None)
                 self._idle = False
                 if self._stop:
                     break
@@ -334,6 +336,13 @@ class Engine:
             self._sec_per_token = max(self._sec_per_token, seconds / tokens)
             self._longest_step_s = max(self._longest_step_s, seconds)
             self._steps_done += 1
+
+    def _loading_overdue(self) -> bool:
+        """A request waiting for its adapter has waited past queue_timeout_s (lock held)."""
+        if not self._loading or self.queue_timeout_s <= 0:
+            return False
+        now = time.monotonic()
+        return any(seq.waited(now) > self.queue_timeout_s for seq in self._loading.values())
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -386,6 +395,12 @@ class Engine:
             failed, self._load_failures = self._load_failures, []
             # cancelled while their adapter loads: they leave now (the load goes on for others)
             cancelled_loading = [self._loading.pop(rid) for rid in cancel if rid in self._loading]
+            # a request waiting for its adapter is queued too: a load that hangs (a stalled
+            # volume) must not hold it for good; the load goes on for the requests after it.
+            # Checked at every intake: the idle loop wakes for it (_loading_overdue)
+            now = time.monotonic()
+            overdue = [rid for rid, seq in self._loading.items() if 0 < self.queue_timeout_s < seq.waited(now)]
+            expired = [self._loading.pop(rid) for rid in overdue]
         for seq, why in failed:
             self.output.fail(seq, why)
         for seq in cancelled_loading:
@@ -396,6 +411,12 @@ class Engine:
             seq = self.scheduler.get(rid)
             if seq is not None:
                 self.output.finish(seq, "cancelled")
+        for seq in expired:
+            self.output.fail(
+                seq,
+                f"lora_name: timed out after waiting {seq.waited(now):.1f} s for LoRA adapter "
+                f"{seq.request.lora.name!r} to load (queue_timeout_s={self.queue_timeout_s}); retry later",
+            )
         now = time.monotonic()
         if self.queue_timeout_s > 0 and now - self._last_expiry_check >= EXPIRY_CHECK_S:
             self._last_expiry_check = now

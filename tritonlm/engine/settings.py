@@ -472,7 +472,7 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("max_num_seqs", "64", "most sequences in one forward pass"),
     _P("max_num_batched_tokens", "512", "most new tokens in one forward pass (prefill is chunked to fit)"),
     _P("max_queue_size", "1024", "requests that may wait; one more is refused as \"server busy\""),
-    _P("queue_timeout_s", "0", "seconds a request may wait in the queue before it fails; 0: no limit"),
+    _P("queue_timeout_s", "0", "seconds a request may wait in the queue (or for its LoRA adapter to load) before it fails; 0: no limit"),
     _P("slo_ttft_ms", "0",
        "time-to-first-token SLO in ms; set, a request predicted to miss it is refused at arrival (503 with "
        "Retry-After at the OpenAI API: [slo.md](slo.md)); 0: none"),

@@ -324,78 +324,132 @@ def test_prompt_log_probs_are_refused_beyond_twenty():
         Collector().request(overlap_engine(False), "x", prompt_log_probs=21)
 
 
+class HeldLoraRig:
+    """An engine on a tiny Llama whose registry serves two PEFT adapters: `slow`, whose load
+    on the loader thread waits for `release` (an Event the test sets; `loading` is set once
+    it waits), and `dora`, refused at its load. `merged`: PEFT's merged model of `slow`."""
+
+    def __init__(self, tmp_path, **engine_kw):
+        import threading
+
+        pytest.importorskip("peft")
+        from tests.helpers.lora import make_adapter, write_config
+        from tests.helpers.models import tiny_llama
+        from tests.helpers.servers import HANG_GUARD_S
+        from tritonlm.engine.engine import Engine
+        from tritonlm.engine.kv_cache import KVCacheManager
+        from tritonlm.engine.lora import attach_lora
+        from tritonlm.engine.lora.registry import LoraRegistry
+        from tritonlm.engine.runners.torch_runner import TorchRunner
+        from tritonlm.engine.scheduler import SchedulerConfig
+        from tritonlm.models.builtin import tiny_tokenizer
+
+        self.model = tiny_llama()
+        self.merged = make_adapter(self.model, tmp_path / "slow", seed=5, r=4, lora_alpha=8, target_modules="all-linear")
+        make_adapter(self.model, tmp_path / "dora", seed=6, r=4, lora_alpha=8, target_modules=["q_proj"])
+        write_config(tmp_path / "dora", use_dora=True)
+        runner = TorchRunner(self.model)
+        attach_lora(runner.transformer)
+        self.registry = LoraRegistry(runner.transformer, {"slow": tmp_path / "slow", "dora": tmp_path / "dora"})
+        self.loading, self.release = threading.Event(), threading.Event()
+
+        def held(name: str) -> None:
+            if name == "slow":
+                self.loading.set()
+                assert self.release.wait(HANG_GUARD_S)
+
+        self.registry.before_load = held
+        cache = KVCacheManager(runner.spec, 64 * 4 * runner.spec.bytes_per_token, 4, allocate_kv=runner.allocate_kv)
+        self.engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(), max_context=128, **engine_kw)
+        self.engine.lora_registry = self.registry
+        self.events: dict[int, list] = {}
+        self.done: dict[int, threading.Event] = {}
+
+    def submit(self, prompt: list[int], lora) -> int:
+        import threading
+
+        from tritonlm.engine.request import GenerationRequest, SamplingParams
+
+        req = GenerationRequest(list(prompt), SamplingParams(max_tokens=8, end_id=-1), self._on_event, lora=lora)
+        self.events[req.request_id], self.done[req.request_id] = [], threading.Event()
+        self.engine.submit(req)
+        return req.request_id
+
+    def tokens(self, rid: int) -> list[int]:
+        return [t for e in self.events[rid] for t in e.token_ids]
+
+    def _on_event(self, ev) -> None:
+        self.events[ev.request_id].append(ev)
+        if ev.finished:
+            self.done[ev.request_id].set()
+
+
 def test_a_cold_lora_adapter_loads_off_the_step_loop_while_base_requests_run(tmp_path):
     """A request under an adapter that is not loaded waits in the engine while the registry's
     loader thread loads it (held back here on an Event the test controls): a base request sent
     after it is served meanwhile; once the load is let go, the adapter request runs and equals
     PEFT's merged model; an adapter refused at its load fails its own request only, naming why."""
-    import threading
-
-    pytest.importorskip("peft")
-    from tests.helpers.lora import make_adapter, write_config
-    from tests.helpers.models import hf_greedy_ids, random_tokens, tiny_llama
+    from tests.helpers.models import hf_greedy_ids, random_tokens
     from tests.helpers.servers import HANG_GUARD_S
-    from tritonlm.engine.engine import Engine
-    from tritonlm.engine.kv_cache import KVCacheManager
-    from tritonlm.engine.lora import attach_lora
-    from tritonlm.engine.lora.registry import LoraRegistry, PendingAdapter
-    from tritonlm.engine.request import GenerationRequest, SamplingParams
-    from tritonlm.engine.runners.torch_runner import TorchRunner
-    from tritonlm.engine.scheduler import SchedulerConfig
-    from tritonlm.models.builtin import tiny_tokenizer
+    from tritonlm.engine.lora.registry import PendingAdapter
 
-    model = tiny_llama()
-    merged = make_adapter(model, tmp_path / "slow", seed=5, r=4, lora_alpha=8, target_modules="all-linear")
-    make_adapter(model, tmp_path / "dora", seed=6, r=4, lora_alpha=8, target_modules=["q_proj"])
-    write_config(tmp_path / "dora", use_dora=True)
-    runner = TorchRunner(model)
-    attach_lora(runner.transformer)
-    registry = LoraRegistry(runner.transformer, {"slow": tmp_path / "slow", "dora": tmp_path / "dora"})
-    loading, release = threading.Event(), threading.Event()
-
-    def held(name: str) -> None:
-        if name == "slow":
-            loading.set()
-            assert release.wait(HANG_GUARD_S)
-
-    registry.before_load = held
-    cache = KVCacheManager(runner.spec, 64 * 4 * runner.spec.bytes_per_token, 4, allocate_kv=runner.allocate_kv)
-    engine = Engine(runner, tiny_tokenizer(), cache, SchedulerConfig(), max_context=128)
-    engine.lora_registry = registry
-    events: dict[int, list] = {}
-    done: dict[int, threading.Event] = {}
-
-    def submit(prompt: list[int], lora) -> int:
-        req = GenerationRequest(list(prompt), SamplingParams(max_tokens=8, end_id=-1), on_event, lora=lora)
-        events[req.request_id], done[req.request_id] = [], threading.Event()
-        engine.submit(req)
-        return req.request_id
-
-    def on_event(ev) -> None:
-        events[ev.request_id].append(ev)
-        if ev.finished:
-            done[ev.request_id].set()
-
+    rig = HeldLoraRig(tmp_path)
+    registry, done, events = rig.registry, rig.done, rig.events
     prompt = random_tokens(9, seed=4)
-    engine.start()
+    rig.engine.start()
     try:
         pending = registry.acquire("slow")
         assert isinstance(pending, PendingAdapter) and registry.acquire("slow") is pending  # one load, shared
-        slow = submit(prompt, pending)
-        assert loading.wait(HANG_GUARD_S)
-        base = submit(prompt, None)
+        slow = rig.submit(prompt, pending)
+        assert rig.loading.wait(HANG_GUARD_S)
+        base = rig.submit(prompt, None)
         assert done[base].wait(HANG_GUARD_S)  # served while the adapter still loads
-        assert [t for e in events[base] for t in e.token_ids] == hf_greedy_ids(model, prompt, 8)
+        assert rig.tokens(base) == hf_greedy_ids(rig.model, prompt, 8)
         assert events[slow] == [] and not pending.future.done()
-        release.set()
+        rig.release.set()
         assert done[slow].wait(HANG_GUARD_S)
-        assert [t for e in events[slow] for t in e.token_ids] == hf_greedy_ids(merged, prompt, 8)
+        assert rig.tokens(slow) == hf_greedy_ids(rig.merged, prompt, 8)
         assert registry.resident == ["slow"] and registry.acquire("slow") is pending.future.result()
-        bad = submit(prompt, registry.acquire("dora"))
-        again = submit(prompt, None)
+        bad = rig.submit(prompt, registry.acquire("dora"))
+        again = rig.submit(prompt, None)
         assert done[bad].wait(HANG_GUARD_S) and done[again].wait(HANG_GUARD_S)
         assert events[bad][-1].error.startswith("lora_name: LoRA adapter 'dora': use_dora=True: DoRA")
         assert events[again][-1].finish_reason == "length"
     finally:
-        release.set()
-        engine.shutdown()
+        rig.release.set()
+        rig.engine.shutdown()
+
+
+def test_a_request_whose_adapter_load_hangs_times_out_like_a_queued_one(tmp_path):
+    """queue_timeout_s holds for a request waiting for its adapter as for one waiting for a
+    slot: a load that hangs (held here until the test lets it go) fails the request with an
+    error naming the adapter and the setting, while base requests are served; the load goes
+    on, and a later request under the adapter runs on it. After shutdown the registry starts
+    no loader again: a request for a cold adapter is told the model is shutting down."""
+    from tests.helpers.models import hf_greedy_ids, random_tokens
+    from tests.helpers.servers import HANG_GUARD_S
+    from tritonlm.engine.request import ServerBusyError
+
+    rig = HeldLoraRig(tmp_path, queue_timeout_s=0.05)
+    prompt = random_tokens(7, seed=11)
+    rig.engine.start()
+    try:
+        stuck = rig.submit(prompt, rig.registry.acquire("slow"))
+        assert rig.loading.wait(HANG_GUARD_S)
+        assert rig.done[stuck].wait(HANG_GUARD_S)  # the idle loop woke for it: nothing else ran
+        error = rig.events[stuck][-1].error
+        assert error.startswith("lora_name: timed out after waiting") and "'slow'" in error, error
+        assert "queue_timeout_s=0.05" in error and rig.tokens(stuck) == []
+        rig.engine.queue_timeout_s = 0.0  # the requests below must not race a 50 ms timeout on a busy host
+        base = rig.submit(prompt, None)
+        assert rig.done[base].wait(HANG_GUARD_S) and rig.tokens(base) == hf_greedy_ids(rig.model, prompt, 8)
+        rig.release.set()
+        adapter = rig.registry.acquire("slow")
+        adapter = adapter.future.result(HANG_GUARD_S) if hasattr(adapter, "future") else adapter
+        later = rig.submit(prompt, adapter)
+        assert rig.done[later].wait(HANG_GUARD_S) and rig.tokens(later) == hf_greedy_ids(rig.merged, prompt, 8)
+    finally:
+        rig.release.set()
+        rig.engine.shutdown()
+    with pytest.raises(ServerBusyError, match="shutting down"):
+        rig.registry.acquire("dora")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from tritonlm.engine.lora.adapter import LoraAdapter, load_adapter
+from tritonlm.engine.request import ServerBusyError
 from tritonlm.engine.threads import set_os_thread_name
 
 LOADER_THREAD = "tritonlm-lora"  # the background loader, named for the OS too (threads.py)
@@ -66,6 +67,7 @@ class LoraRegistry:
         self._loaded: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()  # LRU first
         self._pending: dict[str, PendingAdapter] = {}  # background loads under way, by name
         self._loader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False  # close(): no loader thread starts again
         self.loads = 0  # adapters loaded from their folders (first uses, reloads after evictions)
         self.evictions = 0
         self.requests: collections.Counter[str] = collections.Counter()  # get() / acquire() calls, by name
@@ -121,8 +123,11 @@ class LoraRegistry:
     def acquire(self, name: str) -> LoraAdapter | PendingAdapter:
         """The adapter `name` if it is loaded, else a PendingAdapter whose load runs on the
         loader thread (one load per name at a time, shared by the requests that wait for it).
-        ValueError for an unknown name, at once."""
+        ValueError for an unknown name, at once; ServerBusyError after close() (the model is
+        shutting down)."""
         with self._lock:
+            if self._closed:
+                raise ServerBusyError("the model is shutting down; retry on another instance")
             found = self._lookup(name)
             if isinstance(found, LoraAdapter):
                 return found
@@ -180,9 +185,11 @@ class LoraRegistry:
 
     def close(self) -> None:
         """Stop the loader thread once the load under way (if any) ends; queued loads are
-        dropped (their requests end with the engine's shutdown)."""
+        dropped (their requests end with the engine's shutdown), and acquire() refuses from
+        now on rather than start another loader."""
         with self._lock:
             loader, self._loader = self._loader, None
+            self._closed = True
         if loader is not None:
             loader.shutdown(wait=False, cancel_futures=True)
 
