@@ -176,9 +176,8 @@ class Scheduler:
         self.ledger.step_done([seq for seq, _ in plan if seq.state is not SeqState.FINISHED])
         if self.slo is not None:
             # a row that started the pass past its prompt decodes (a speculative verify row
-            # counts as one: its guesses' cost folds into the decoding-row cost); a row's
-            # tokens past its first count as prompt tokens; each row's cached positions after
-            # the pass are what its attention read
+            # counts as one, its guesses as prompt tokens: they run like a chunk's); each
+            # row's cached positions after the pass are what its attention read
             decode_rows = sum(1 for seq, n in plan if seq.num_computed - n >= seq.num_prompt_tokens)
             tokens = sum(n for _, n in plan)
             self.slo.observe_step(tokens - decode_rows, decode_rows, sum(seq.num_computed for seq, _ in plan), seconds)

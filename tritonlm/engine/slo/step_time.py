@@ -2,8 +2,9 @@
 
     step_seconds ~ a + b_prefill * prefill_tokens + b_decode * decode_rows + c * context
 
-`prefill_tokens` are the prompt tokens a forward pass runs in chunks, `decode_rows` the rows
-that each add a token to a running answer (a speculative verify row counts as one),
+`prefill_tokens` are the prompt tokens a forward pass runs in chunks (and a speculative verify
+row's guesses, which run like a chunk's), `decode_rows` the rows that each add a token to a
+running answer (a verify row counts as one),
 `context` the KV positions the pass reads (each row's cached length after it, summed). On a
 CPU the pass streams every weight once (a), then pays per token for the projections and
 per cached position for attention (c). A prefill token and a decode row cost different
