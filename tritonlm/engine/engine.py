@@ -339,10 +339,13 @@ class Engine:
 
     def _loading_overdue(self) -> bool:
         """A request waiting for its adapter has waited past queue_timeout_s (lock held)."""
+        return bool(self._overdue_loading(time.monotonic()))
+
+    def _overdue_loading(self, now: float) -> list[int]:
+        """Ids of the requests waiting for their adapter past queue_timeout_s (lock held)."""
         if not self._loading or self.queue_timeout_s <= 0:
-            return False
-        now = time.monotonic()
-        return any(seq.waited(now) > self.queue_timeout_s for seq in self._loading.values())
+            return []
+        return [rid for rid, seq in self._loading.items() if seq.waited(now) > self.queue_timeout_s]
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -399,8 +402,7 @@ class Engine:
             # volume) must not hold it for good; the load goes on for the requests after it.
             # Checked at every intake: the idle loop wakes for it (_loading_overdue)
             now = time.monotonic()
-            overdue = [rid for rid, seq in self._loading.items() if 0 < self.queue_timeout_s < seq.waited(now)]
-            expired = [self._loading.pop(rid) for rid in overdue]
+            expired = [self._loading.pop(rid) for rid in self._overdue_loading(now)]
         for seq, why in failed:
             self.output.fail(seq, why)
         for seq in cancelled_loading:

@@ -428,6 +428,7 @@ def test_a_request_whose_adapter_load_hangs_times_out_like_a_queued_one(tmp_path
     no loader again: a request for a cold adapter is told the model is shutting down."""
     from tests.helpers.models import hf_greedy_ids, random_tokens
     from tests.helpers.servers import HANG_GUARD_S
+    from tritonlm.engine.lora.registry import PendingAdapter
     from tritonlm.engine.request import ServerBusyError
 
     rig = HeldLoraRig(tmp_path, queue_timeout_s=0.05)
@@ -445,7 +446,7 @@ def test_a_request_whose_adapter_load_hangs_times_out_like_a_queued_one(tmp_path
         assert rig.done[base].wait(HANG_GUARD_S) and rig.tokens(base) == hf_greedy_ids(rig.model, prompt, 8)
         rig.release.set()
         adapter = rig.registry.acquire("slow")
-        adapter = adapter.future.result(HANG_GUARD_S) if hasattr(adapter, "future") else adapter
+        adapter = adapter.future.result(HANG_GUARD_S) if isinstance(adapter, PendingAdapter) else adapter
         later = rig.submit(prompt, adapter)
         assert rig.done[later].wait(HANG_GUARD_S) and rig.tokens(later) == hf_greedy_ids(rig.merged, prompt, 8)
     finally:

@@ -140,9 +140,8 @@ class SloController:
         sooner) and still end on target. Only tokens it is sure to make count: an answer may
         end at any token where an end token, a stop string or a guide can end it, so there
         only the slack banked so far (and what min_tokens holds) is offered; an answer forced
-        to its length offers its whole max_tokens. Each stream offers
-        SLACK_SHARE of its slack, so that one step does not spend all of it and the next
-        arrivals find some."""
+        to its length offers its whole max_tokens. Each stream offers SLACK_SHARE of its
+        slack, so that one step does not spend all of it and the next arrivals find some."""
         limit = math.inf
         future_s = max(decode_s, self.typical_step_s)
         for seq in decoding:
