@@ -46,6 +46,8 @@ PRIOR_EVERY = 8  # steps between solves of the long-memory fit
 # cost); tied to the prompt-token cost, which chunks of every size pin down, it cannot.
 TIE = 0.01
 _TIE_DIRECTION = np.array([0.0, 1.0, -1.0, 0.0])
+ERROR_ALPHA = 0.05  # weight of each step in the relative error (~20 steps)
+PRIOR_ERROR = 0.2  # the relative error assumed before steps have measured it
 
 
 def _tied(xtx: np.ndarray) -> np.ndarray:
@@ -86,6 +88,9 @@ class StepTimeModel:
         self._coef = np.zeros(FEATURES)  # in scaled units
         self._prior = np.zeros(FEATURES)  # the long-memory fit, the short one's ridge target
         self.steps = 0
+        # (measured / predicted - 1)^2 of the steps once ready, EWMA; it starts at PRIOR_ERROR's
+        # square, so that a fit just ready is not taken for an exact one
+        self._square_error = PRIOR_ERROR**2
 
     @staticmethod
     def _features(prefill_tokens: float, decode_rows: float, context: float) -> np.ndarray:
@@ -94,6 +99,10 @@ class StepTimeModel:
     def observe(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float) -> None:
         """A finished step: refit with it."""
         x = self._features(prefill_tokens, decode_rows, context)
+        if self.ready:  # how far the fit was off, before it learns from this step
+            predicted = float(x @ self._coef)
+            error = seconds / predicted - 1.0 if predicted > 0 else 0.0
+            self._square_error += ERROR_ALPHA * (error * error - self._square_error)
         xx, xy = np.outer(x, x), x * seconds
         self._xtx = self.forget * self._xtx + xx
         self._xty = self.forget * self._xty + xy
@@ -109,6 +118,12 @@ class StepTimeModel:
     @property
     def ready(self) -> bool:
         return self.steps >= self.min_steps
+
+    @property
+    def relative_error(self) -> float:
+        """The typical relative error of a step's prediction (root mean square, recent steps
+        weighted most): the host's noise and what the linear model misses."""
+        return float(np.sqrt(self._square_error))
 
     @property
     def cost(self) -> StepCost:

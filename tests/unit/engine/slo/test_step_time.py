@@ -38,6 +38,17 @@ def test_recovers_known_coefficients():
         assert model.predict(*shape) == pytest.approx(TRUE.predict(*shape), rel=0.03)
 
 
+@pytest.mark.parametrize("noise", [0.02, 0.1, 0.3])
+def test_the_relative_error_is_the_hosts_noise(noise):
+    """The controller's margin for first tokens follows how far steps land from the fit: on
+    steps with a known relative noise, the model's relative error is that noise."""
+    model = StepTimeModel()
+    assert model.relative_error > 0.1  # before any step: not taken for exact
+    for step in steps(random.Random(11), TRUE, 3000, noise=noise):
+        model.observe(*step)
+    assert model.relative_error == pytest.approx(noise, rel=0.35)
+
+
 def test_prompt_tokens_and_decoding_rows_are_told_apart():
     """Where a prompt token costs twice a decoding row, a single per-token cost would
     mispredict both kinds of step; the fit gets each within a few percent."""
