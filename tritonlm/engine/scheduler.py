@@ -22,6 +22,7 @@ a sequence's cache: the engine, the executor and the drafter ask it for batches
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,6 +59,8 @@ class Scheduler:
         self.config = config
         self.cache = cache
         self.recompute = recompute
+        self.clock: Callable[[], float] = time.monotonic  # the clock of requests' arrival times
+        self._step_ends = 0.0  # when the step running now is predicted to end (clock's time)
         if recompute:
             cache.prefix_caching = False  # recomputing rewrites every block: nothing may be shared
         # priority order, arrival order among equals (add keeps it sorted, stably)
@@ -93,9 +96,12 @@ class Scheduler:
         copied, and a count one step old only shifts the prediction by a step."""
         if self.slo is None:
             return
+        # time already gone: since its arrival, and what is left of the step running now
+        now = self.clock()
+        gone = max(0.0, now - seq.request.arrival) + max(0.0, self._step_ends - now)
         try:
             self.slo.admit(seq.num_prompt_tokens, list(self.running), list(self.waiting) + list(queued),
-                           priority=seq.request.priority)
+                           priority=seq.request.priority, elapsed_s=gone)
         except SloShedError:
             self.ledger.shed += 1
             raise
@@ -140,6 +146,9 @@ class Scheduler:
                 n = len(seq.pending_tokens)
                 plan.append((seq, n))
                 budget -= n
+        if prefilling and self.slo is not None and budget > 0:  # no first token pushed past slo_ttft
+            context = sum(seq.num_computed + n for seq, n in plan)
+            budget = self.slo.deadline_tokens(prefilling, budget, len(plan), context, self.clock())
         for seq in prefilling:  # oldest first
             if budget <= 0:
                 break
@@ -149,6 +158,8 @@ class Scheduler:
         if not plan and prefilling:  # budget smaller than one decode round: still make progress
             seq = prefilling[0]
             plan.append((seq, min(len(seq.pending_tokens), self.config.max_num_batched_tokens)))
+        if self.slo is not None and plan:
+            self._step_ends = self.clock() + self.slo.predict_plan(plan)
         return plan
 
     def rotate_again(self) -> None:

@@ -27,6 +27,12 @@ OUTPUT_RATIO_ALPHA = 0.1  # weight of each finished request in the output-length
 COLD_STEPS = 4
 SLACK_SHARE = 0.5  # of a stream's TPOT slack, the most one step may spend
 TYPICAL_ALPHA = 0.1  # weight of each step's seconds in the typical step's
+# a first token planned in a few long steps keeps a margin of SLO_Z x the step model's
+# relative error (z of the 99th percentile: 99% of admitted requests are to meet the SLO),
+# between MIN_TTFT_MARGIN and HEADROOM of its deadline
+SLO_Z = 2.33
+MIN_TTFT_MARGIN = 0.5
+PLANNED_STEPS = 64  # admission plans at most this many steps to a first token
 
 
 class SloShedError(ServerBusyError):
@@ -142,15 +148,12 @@ class SloController:
         only the slack banked so far (and what min_tokens holds) is offered; an answer forced
         to its length offers its whole max_tokens. Each stream offers SLACK_SHARE of its
         slack, so that one step does not spend all of it and the next arrivals find some."""
-        limit = math.inf
         future_s = max(decode_s, self.typical_step_s)
-        for seq in decoding:
-            made = seq.num_output_tokens
-            expected = max(made + 1, _certain_tokens(seq))
-            spent = (seq.last_token_time - seq.first_token_time) if seq.first_token_time is not None else 0.0
-            allowed = tau * (expected - 1) - spent - (expected - made - 1) * future_s  # this step's most
-            limit = min(limit, decode_s + SLACK_SHARE * (allowed - decode_s))
-        return limit
+        if not decoding:
+            return math.inf
+        least = min(_allowed_s(seq.num_output_tokens, _spent_s(seq), _certain_tokens(seq), tau, future_s)
+                    for seq in decoding)
+        return decode_s + SLACK_SHARE * (least - decode_s)
 
     def _apply(self, budget: int, cap: int) -> None:
         """Down when the model asks for less than all but a sliver of the current value (the
@@ -163,19 +166,59 @@ class SloController:
             cost = self.model.cost
             log.info(
                 "SLO controller: token budget %d -> %d, running cap %d -> %d (step model: %.2f ms + %.3f ms/prompt "
-                "token + %.3f ms/decoding row + %.2f us/cached position)", self.budget, new_budget, self.cap, new_cap,
-                cost.step_s * 1e3, cost.prefill_token_s * 1e3, cost.decode_row_s * 1e3, cost.position_s * 1e6)
+                "token + %.3f ms/decoding row + %.2f us/cached position, steps off by %.0f%%)", self.budget, new_budget,
+                self.cap, new_cap, cost.step_s * 1e3, cost.prefill_token_s * 1e3, cost.decode_row_s * 1e3,
+                cost.position_s * 1e6, 100 * self.model.relative_error)
             self.budget, self.cap = new_budget, new_cap
+
+    def deadline_tokens(self, prefilling, tokens: int, rows: int, context: int, now: float) -> int:
+        """Of the `tokens` prompt tokens this step may carry (its budget less its `rows`
+        decoding rows, reading `context` cached positions), how many it carries so that no
+        prompt whose last chunk it runs gets its first token past slo_ttft. `prefilling`:
+        the prompts in the order the step fills them.
+
+        Slack lets a step run long, and prompts that arrive later fill it further: without
+        this, a request admitted for a short step could get its first token only at the end
+        of a long one. A prompt already past reach (its own chunk alone ends past its
+        deadline) does not hold the others back; the steady budget is never cut (a step of
+        it keeps every stream's TPOT), nor is the first prompt's chunk."""
+        steady = max(0, self.budget - rows)
+        if self.targets.ttft_s is None or not self.model.ready or tokens <= steady:
+            return tokens
+        cost, margin = self.model.cost, self.ttft_margin()
+        ends_by, carried = math.inf, 0  # the earliest deadline among the prompts finished so far
+        for seq in prefilling:
+            left = seq.num_prompt_tokens - seq.num_computed
+            if carried + left > tokens:
+                break  # a partial chunk: no first token in this step
+            step_s = cost.predict(carried + left, rows, context)
+            if step_s > ends_by and carried:
+                break  # it would make a prompt before it late
+            due_s = margin * (seq.request.arrival + self.targets.ttft_s - now)  # the fit's error, the host's noise
+            if step_s <= due_s:  # else out of reach
+                ends_by = min(ends_by, due_s)
+            carried += left
+        return min(tokens, max(carried, steady, self._tokens_within(ends_by, rows, context)))
+
+    def _tokens_within(self, seconds: float, rows: int, context: int) -> int:
+        """Prompt tokens a step of `rows` decoding rows can carry and end within `seconds`."""
+        cost = self.model.cost
+        tokens = self._chunk_tokens(seconds - cost.predict(0, rows, context), cost)
+        return int(min(tokens, self.max_tokens))
 
     # ---- admission ------------------------------------------------------------------------------
     def predict_ttft(self, prompt_tokens: int, running, waiting) -> float:
         """Seconds from now to a new request's first token, behind `waiting` (the queued
         requests that start before it) and with `running` holding their slots: its prefill
-        waits for the prefill work ahead and for a running slot, then takes its own chunks."""
+        waits for the prefill work ahead and for a running slot, then takes its own chunks.
+
+        Where a slot is free for it, the steps to its first token are planned as decide()
+        will size them (planned_prefill_s): the steady budget and the slack the streams can
+        spend, the work queued ahead taking its share first. Where it must wait for a slot,
+        every step is taken at the steady budget: the running streams' slack then goes to
+        steps that cannot be foreseen."""
         # while it waits, those ahead of it decode too: the prefill share of a step shrinks
         decoding = min(self.cap, len(running) + len(waiting))
-        # prefill tokens a step carries: the steady budget (a step may carry more where the
-        # running streams have slack to spend, but a queue that admissions lengthen uses it up)
         per_step = max(1, self.budget - decoding)
         step_s = self.model.predict(per_step, decoding, int(decoding * self.row_context))
         ahead = sum(s.num_prompt_tokens - s.num_computed for s in running if s.in_prefill)
@@ -183,7 +226,69 @@ class SloController:
         prefill_steps = math.ceil(ahead / per_step)
         slot_steps = self._slot_wait_steps(running, waiting, per_step)
         own_steps = max(1, math.ceil(prompt_tokens / per_step))
-        return (max(prefill_steps, slot_steps) + own_steps) * step_s
+        steady = (max(prefill_steps, slot_steps) + own_steps) * step_s
+        if slot_steps or self.targets.tpot_s is None:
+            return steady
+        # a plan of a few long steps is as close as one step's prediction: it keeps a margin for that
+        return min(steady, self.planned_prefill_s(prompt_tokens, running, waiting) / self.ttft_margin())
+
+    def ttft_margin(self) -> float:
+        """The share of a first-token deadline a plan of long steps may fill: a step's time
+        errs by about the model's relative error, and 99% of first tokens are to fall inside (SLO_Z)."""
+        return max(MIN_TTFT_MARGIN, min(HEADROOM, 1.0 - SLO_Z * self.model.relative_error))
+
+    def planned_prefill_s(self, prompt_tokens: int, running, waiting) -> float:
+        """Seconds until the step that runs the last chunk of a new prompt ends, its steps
+        planned one by one as decide() sizes them: each carries the steady budget, or more
+        where every decoding stream's TPOT slack allows it (_slack_limit). Prompts queued
+        ahead (the running ones' rest, then `waiting` in order) take the chunks first, and
+        each becomes a decoding stream once its prompt is in, with what its answer may spend.
+        A step of s seconds moves each stream's slack by its planned step time less s."""
+        cost = self.model.cost
+        tau = self.targets.tpot_s * HEADROOM
+        # a decoding stream: [tokens made, seconds since its first token, certain tokens, max_tokens]
+        streams = [[s.num_output_tokens, _spent_s(s), _certain_tokens(s), s.request.params.max_tokens]
+                   for s in running if not s.in_prefill]
+        context = sum(s.num_computed + 1 for s in running if not s.in_prefill)
+        prompts = [[s.num_prompt_tokens - s.num_computed, _certain_tokens(s), s.request.params.max_tokens, s.num_prompt_tokens]
+                   for s in running if s.in_prefill]
+        prompts += [[s.num_prompt_tokens, _certain_tokens(s), s.request.params.max_tokens, s.num_prompt_tokens]
+                    for s in waiting]
+        prompts.append([prompt_tokens, 0, 0, prompt_tokens])
+        elapsed, typical_s = 0.0, self.typical_step_s
+        for _ in range(PLANNED_STEPS):
+            rows = len(streams)
+            decode_s = cost.predict(0, rows, context)
+            future_s = max(decode_s, typical_s)
+            budget = self.budget
+            if cost.prefill_token_s > 0:  # as decide(): a prompt cost of 0 buys no slack
+                limit = math.inf
+                if streams:
+                    least = min(_allowed_s(m, sp, c, tau, future_s) for m, sp, c, _ in streams)
+                    limit = decode_s + SLACK_SHARE * (least - decode_s)
+                slack = rows + self._chunk_tokens(limit - decode_s - cost.position_s * self.row_context, cost)
+                budget = max(budget, _quantized(int(min(slack, self.max_tokens)), self.max_tokens))
+            room, done = max(1, budget - rows), []
+            while prompts and room > 0:  # the chunks go to the prompts in order
+                take = min(room, prompts[0][0])
+                prompts[0][0] -= take
+                room -= take
+                if prompts[0][0] == 0:
+                    done.append(prompts.pop(0))
+            chunk = max(1, budget - rows) - room
+            step_s = cost.predict(chunk, rows, int(context + self.row_context))
+            elapsed += step_s
+            typical_s += TYPICAL_ALPHA * (step_s - typical_s)  # as observe_step will move it
+            if not prompts:  # its own prompt was the last in: this step makes its first token
+                return elapsed
+            for stream in streams:
+                stream[0] += 1
+                stream[1] += step_s
+            context += rows
+            streams = [st for st in streams if st[0] < st[3]]
+            streams += [[1, 0.0, certain, max_tokens] for _, certain, max_tokens, _ in done]
+            context += sum(n + 1 for *_, n in done)
+        return math.inf  # not within the steps planned: as good as a miss
 
     def _slot_wait_steps(self, running, waiting, per_step: int) -> int:
         """Steps until a running slot is free for a request behind `waiting`: each running
@@ -204,8 +309,16 @@ class SloController:
         expected = math.ceil(seq.request.params.max_tokens * self.output_ratio)
         return max(1, expected - seq.num_output_tokens)
 
-    def admit(self, prompt_tokens: int, running, waiting, priority: int = 0) -> None:
-        """SloShedError when a request of `priority` would miss slo_ttft behind the queue ahead.
+    def predict_plan(self, plan) -> float:
+        """Seconds a scheduled step ((sequence, tokens) pairs, as they stand before it runs) takes."""
+        rows = sum(1 for seq, _ in plan if not seq.in_prefill)
+        tokens = sum(n for _, n in plan)
+        return self.model.predict(tokens - rows, rows, sum(seq.num_computed + n for seq, n in plan))
+
+    def admit(self, prompt_tokens: int, running, waiting, priority: int = 0, elapsed_s: float = 0.0) -> None:
+        """SloShedError when a request of `priority` would miss slo_ttft behind the queue ahead;
+        `elapsed_s`: the part of its time to first token already gone or spoken for (since its
+        arrival, and the rest of a step that is running).
 
         `waiting` (arrival order) holds requests queued before this one; those of worse
         priority will run after it, so only those of better or equal priority count: a
@@ -219,7 +332,7 @@ class SloController:
         if self.targets.ttft_s is None or not self.model.ready:
             return
         waiting = ahead_of(priority, waiting)
-        ttft = self.predict_ttft(prompt_tokens, running, waiting)
+        ttft = elapsed_s + self.predict_ttft(prompt_tokens, running, waiting)
         self.predicted_ttft_s = ttft
         if ttft > self.targets.ttft_s and (running or waiting):
             raise SloShedError(
@@ -232,6 +345,19 @@ def ahead_of(priority: int, waiting) -> list:
     """The queued requests that run before a new one of `priority`: better priority (lower),
     or equal and there first (all of `waiting` arrived before it)."""
     return [s for s in waiting if s.request.priority <= priority]
+
+
+def _spent_s(seq) -> float:
+    """Seconds since the sequence's first token (0 before it)."""
+    return (seq.last_token_time - seq.first_token_time) if seq.first_token_time is not None else 0.0
+
+
+def _allowed_s(made: int, spent_s: float, certain: int, tau: float, future_s: float) -> float:
+    """The longest the next step may take and let a stream that has made `made` tokens in
+    `spent_s` since its first end within `tau` per token, its later steps planned at
+    `future_s` and counting only the `certain` tokens it is sure to make."""
+    expected = max(made + 1, certain)
+    return tau * (expected - 1) - spent_s - (expected - made - 1) * future_s
 
 
 def _certain_tokens(seq) -> int:

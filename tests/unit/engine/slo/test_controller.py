@@ -7,6 +7,7 @@ token times, and the static configuration (no controller) on the same arrivals."
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -58,6 +59,17 @@ def _tpot(seq: Sequence) -> float | None:
     return (seq.last_token_time - seq.first_token_time) / (n - 1) if n > 1 else None
 
 
+def bursty_arrivals(rate: float, count: int, cv: float, seed: int) -> list[float]:
+    """`count` arrivals at `rate` per second whose gaps are gamma-distributed with coefficient
+    of variation `cv` (above 1: bursts, as in production traces)."""
+    rng, shape = random.Random(seed), 1.0 / cv**2
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.gammavariate(shape, 1.0 / (rate * shape))
+        out.append(t)
+    return out
+
+
 def arrivals(rate_at, until: float, seed: int) -> list[float]:
     """Poisson arrivals whose rate may change with time (thinning at the top rate)."""
     rng = random.Random(seed)
@@ -72,21 +84,24 @@ def arrivals(rate_at, until: float, seed: int) -> list[float]:
 
 
 def simulate(times: list[float], slo: bool = True, host=None, prompt=(100, 300), max_tokens=32, seed=0,
-             max_num_seqs=64, max_num_batched_tokens=512, priority=None) -> Run:
+             max_num_seqs=64, max_num_batched_tokens=512, priority=None, targets: SloTargets | None = None) -> Run:
     """Serve requests arriving at `times` through the real Scheduler on a simulated clock.
     host: a Host, or a function of the time giving one (a host that changes);
-    priority: a function of the arrival time giving the request's priority (None: all 0)."""
+    priority: a function of the arrival time giving the request's priority (None: all 0);
+    targets: the SLO the controller keeps (None: TTFT_S and TPOT_S)."""
+    targets = targets or SloTargets(TTFT_S, TPOT_S)
     rng = random.Random(seed)
     host = host or Host()
     host_at = host if callable(host) and not isinstance(host, Host) else (lambda _t: host)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_queue_size=100_000, slo_ttft_s=TTFT_S if slo else None,
-                             slo_tpot_s=TPOT_S if slo else None)
+                             max_queue_size=100_000, slo_ttft_s=targets.ttft_s if slo else None,
+                             slo_tpot_s=targets.tpot_s if slo else None)
     cache = KVCacheManager(SPEC, SPEC.bytes_per_token * 1_000_000, 16)
     sched = Scheduler(config, cache)
     run = Run(scheduler=sched)
     pending = sorted(times)
     now, i = 0.0, 0
+    sched.clock = lambda: now  # the simulated clock, as it stands when the scheduler reads it
     while i < len(pending) or sched.num_running or sched.num_waiting:
         while i < len(pending) and pending[i] <= now:
             n = rng.randint(*prompt)
@@ -371,3 +386,67 @@ def test_an_answer_that_may_end_at_any_token_offers_only_its_banked_slack():
     assert ctl._slack_limit([stream([0], 1, 0.0, min_tokens=32, stop_words=("x",))], decode_s, tau) == pytest.approx(may_stop)
     held = tau * 31 - 30 * decode_s
     assert ctl._slack_limit([stream([0], 1, 0.0, min_tokens=32)], decode_s, tau) == pytest.approx(decode_s + SLACK_SHARE * (held - decode_s))
+
+
+# a host shaped like SmolLM2-135M's on a 2-core CPU (docs/benchmarks.md, "Goodput"), where
+# a prompt token costs about what a decoding row does; the SLO a few times a lone request's
+SMALL_HOST = Host(a=0.018, b=0.0008, d=0.0008, c=1e-7, noise=0.1)
+SMALL_TARGETS = SloTargets(0.36, 0.0677)
+
+
+def _bursts_on_a_small_host(seeds, planned: bool, monkeypatch) -> tuple[int, int, int]:
+    """(met, admitted, shed) over bursty arrivals at half the host's capacity, short prompts
+    and answers; planned False: admission predicts every first token at the steady budget."""
+    if not planned:
+        monkeypatch.setattr(SloController, "planned_prefill_s", lambda self, *args: math.inf)
+    met = admitted = shed = 0
+    for seed in seeds:
+        times = bursty_arrivals(6.0, 200, cv=2.5, seed=seed)
+        run = simulate(times, host=SMALL_HOST, prompt=(6, 128), max_tokens=32, seed=seed, targets=SMALL_TARGETS)
+        good, judged = run.met(SMALL_TARGETS)
+        met, admitted, shed = met + good, admitted + judged, shed + len(run.shed)
+    monkeypatch.undo()
+    return met, admitted, shed
+
+
+def test_first_tokens_planned_with_the_slack_steps_will_carry_shed_less_below_capacity(monkeypatch):
+    """Below capacity the steps carry the streams' TPOT slack, so a prompt runs in fewer,
+    longer chunks than the steady budget's: admission plans the steps to a new request's
+    first token as the controller will size them. Against a prediction at the steady budget
+    alone, fewer requests are shed and more are served within both SLOs, and the admitted
+    ones still meet them (bursts included)."""
+    seeds = range(3)
+    met, admitted, shed = _bursts_on_a_small_host(seeds, planned=True, monkeypatch=monkeypatch)
+    steady_met, _, steady_shed = _bursts_on_a_small_host(seeds, planned=False, monkeypatch=monkeypatch)
+    assert shed < steady_shed and met > steady_met
+    assert met >= 0.99 * admitted
+
+
+def test_a_step_that_would_end_past_a_first_token_deadline_carries_less():
+    """Slack lets a step run long, and prompts queued behind the one it finishes would make
+    it longer still: the step carries only what keeps each prompt it finishes within
+    slo_ttft (with the margin), never less than the steady budget."""
+    ctl = SloController(TARGETS, 64, 512)
+    rng = random.Random(9)
+    for _ in range(COLD_STEPS + 40):
+        prefill, rows, context = rng.randint(0, 300), rng.randint(1, 32), rng.randint(100, 5000)
+        ctl.observe_step(prefill, rows, context, Host(noise=0).step_s(prefill, rows, context, rng))
+    ctl.budget = 64
+
+    def queued(prompt: int, arrival: float) -> Sequence:
+        req = GenerationRequest([1] * prompt, SamplingParams(max_tokens=32), on_event=lambda e: None, arrival=arrival)
+        return Sequence(request=req, token_ids=[1] * prompt, sampling=None, detok=None, reserve_tokens=prompt + 32)
+
+    # the first prompt's deadline is near: 400 + 400 tokens in one step would end past it
+    first, second = queued(400, arrival=0.0), queued(400, arrival=0.0)
+    now = TTFT_S - 0.2
+    tokens = ctl.deadline_tokens([first, second], 1000, 0, 0, now)
+    assert 400 <= tokens < 800
+    assert ctl.model.predict(tokens, 0, 0) <= ctl.ttft_margin() * 0.2
+    # far from any deadline: both prompts whole
+    assert ctl.deadline_tokens([queued(400, now), queued(400, now)], 1000, 0, 0, now) >= 800
+    # past reach already: it does not hold the step back
+    late = queued(400, arrival=-10.0)
+    assert ctl.deadline_tokens([late, queued(400, now)], 1000, 0, 0, now) >= 800
+    # never below the steady budget
+    assert ctl.deadline_tokens([queued(10, 0.0), queued(400, 0.0)], 1000, 0, 0, TTFT_S) >= ctl.budget
