@@ -251,7 +251,8 @@ def main() -> int:
     decisions = [line.split("SLO controller:", 1)[1].strip().rstrip('"') for line in server.log_text().splitlines()
                  if "SLO controller:" in line]
     print("\nSLO controller decisions:" if decisions else "\nSLO controller: no decision logged")
-    for line in decisions[:20]:
+    shown = decisions if len(decisions) <= 20 else decisions[:5] + [f"... {len(decisions) - 20} more ..."] + decisions[-15:]
+    for line in shown:  # the first ones, as it learned the host, and the last, where it settled
         print(f"  {line}")
 
     summary = summarize_reps(rows) if args.reps > 1 else rows
