@@ -38,30 +38,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 from pathlib import Path
 
-from tritonlm.engine.model_shape import ModelShape
-from tritonlm.export.repository import default_kv_cache_bytes
-from tritonlm.perf.goodput import Slo, parse_rates, request_metrics, summarize_run
+from tritonlm.perf.goodput import Slo, parse_rates, summarize_run
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.openloop import GrpcTarget, OpenAITarget, PromptMaker, run_schedule, warm_up
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, style_axes, table, write_csv
 from tritonlm.perf.stats import mean_ci95
-from tritonlm.perf.target import PerfError, Target
+from tritonlm.perf.target import Target
 from tritonlm.perf.trace import BUILTIN_TRACES, ScheduledRequest, build_schedule, parse_arrivals, with_rate
 from tritonlm.server import ServerStartError, TritonServer, free_ports
-from tritonlm_bench.benchrepo import link_generation_model, save_weights_once
+from tritonlm_bench.goodput_repo import GoodputRepo, lone_request
 from tritonlm_bench.llamacpp import LlamaServer, ensure_gguf, ensure_llama_cpp
-
-# max_context: the workload's longest request and this margin (a text prompt's token count
-# is near, not exactly, the one asked), or the model's positions when fewer. Sized to the
-# workload, the KV room stays small, and a configuration loads quickly while the previous
-# one's process still exits.
-CONTEXT_MARGIN = 64
-MAX_SEQS = 64  # the engine's default max_num_seqs: the KV room is sized for that many
-
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
     grid = []
@@ -74,39 +63,7 @@ def parse_grid(text: str) -> list[tuple[int, int]]:
     return grid
 
 
-class BenchRepo:
-    """results/bench_goodput/repo: one entry per configuration, all linked to the weights saved
-    once, all with the same KV room and prefix caching off."""
-
-    def __init__(self, out: Path, model_name: str, longest_request: int):
-        from tritonlm.models.loading import load_model
-
-        model, tok, _ = load_model(model_name, progress=lambda *a, **k: None)
-        self.weights = save_weights_once(model, tok, out / "weights" / model_name)
-        positions = getattr(model.config, "max_position_embeddings", None) or model.config.n_positions
-        self.context = min(longest_request + CONTEXT_MARGIN, positions)
-        self.kv_cache_bytes = default_kv_cache_bytes(ModelShape.from_hf_config(model.config), self.context, sequences=MAX_SEQS)
-        self.path = out / "repo"
-
-    def add(self, name: str, params: dict[str, str]) -> None:
-        link_generation_model(self.path, name, self.weights, self.context, kv_cache_bytes=self.kv_cache_bytes,
-                              enable_prefix_caching="false", **params)
-
-
-async def lone_request(target: GrpcTarget, schedule: list[ScheduledRequest], prompts: PromptMaker) -> tuple[float, float]:
-    """Median TTFT and TPOT (ms) of the workload's first requests sent one at a time."""
-    records = await warm_up(target, schedule[:5], prompts)
-    failed = [r.error for r in records if r.status != "ok"]
-    if failed:
-        raise PerfError(f"a lone request failed: {failed[0]}")
-    metrics = [request_metrics(r) for r in records]
-    # the first one after load runs cold: shown, not counted
-    print(f"the first request after load: TTFT {metrics[0].ttft_ms:.1f} ms ({records[0].prompt_tokens} prompt tokens)", flush=True)
-    rest = metrics[1:]
-    return statistics.median(m.ttft_ms for m in rest), statistics.median(m.tpot_ms for m in rest if m.tpot_ms)
-
-
-async def measure(args, server: TritonServer, control: Target, repo: "BenchRepo", configs: dict[str, dict[str, str]],
+async def measure(args, server: TritonServer, control: Target, repo: GoodputRepo, configs: dict[str, dict[str, str]],
                   loads: list[float], schedule_at, prompts: PromptMaker, rows: list[dict]) -> tuple[Slo, float]:
     """The lone requests, the saturation run, then every configuration at every load (rows
     appended as they come); (the SLO, the saturation rate)."""
@@ -228,7 +185,7 @@ def main() -> int:
 
     configs: dict[str, dict[str, str]] = {"default": {}, "slo": {}}
     configs.update({f"s{n}_t{t}": {"max_num_seqs": str(n), "max_num_batched_tokens": str(t)} for n, t in grid})
-    repo = BenchRepo(out, args.model, args.prompt_tokens + args.output_tokens)
+    repo = GoodputRepo(out, args.model, args.prompt_tokens + args.output_tokens)
     for name, params in configs.items():
         repo.add(name, params)  # slo: again once its targets are known
     prompts = PromptMaker(str(repo.weights), args.seed)

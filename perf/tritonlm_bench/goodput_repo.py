@@ -1,0 +1,58 @@
+"""The model repository and the first measurements the goodput benchmarks share
+(perf/bench_goodput.py, perf/bench_slo_step.py): one set of weights served under several
+names (a configuration each, all with the same KV room and prefix caching off), and a lone
+request's TTFT and TPOT, from which the SLO targets are set."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from tritonlm.engine.model_shape import ModelShape
+from tritonlm.export.repository import default_kv_cache_bytes
+from tritonlm.perf.goodput import request_metrics
+from tritonlm.perf.openloop import GrpcTarget, PromptMaker, warm_up
+from tritonlm.perf.target import PerfError
+from tritonlm.perf.trace import ScheduledRequest
+from tritonlm_bench.benchrepo import link_generation_model, save_weights_once
+
+# max_context: the workload's longest request and this margin (a text prompt's token count
+# is near, not exactly, the one asked), or the model's positions when fewer. Sized to the
+# workload, the KV room stays small, and a configuration loads quickly while the previous
+# one's process still exits.
+CONTEXT_MARGIN = 64
+MAX_SEQS = 64  # the engine's default max_num_seqs: the KV room is sized for that many
+
+
+class GoodputRepo:
+    """OUT/repo: one entry per configuration, all linked to the weights saved
+    once, all with the same KV room and prefix caching off."""
+
+    def __init__(self, out: Path, model_name: str, longest_request: int):
+        from tritonlm.models.loading import load_model
+
+        model, tok, _ = load_model(model_name, progress=lambda *a, **k: None)
+        self.weights = save_weights_once(model, tok, out / "weights" / model_name)
+        positions = getattr(model.config, "max_position_embeddings", None) or model.config.n_positions
+        self.context = min(longest_request + CONTEXT_MARGIN, positions)
+        self.kv_cache_bytes = default_kv_cache_bytes(ModelShape.from_hf_config(model.config), self.context, sequences=MAX_SEQS)
+        self.path = out / "repo"
+
+    def add(self, name: str, params: dict[str, str]) -> None:
+        link_generation_model(self.path, name, self.weights, self.context, kv_cache_bytes=self.kv_cache_bytes,
+                              enable_prefix_caching="false", **params)
+
+
+async def lone_request(target: GrpcTarget, schedule: list[ScheduledRequest], prompts: PromptMaker) -> tuple[float, float]:
+    """Median TTFT and TPOT (ms) of the workload's first requests sent one at a time."""
+    records = await warm_up(target, schedule[:5], prompts)
+    failed = [r.error for r in records if r.status != "ok"]
+    if failed:
+        raise PerfError(f"a lone request failed: {failed[0]}")
+    metrics = [request_metrics(r) for r in records]
+    # the first one after load runs cold: shown, not counted
+    print(f"the first request after load: TTFT {metrics[0].ttft_ms:.1f} ms ({records[0].prompt_tokens} prompt tokens)", flush=True)
+    rest = metrics[1:]
+    return statistics.median(m.ttft_ms for m in rest), statistics.median(m.tpot_ms for m in rest if m.tpot_ms)
+
+
