@@ -14,7 +14,8 @@ attention over the chunk's own positions, and on the CPU the two take different 
 One per-token cost fitted over both would be wrong for each, and the controller sizes the
 running cap by one and the prefill budget by the other.
 
-The two per-token costs are tied (TIE) unless the steps tell them apart. The fit is least
+The two per-token costs are tied (TIE) unless the steps tell them apart: a prompt token's,
+and a decoding row's with its attention over a typical row's cached positions. The fit is least
 squares with exponential forgetting: every finished step adds its
 sample with weight 1, and older samples fade by `forget` per step, so the fit follows a
 change (another tenant on the host, longer prompts, a governor resizing the thread team)
@@ -40,20 +41,31 @@ RIDGE = 1e-6  # keeps the long-run solve defined before every direction has been
 FEATURES = 4
 PRIOR_EVERY = 8  # steps between solves of the long-memory fit
 # A prompt token and a decoding row are fitted as one cost unless the steps say otherwise:
-# (b_prefill - b_decode)^2 is penalized with this fraction of the steps' own weight in the
-# weaker of those two directions. Where steps barely tell a decoding row from the step's fixed cost (few
-# rows, always some), a free fit trades one for the other (no fixed cost, a huge per-row
-# cost); tied to the prompt-token cost, which chunks of every size pin down, it cannot.
+# (b_prefill - b_decode - c * row_context)^2 is penalized with this fraction of the steps'
+# own weight in the weaker of the two directions, row_context being a decoding row's typical
+# cached positions: the row's cost with its attention is what is tied. Where steps barely
+# tell a decoding row from the step's fixed cost (few rows, always some), a free fit trades
+# one for the other (no fixed cost, a huge per-row cost); and where every row reads about
+# the same positions, it can put that cost on the positions instead (a huge per-position
+# cost, which a row of long context then multiplies). Tied to the prompt-token cost, which
+# chunks of every size pin down, it can do neither.
 TIE = 0.01
-_TIE_DIRECTION = np.array([0.0, 1.0, -1.0, 0.0])
+ROW_CONTEXT_ALPHA = 0.02  # weight of each decode-only step in a decoding row's typical context
 ERROR_ALPHA = 0.05  # weight of each step in the relative error (~20 steps)
 PRIOR_ERROR = 0.2  # the relative error assumed before steps have measured it
 
 
-def _tied(xtx: np.ndarray) -> np.ndarray:
-    """Normal equations with the tie between the prompt-token and decoding-row costs."""
+def _tied(xtx: np.ndarray, row_context: float) -> np.ndarray:
+    """Normal equations with the tie between the prompt-token cost and a decoding row's
+    (its own and its `row_context` cached positions'), in the scaled coefficients; and, as
+    weakly, the per-position cost held toward 0, so that where rows' contexts barely vary a
+    row's cost is taken as the row's own, not as its positions' (which a row of a longer
+    context would then multiply)."""
+    direction = np.array([0.0, 1.0, -1.0, -row_context * TOKEN_SCALE / CONTEXT_SCALE])
     weight = TIE * min(xtx[1, 1], xtx[2, 2])
-    return xtx + weight * np.outer(_TIE_DIRECTION, _TIE_DIRECTION)
+    positions = np.zeros(FEATURES)
+    positions[3] = 1.0
+    return xtx + weight * (np.outer(direction, direction) + np.outer(positions, positions))
 
 
 class StepCost(NamedTuple):
@@ -88,6 +100,7 @@ class StepTimeModel:
         self._coef = np.zeros(FEATURES)  # in scaled units
         self._prior = np.zeros(FEATURES)  # the long-memory fit, the short one's ridge target
         self.steps = 0
+        self.row_context = 0.0  # a decoding row's cached positions in decode-only steps (EWMA)
         # (measured / predicted - 1)^2 of the steps once ready, EWMA; it starts at PRIOR_ERROR's
         # square, so that a fit just ready is not taken for an exact one
         self._square_error = PRIOR_ERROR**2
@@ -109,11 +122,14 @@ class StepTimeModel:
         self._long_xtx = self.long_forget * self._long_xtx + xx
         self._long_xty = self.long_forget * self._long_xty + xy
         self.steps += 1
+        if decode_rows and not prefill_tokens:
+            per_row = context / decode_rows
+            self.row_context += (per_row - self.row_context) * (ROW_CONTEXT_ALPHA if self.row_context else 1.0)
         eye = np.eye(FEATURES)
         if self.steps % PRIOR_EVERY == 1 or PRIOR_EVERY == 1:  # the long memory moves slowly
-            self._prior = _nonnegative_solve(_tied(self._long_xtx) + RIDGE * eye, self._long_xty)
+            self._prior = _nonnegative_solve(_tied(self._long_xtx, self.row_context) + RIDGE * eye, self._long_xty)
         w = self.prior_weight
-        self._coef = _nonnegative_solve(_tied(self._xtx) + w * eye, self._xty + w * self._prior)
+        self._coef = _nonnegative_solve(_tied(self._xtx, self.row_context) + w * eye, self._xty + w * self._prior)
 
     @property
     def ready(self) -> bool:

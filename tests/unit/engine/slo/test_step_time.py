@@ -140,3 +140,24 @@ def test_a_row_count_that_never_varies_leaves_the_row_cost_tied_to_the_token_cos
     assert cost.decode_row_s == pytest.approx(cost.prefill_token_s, rel=0.1)
     assert cost.step_s == pytest.approx(truth.step_s, rel=0.1)
     assert model.predict(0, 32, 0) == pytest.approx(truth.predict(0, 32, 0), rel=0.1)
+
+
+def test_rows_of_one_context_do_not_put_the_row_cost_on_the_positions():
+    """Short prompts at a busy server, then long prompts at a low rate: one or two decoding
+    rows a step, each reading about the same long context, now and then a long prompt's
+    chunk. Such steps cannot tell a row's own cost from its positions' (they move together);
+    the fit must not explain the row by a per-position cost that a step of many long rows
+    then multiplies (the running cap is planned from it). Noisy steps (20%), ten draws."""
+    truth = StepCost(0.017, 0.0014, 0.0012, 3e-7)
+    for seed in range(10):
+        rng, model = random.Random(seed), StepTimeModel()
+        for busy in (True, False):
+            for _ in range(800):
+                if busy:
+                    prefill, rows = (64, rng.randint(0, 8)) if rng.random() < 0.1 else (0, rng.randint(1, 10))
+                    context = rows * rng.randint(70, 100) + prefill
+                else:
+                    prefill, rows = (256, rng.choice([0, 1])) if rng.random() < 0.05 else (0, rng.choice([1, 1, 2]))
+                    context = rows * rng.randint(260, 300) + prefill
+                model.observe(prefill, rows, context, truth.predict(prefill, rows, context) * (1 + rng.gauss(0, 0.2)))
+        assert model.predict(0, 10, 2800) == pytest.approx(truth.predict(0, 10, 2800), rel=0.25), seed
