@@ -94,7 +94,7 @@ async def scrape(metrics_url: str, model: str, every_s: float, clock, stop: asyn
     while not stop.is_set():
         try:
             samples = await asyncio.to_thread(read_metrics, metrics_url, 2.0)
-        except OSError:
+        except Exception:  # noqa: BLE001 - a missed read is a gap in the trace, not a failed run
             samples = {}
         row = {"t_s": round(clock(), 3)}
         for column, metric in TRACE.items():
@@ -125,9 +125,11 @@ async def run_config(target: GrpcTarget, metrics_url: str, model: str, plan: lis
     while not origin and not records_task.done():
         await asyncio.sleep(0.01)
     scraper = asyncio.create_task(scrape(metrics_url, model, every_s, clock, stop, trace))
-    records = await records_task
-    stop.set()
-    await scraper
+    try:
+        records = await records_task
+    finally:
+        stop.set()
+        await scraper
     return records, trace
 
 

@@ -60,7 +60,6 @@ class Scheduler:
         self.cache = cache
         self.recompute = recompute
         self.clock: Callable[[], float] = time.monotonic  # the clock of requests' arrival times
-        self._step_ends = 0.0  # when the step running now is predicted to end (clock's time)
         if recompute:
             cache.prefix_caching = False  # recomputing rewrites every block: nothing may be shared
         # priority order, arrival order among equals (add keeps it sorted, stably)
@@ -93,12 +92,12 @@ class Scheduler:
         """SloShedError when the request would miss slo_ttft behind the waiting queue and
         `queued` (accepted, not yet in it); the controller counts only those that will run
         before it (its priority decides). Called off the engine thread: the lists are
-        copied, and a count one step old only shifts the prediction by a step."""
+        copied; read while a step runs, the sequences' counts are those before it, so the
+        plan counts that step's work as still to come. The time since its arrival counts
+        too (a request judged after it waited)."""
         if self.slo is None:
             return
-        # time already gone: since its arrival, and what is left of the step running now
-        now = self.clock()
-        gone = max(0.0, now - seq.request.arrival) + max(0.0, self._step_ends - now)
+        gone = max(0.0, self.clock() - seq.request.arrival)
         try:
             self.slo.admit(seq.num_prompt_tokens, list(self.running), list(self.waiting) + list(queued),
                            priority=seq.request.priority, elapsed_s=gone)
@@ -147,7 +146,7 @@ class Scheduler:
                 plan.append((seq, n))
                 budget -= n
         if prefilling and self.slo is not None and budget > 0:  # no first token pushed past slo_ttft
-            context = sum(seq.num_computed + n for seq, n in plan)
+            context = sum(seq.num_computed + n for seq, n in plan)  # the decoding rows' positions after the step
             budget = self.slo.deadline_tokens(prefilling, budget, len(plan), context, self.clock())
         for seq in prefilling:  # oldest first
             if budget <= 0:
@@ -158,8 +157,6 @@ class Scheduler:
         if not plan and prefilling:  # budget smaller than one decode round: still make progress
             seq = prefilling[0]
             plan.append((seq, min(len(seq.pending_tokens), self.config.max_num_batched_tokens)))
-        if self.slo is not None and plan:
-            self._step_ends = self.clock() + self.slo.predict_plan(plan)
         return plan
 
     def rotate_again(self) -> None:
@@ -189,9 +186,10 @@ class Scheduler:
             # a row that started the pass past its prompt decodes (a speculative verify row
             # counts as one, its guesses as prompt tokens: they run like a chunk's); each
             # row's cached positions after the pass are what its attention read
-            decode_rows = sum(1 for seq, n in plan if seq.num_computed - n >= seq.num_prompt_tokens)
+            decoding = [seq for seq, n in plan if seq.num_computed - n >= seq.num_prompt_tokens]
             tokens = sum(n for _, n in plan)
-            self.slo.observe_step(tokens - decode_rows, decode_rows, sum(seq.num_computed for seq, _ in plan), seconds)
+            self.slo.observe_step(tokens - len(decoding), len(decoding), sum(seq.num_computed for seq, _ in plan), seconds,
+                                  decode_context=sum(seq.num_computed for seq in decoding))
 
     def _admit(self) -> None:
         """Move waiting sequences to running, in queue order (priority, then arrival), while

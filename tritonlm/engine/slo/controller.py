@@ -71,10 +71,11 @@ class SloController:
         self.steps_seen = 0  # steps reported, the cold ones included
 
     # ---- what the engine reports -------------------------------------------------------------
-    def observe_step(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float) -> None:
+    def observe_step(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float,
+                     decode_context: int | None = None) -> None:
         self.steps_seen += 1
         if self.steps_seen > COLD_STEPS:
-            self.model.observe(prefill_tokens, decode_rows, context, seconds)
+            self.model.observe(prefill_tokens, decode_rows, context, seconds, decode_context)
             if self.typical_step_s == 0.0:
                 self.typical_step_s = seconds
             self.typical_step_s += TYPICAL_ALPHA * (seconds - self.typical_step_s)
@@ -191,6 +192,7 @@ class SloController:
             left = seq.num_prompt_tokens - seq.num_computed
             if carried + left > tokens:
                 break  # a partial chunk: no first token in this step
+            context += seq.num_prompt_tokens  # a finished prompt's positions, as step_done counts them
             step_s = cost.predict(carried + left, rows, context)
             if step_s > ends_by and carried:
                 break  # it would make a prompt before it late
@@ -212,11 +214,12 @@ class SloController:
         requests that start before it) and with `running` holding their slots: its prefill
         waits for the prefill work ahead and for a running slot, then takes its own chunks.
 
-        Where a slot is free for it, the steps to its first token are planned as decide()
-        will size them (planned_prefill_s): the steady budget and the slack the streams can
-        spend, the work queued ahead taking its share first. Where it must wait for a slot,
-        every step is taken at the steady budget: the running streams' slack then goes to
-        steps that cannot be foreseen."""
+        Where a slot is free for it and a TPOT target is set, the steps to its first token
+        are also planned as decide() will size them (planned_prefill_s): the steady budget
+        and the slack the streams can spend, the work queued ahead taking its share first;
+        the plan, divided by the margin for the step model's error, is taken where it is
+        sooner. Where it must wait for a slot, every step is taken at the steady budget: the
+        running streams' slack then goes to steps that cannot be foreseen."""
         # while it waits, those ahead of it decode too: the prefill share of a step shrinks
         decoding = min(self.cap, len(running) + len(waiting))
         per_step = max(1, self.budget - decoding)
@@ -246,10 +249,10 @@ class SloController:
         A step of s seconds moves each stream's slack by its planned step time less s."""
         cost = self.model.cost
         tau = self.targets.tpot_s * HEADROOM
-        # a decoding stream: [tokens made, seconds since its first token, certain tokens, max_tokens]
-        streams = [[s.num_output_tokens, _spent_s(s), _certain_tokens(s), s.request.params.max_tokens]
+        # a decoding stream: [tokens made, seconds since its first token, certain tokens, max_tokens,
+        # cached positions]; a prompt: [tokens left, certain tokens, max_tokens, prompt tokens]
+        streams = [[s.num_output_tokens, _spent_s(s), _certain_tokens(s), s.request.params.max_tokens, s.num_computed + 1]
                    for s in running if not s.in_prefill]
-        context = sum(s.num_computed + 1 for s in running if not s.in_prefill)
         prompts = [[s.num_prompt_tokens - s.num_computed, _certain_tokens(s), s.request.params.max_tokens, s.num_prompt_tokens]
                    for s in running if s.in_prefill]
         prompts += [[s.num_prompt_tokens, _certain_tokens(s), s.request.params.max_tokens, s.num_prompt_tokens]
@@ -258,25 +261,29 @@ class SloController:
         elapsed, typical_s = 0.0, self.typical_step_s
         for _ in range(PLANNED_STEPS):
             rows = len(streams)
+            context = sum(st[4] for st in streams)
             decode_s = cost.predict(0, rows, context)
             future_s = max(decode_s, typical_s)
             budget = self.budget
             if cost.prefill_token_s > 0:  # as decide(): a prompt cost of 0 buys no slack
                 limit = math.inf
                 if streams:
-                    least = min(_allowed_s(m, sp, c, tau, future_s) for m, sp, c, _ in streams)
+                    least = min(_allowed_s(m, sp, c, tau, future_s) for m, sp, c, *_ in streams)
                     limit = decode_s + SLACK_SHARE * (least - decode_s)
                 slack = rows + self._chunk_tokens(limit - decode_s - cost.position_s * self.row_context, cost)
                 budget = max(budget, _quantized(int(min(slack, self.max_tokens)), self.max_tokens))
-            room, done = max(1, budget - rows), []
-            while prompts and room > 0:  # the chunks go to the prompts in order
-                take = min(room, prompts[0][0])
+            # as the scheduler: the decoding rows first, the rest to the prompts in order (a
+            # step of no decoding rows carries at least one prompt token)
+            room = max(0, budget - rows) if rows else max(1, budget)
+            chunk, positions, done = 0, 0, []
+            while prompts and chunk < room:
+                take = min(room - chunk, prompts[0][0])
                 prompts[0][0] -= take
-                room -= take
+                chunk += take
+                positions += prompts[0][3] - prompts[0][0]  # its positions after the step
                 if prompts[0][0] == 0:
                     done.append(prompts.pop(0))
-            chunk = max(1, budget - rows) - room
-            step_s = cost.predict(chunk, rows, int(context + self.row_context))
+            step_s = cost.predict(chunk, rows, context + positions)
             elapsed += step_s
             typical_s += TYPICAL_ALPHA * (step_s - typical_s)  # as observe_step will move it
             if not prompts:  # its own prompt was the last in: this step makes its first token
@@ -284,11 +291,10 @@ class SloController:
             for stream in streams:
                 stream[0] += 1
                 stream[1] += step_s
-            context += rows
+                stream[4] += 1
             streams = [st for st in streams if st[0] < st[3]]
-            streams += [[1, 0.0, certain, max_tokens] for _, certain, max_tokens, _ in done]
-            context += sum(n + 1 for *_, n in done)
-        return math.inf  # not within the steps planned: as good as a miss
+            streams += [[1, 0.0, certain, max_tokens, n + 1] for _, certain, max_tokens, n in done]
+        return math.inf  # not within the steps planned: the steady prediction stands
 
     def _slot_wait_steps(self, running, waiting, per_step: int) -> int:
         """Steps until a running slot is free for a request behind `waiting`: each running
@@ -309,16 +315,9 @@ class SloController:
         expected = math.ceil(seq.request.params.max_tokens * self.output_ratio)
         return max(1, expected - seq.num_output_tokens)
 
-    def predict_plan(self, plan) -> float:
-        """Seconds a scheduled step ((sequence, tokens) pairs, as they stand before it runs) takes."""
-        rows = sum(1 for seq, _ in plan if not seq.in_prefill)
-        tokens = sum(n for _, n in plan)
-        return self.model.predict(tokens - rows, rows, sum(seq.num_computed + n for seq, n in plan))
-
     def admit(self, prompt_tokens: int, running, waiting, priority: int = 0, elapsed_s: float = 0.0) -> None:
         """SloShedError when a request of `priority` would miss slo_ttft behind the queue ahead;
-        `elapsed_s`: the part of its time to first token already gone or spoken for (since its
-        arrival, and the rest of a step that is running).
+        `elapsed_s`: the part of its time to first token already gone (since its arrival).
 
         `waiting` (arrival order) holds requests queued before this one; those of worse
         priority will run after it, so only those of better or equal priority count: a
@@ -348,8 +347,10 @@ def ahead_of(priority: int, waiting) -> list:
 
 
 def _spent_s(seq) -> float:
-    """Seconds since the sequence's first token (0 before it)."""
-    return (seq.last_token_time - seq.first_token_time) if seq.first_token_time is not None else 0.0
+    """Seconds from the sequence's first token to its last (0 before both are set: read off
+    the engine thread, one may be set and not yet the other)."""
+    first, last = seq.first_token_time, seq.last_token_time
+    return last - first if first is not None and last is not None else 0.0
 
 
 def _allowed_s(made: int, spent_s: float, certain: int, tau: float, future_s: float) -> float:

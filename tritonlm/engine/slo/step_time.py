@@ -50,7 +50,7 @@ PRIOR_EVERY = 8  # steps between solves of the long-memory fit
 # cost, which a row of long context then multiplies). Tied to the prompt-token cost, which
 # chunks of every size pin down, it can do neither.
 TIE = 0.01
-ROW_CONTEXT_ALPHA = 0.02  # weight of each decode-only step in a decoding row's typical context
+ROW_CONTEXT_ALPHA = 0.02  # weight of each step with decoding rows in a row's typical context
 ERROR_ALPHA = 0.05  # weight of each step in the relative error (~20 steps)
 PRIOR_ERROR = 0.2  # the relative error assumed before steps have measured it
 
@@ -100,7 +100,7 @@ class StepTimeModel:
         self._coef = np.zeros(FEATURES)  # in scaled units
         self._prior = np.zeros(FEATURES)  # the long-memory fit, the short one's ridge target
         self.steps = 0
-        self.row_context = 0.0  # a decoding row's cached positions in decode-only steps (EWMA)
+        self.row_context = 0.0  # a decoding row's cached positions (EWMA over steps)
         # (measured / predicted - 1)^2 of the steps once ready, EWMA; it starts at PRIOR_ERROR's
         # square, so that a fit just ready is not taken for an exact one
         self._square_error = PRIOR_ERROR**2
@@ -109,12 +109,14 @@ class StepTimeModel:
     def _features(prefill_tokens: float, decode_rows: float, context: float) -> np.ndarray:
         return np.array([1.0, prefill_tokens / TOKEN_SCALE, decode_rows / TOKEN_SCALE, context / CONTEXT_SCALE])
 
-    def observe(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float) -> None:
-        """A finished step: refit with it."""
+    def observe(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float,
+                decode_context: int | None = None) -> None:
+        """A finished step: refit with it. decode_context: the positions its decoding rows
+        read (None: `context`, where the step ran no prompt tokens)."""
         x = self._features(prefill_tokens, decode_rows, context)
-        if self.ready:  # how far the fit was off, before it learns from this step
-            predicted = float(x @ self._coef)
-            error = seconds / predicted - 1.0 if predicted > 0 else 0.0
+        predicted = float(x @ self._coef)
+        if self.ready and predicted > 0:  # how far the fit was off, before it learns from this step
+            error = seconds / predicted - 1.0
             self._square_error += ERROR_ALPHA * (error * error - self._square_error)
         xx, xy = np.outer(x, x), x * seconds
         self._xtx = self.forget * self._xtx + xx
@@ -122,8 +124,10 @@ class StepTimeModel:
         self._long_xtx = self.long_forget * self._long_xtx + xx
         self._long_xty = self.long_forget * self._long_xty + xy
         self.steps += 1
-        if decode_rows and not prefill_tokens:
-            per_row = context / decode_rows
+        if decode_context is None and not prefill_tokens:
+            decode_context = context
+        if decode_rows and decode_context is not None:
+            per_row = decode_context / decode_rows
             self.row_context += (per_row - self.row_context) * (ROW_CONTEXT_ALPHA if self.row_context else 1.0)
         eye = np.eye(FEATURES)
         if self.steps % PRIOR_EVERY == 1 or PRIOR_EVERY == 1:  # the long memory moves slowly

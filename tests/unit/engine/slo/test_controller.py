@@ -334,9 +334,9 @@ def test_the_scheduler_reports_prompt_tokens_and_decoding_rows_apart(monkeypatch
     reported, ran = [], []
     observe = SloController.observe_step
 
-    def recording(self, prefill, rows, context, seconds):
+    def recording(self, prefill, rows, context, seconds, **kwargs):
         reported.append((prefill, rows))
-        observe(self, prefill, rows, context, seconds)
+        observe(self, prefill, rows, context, seconds, **kwargs)
 
     @dataclass
     class CountingHost(Host):
