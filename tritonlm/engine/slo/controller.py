@@ -26,6 +26,11 @@ OUTPUT_RATIO_ALPHA = 0.1  # weight of each finished request in the output-length
 # would shed requests the host can serve
 COLD_STEPS = 4
 SLACK_SHARE = 0.5  # of a stream's TPOT slack, the most one step may spend
+# the running cap leaves the share of the time prompts took (EWMA over steps), at least the
+# minimum (room for a new prompt's chunk) and at most the maximum (the decodes keep some)
+PREFILL_SHARE_ALPHA = 0.005
+MIN_PREFILL_SHARE = 0.15
+MAX_PREFILL_SHARE = 0.8
 TYPICAL_ALPHA = 0.1  # weight of each step's seconds in the typical step's
 # a first token planned in a few long steps keeps a margin of SLO_Z x the step model's
 # relative error (z of the 99th percentile: 99% of admitted requests are to meet the SLO),
@@ -69,16 +74,27 @@ class SloController:
         self._smooth_cap = float(max_num_seqs)
         self._primed = False
         self.steps_seen = 0  # steps reported, the cold ones included
+        self._prompt_s = 0.0  # seconds of a step spent on prompt tokens (EWMA)
+        self._step_s = 0.0  # seconds of a step (EWMA)
 
     # ---- what the engine reports -------------------------------------------------------------
     def observe_step(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float,
                      decode_context: int | None = None) -> None:
         self.steps_seen += 1
         if self.steps_seen > COLD_STEPS:
+            if self.model.ready:  # the time this step's prompt tokens took, by the fit (before it learns the step)
+                prompt_s = min(seconds, self.model.cost.prefill_token_s * prefill_tokens)
+                self._prompt_s += PREFILL_SHARE_ALPHA * (prompt_s - self._prompt_s)
+                self._step_s += PREFILL_SHARE_ALPHA * (seconds - self._step_s)
             self.model.observe(prefill_tokens, decode_rows, context, seconds, decode_context)
             if self.typical_step_s == 0.0:
                 self.typical_step_s = seconds
             self.typical_step_s += TYPICAL_ALPHA * (seconds - self.typical_step_s)
+
+    @property
+    def prefill_share(self) -> float:
+        """The share of the recent steps' time their prompt tokens took (by the fit)."""
+        return min(MAX_PREFILL_SHARE, self._prompt_s / self._step_s) if self._step_s > 0 else 0.0
 
     def request_finished(self, generated: int, max_tokens: int) -> None:
         ratio = min(1.0, generated / max_tokens) if max_tokens > 0 else 1.0
@@ -102,7 +118,11 @@ class SloController:
             # a prefill chunk reads its own positions too: one row's worth beside the decodes
             chunk_room = tau - decode_s - cost.position_s * per_row
             per_seq = cost.decode_row_s + cost.position_s * per_row
-            cap_room = tau - cost.predict(QUANTUM, 0, per_row)  # every step keeps room for a prefill chunk
+            # TPOT is a mean: a stream's steps average its decode step plus the prefill the
+            # admitted load brings (the share of the time prompts took, measured), and at least
+            # a small chunk's room in every step
+            share = max(self.prefill_share, MIN_PREFILL_SHARE)
+            cap_room = tau * (1.0 - share) - cost.predict(0, 0, 0)
             # the raw targets carry the fit's noise (a steady load barely tells the intercept
             # from the per-row cost): they are smoothed over steps before they decide
             raw_budget = min(rows + self._chunk_tokens(chunk_room, cost), self.max_tokens)

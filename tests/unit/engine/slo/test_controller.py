@@ -450,3 +450,37 @@ def test_a_step_that_would_end_past_a_first_token_deadline_carries_less():
     assert ctl.deadline_tokens([late, queued(400, now)], 1000, 0, 0, now) >= 800
     # never below the steady budget
     assert ctl.deadline_tokens([queued(10, 0.0), queued(400, 0.0)], 1000, 0, 0, TTFT_S) >= ctl.budget
+
+
+def test_the_running_cap_leaves_the_prefill_share_the_load_brings():
+    """TPOT is a mean over an answer's steps: the running cap keeps a stream's average step
+    (its decode step plus the prompts the admitted load brings) within slo_tpot. Where
+    prompts take little of the time the cap is near what decode steps alone allow; where
+    they take much, it leaves them that share."""
+    from tritonlm.engine.slo.controller import HEADROOM, MIN_PREFILL_SHARE
+
+    def cap_after(prompt_every: int) -> tuple[int, float]:
+        ctl = SloController(TARGETS, 512, 512)
+        host, rng = Host(noise=0.0), random.Random(13)
+        for i in range(COLD_STEPS + 600):
+            prefill = 256 if i % prompt_every == 0 else 0
+            rows = rng.randint(1, 32)
+            ctl.observe_step(prefill, rows, rows * 100, host.step_s(prefill, rows, rows * 100, rng))
+        rows = []
+        for _ in range(8):  # decoding streams, 10 tokens into their answers
+            req = GenerationRequest([1] * 90, SamplingParams(max_tokens=32), on_event=lambda e: None)
+            seq = Sequence(request=req, token_ids=[1] * 100, sampling=None, detok=None, reserve_tokens=122)
+            seq.num_computed, seq.first_token_time, seq.last_token_time = 99, 0.0, 0.2
+            rows.append(seq)
+        for _ in range(100):  # the smoothed decision settles
+            ctl.decide(rows)
+        return ctl.cap, ctl.prefill_share
+
+    light_cap, light_share = cap_after(prompt_every=50)
+    heavy_cap, heavy_share = cap_after(prompt_every=2)
+    assert light_share < MIN_PREFILL_SHARE < heavy_share
+    tau = TPOT_S * HEADROOM
+    per_row = D + C * 100
+    assert light_cap == pytest.approx((tau * (1 - MIN_PREFILL_SHARE) - A) / per_row, rel=0.15)
+    assert heavy_cap == pytest.approx((tau * (1 - heavy_share) - A) / per_row, rel=0.15)
+    assert heavy_cap < light_cap
