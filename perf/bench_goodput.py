@@ -48,8 +48,8 @@ from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, styl
 from tritonlm.perf.stats import mean_ci95
 from tritonlm.perf.target import Target
 from tritonlm.perf.trace import BUILTIN_TRACES, ScheduledRequest, build_schedule, parse_arrivals, with_rate
-from tritonlm.server import ServerStartError, TritonServer, free_ports
-from tritonlm_bench.goodput_repo import GoodputRepo, lone_request
+from tritonlm.server import TritonServer, free_ports
+from tritonlm_bench.goodput_repo import GoodputRepo, lone_request, serve, switch
 from tritonlm_bench.llamacpp import LlamaServer, ensure_gguf, ensure_llama_cpp
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -90,12 +90,7 @@ async def measure(args, server: TritonServer, control: Target, repo: GoodputRepo
     # repetitions outside the configurations: drift on a shared host falls on every one alike
     for rep in range(args.reps):
         for name in configs:
-            if name != loaded:
-                control.unload(loaded)
-                control.load(name)
-                loaded = name
-            await target.close()
-            target = GrpcTarget(server.grpc_url, name, timeout_s=600)
+            target, loaded = await switch(control, server, target, loaded, name), name
             await warm_up(target, schedule_at(1.0)[:2], prompts)
             await sweep_loads(target, name, rep)
         for slots in args.peer_slots:
@@ -189,15 +184,10 @@ def main() -> int:
     for name, params in configs.items():
         repo.add(name, params)  # slo: again once its targets are known
     prompts = PromptMaker(str(repo.weights), args.seed)
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(repo.path, http, grpc, metrics, model_control="explicit", load_models=["default"],
-                          log_path=out / "tritonserver.log")
-    try:
-        server.start(timeout_s=600)
-    except ServerStartError as e:
-        print(f"tritonserver did not start: {e}", file=sys.stderr)
+    served = serve(repo, out)
+    if served is None:
         return 1
-    control = Target("127.0.0.1", http, grpc, metrics, repo=repo.path)
+    server, control = served
     rows: list[dict] = []
     try:
         slo, saturation = asyncio.run(measure(args, server, control, repo, configs, loads, schedule_at, prompts, rows))

@@ -48,8 +48,8 @@ from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, styl
 from tritonlm.perf.serverstats import metric_sum, read_metrics
 from tritonlm.perf.target import Target
 from tritonlm.perf.trace import ScheduledRequest, build_schedule, parse_arrivals, with_rate
-from tritonlm.server import ServerStartError, TritonServer, free_ports
-from tritonlm_bench.goodput_repo import GoodputRepo, lone_request
+from tritonlm.server import TritonServer
+from tritonlm_bench.goodput_repo import GoodputRepo, lone_request, serve, switch
 
 NAME = "bench_slo_step"
 PHASES = ("calm", "step", "long")
@@ -230,12 +230,7 @@ async def measure(args, server: TritonServer, control: Target, repo: GoodputRepo
     rows, traces = [], {}
     loaded = "default"
     for config in ("default", "slo"):
-        if config != loaded:
-            control.unload(loaded)
-            control.load(config)
-            loaded = config
-        await target.close()
-        target = GrpcTarget(server.grpc_url, config, timeout_s=600)
+        target, loaded = await switch(control, server, target, loaded, config), config
         await warm_up(target, short[:4], prompts)  # the controller's first fit happens here, not in the calm phase
         records, trace = await run_config(target, server.metrics_url, config, requests, prompts, args.scrape_s)
         rows += request_table(config, records, plan, slo)
@@ -277,15 +272,10 @@ def main() -> int:
     repo.add("default", {})
     repo.add("slo", {})  # again once its targets are known
     prompts = PromptMaker(str(repo.weights), args.seed)
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(repo.path, http, grpc, metrics, model_control="explicit", load_models=["default"],
-                          log_path=out / "tritonserver.log")
-    try:
-        server.start(timeout_s=600)
-    except ServerStartError as e:
-        print(f"tritonserver did not start: {e}", file=sys.stderr)
+    served = serve(repo, out)
+    if served is None:
         return 1
-    control = Target("127.0.0.1", http, grpc, metrics, repo=repo.path)
+    server, control = served
     try:
         slo, saturation, plan, rows, traces = asyncio.run(measure(args, server, control, repo, prompts))
     finally:

@@ -1,19 +1,21 @@
 """The model repository and the first measurements the goodput benchmarks share
 (perf/bench_goodput.py, perf/bench_slo_step.py): one set of weights served under several
 names (a configuration each, all with the same KV room and prefix caching off), and a lone
-request's TTFT and TPOT, from which the SLO targets are set."""
+request's TTFT and TPOT, from which the SLO targets are set; the server that serves it."""
 
 from __future__ import annotations
 
 import statistics
+import sys
 from pathlib import Path
 
 from tritonlm.engine.model_shape import ModelShape
 from tritonlm.export.repository import default_kv_cache_bytes
 from tritonlm.perf.goodput import request_metrics
 from tritonlm.perf.openloop import GrpcTarget, PromptMaker, warm_up
-from tritonlm.perf.target import PerfError
+from tritonlm.perf.target import PerfError, Target
 from tritonlm.perf.trace import ScheduledRequest
+from tritonlm.server import ServerStartError, TritonServer, free_ports
 from tritonlm_bench.benchrepo import link_generation_model, save_weights_once
 
 # max_context: the workload's longest request and this margin (a text prompt's token count
@@ -56,3 +58,28 @@ async def lone_request(target: GrpcTarget, schedule: list[ScheduledRequest], pro
     return statistics.median(m.ttft_ms for m in rest), statistics.median(m.tpot_ms for m in rest if m.tpot_ms)
 
 
+
+
+def serve(repo: GoodputRepo, out: Path) -> tuple[TritonServer, Target] | None:
+    """tritonserver on the repository (explicit model control, `default` loaded; its log in
+    `out`) and a client that loads and unloads the configurations; None, the reason
+    printed, where it did not start."""
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(repo.path, http, grpc, metrics, model_control="explicit", load_models=["default"],
+                          log_path=out / "tritonserver.log")
+    try:
+        server.start(timeout_s=600)
+    except ServerStartError as e:
+        print(f"tritonserver did not start: {e}", file=sys.stderr)
+        return None
+    return server, Target("127.0.0.1", http, grpc, metrics, repo=repo.path)
+
+
+async def switch(control: Target, server: TritonServer, target, loaded: str, name: str) -> GrpcTarget:
+    """Configuration `name` served in place of `loaded` (unloaded first: one at a time), and a
+    gRPC target for it; `target`, the previous one, is closed."""
+    if name != loaded:
+        control.unload(loaded)
+        control.load(name)
+    await target.close()
+    return GrpcTarget(server.grpc_url, name, timeout_s=600)
