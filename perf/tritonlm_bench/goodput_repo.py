@@ -58,8 +58,6 @@ async def lone_request(target: GrpcTarget, schedule: list[ScheduledRequest], pro
     return statistics.median(m.ttft_ms for m in rest), statistics.median(m.tpot_ms for m in rest if m.tpot_ms)
 
 
-
-
 def serve(repo: GoodputRepo, out: Path) -> tuple[TritonServer, Target] | None:
     """tritonserver on the repository (explicit model control, `default` loaded; its log in
     `out`) and a client that loads and unloads the configurations; None, the reason

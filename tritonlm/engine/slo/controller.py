@@ -82,7 +82,9 @@ class SloController:
                      decode_context: int | None = None) -> None:
         self.steps_seen += 1
         if self.steps_seen > COLD_STEPS:
-            if self.model.ready:  # the time this step's prompt tokens took, by the fit (before it learns the step)
+            # the time prompt tokens took, by the fit (before it learns the step), in the steps
+            # a stream decodes in: TPOT averages those alone
+            if self.model.ready and decode_rows:
                 prompt_s = min(seconds, self.model.cost.prefill_token_s * prefill_tokens)
                 self._prompt_s += PREFILL_SHARE_ALPHA * (prompt_s - self._prompt_s)
                 self._step_s += PREFILL_SHARE_ALPHA * (seconds - self._step_s)
@@ -93,7 +95,9 @@ class SloController:
 
     @property
     def prefill_share(self) -> float:
-        """The share of the recent steps' time their prompt tokens took (by the fit)."""
+        """The share of the recent steps' time their prompt tokens took (by the fit), over
+        the steps with decoding rows (a speculative verify row's guesses count as prompt
+        tokens there, as in the step model)."""
         return min(MAX_PREFILL_SHARE, self._prompt_s / self._step_s) if self._step_s > 0 else 0.0
 
     def request_finished(self, generated: int, max_tokens: int) -> None:
@@ -127,6 +131,7 @@ class SloController:
             # from the per-row cost): they are smoothed over steps before they decide
             raw_budget = min(rows + self._chunk_tokens(chunk_room, cost), self.max_tokens)
             raw_cap = min(cap_room / per_seq, self.max_seqs) if per_seq > 0 else self.max_seqs
+            raw_cap = max(1.0, raw_cap) if cap_room > 0 else 1.0  # not wound up below one sequence
             alpha = SMOOTH_ALPHA if self._primed else 1.0  # the first fit's targets at once
             self._primed = True
             self._smooth_budget += alpha * (raw_budget - self._smooth_budget)

@@ -477,7 +477,7 @@ def test_the_running_cap_leaves_the_prefill_share_the_load_brings():
         return ctl.cap, ctl.prefill_share
 
     light_cap, light_share = cap_after(prompt_every=50)
-    heavy_cap, heavy_share = cap_after(prompt_every=2)
+    heavy_cap, heavy_share = cap_after(prompt_every=4)
     assert light_share < MIN_PREFILL_SHARE < heavy_share
     tau = TPOT_S * HEADROOM
     per_row = D + C * 100
