@@ -141,11 +141,7 @@ class SloController:
             self._apply(budget, cap)
             # on top of the steady budget, this step may spend slack the running streams have
             # banked (decode steps shorter than the target) or will bank before they end
-            step_budget = self.budget
-            if cost.prefill_token_s > 0:  # a prompt cost fitted at 0 says nothing of what slack buys
-                limit = self._slack_limit(decoding, decode_s, tau)
-                slack_tokens = rows + self._chunk_tokens(limit - decode_s - cost.position_s * per_row, cost)
-                step_budget = max(self.budget, _quantized(int(min(slack_tokens, self.max_tokens)), self.max_tokens))
+            step_budget = self._slack_budget(rows, decode_s, self._slack_limit(decoding, decode_s, tau))
         else:
             self._apply(budget, cap)
             step_budget = self.budget
@@ -175,11 +171,18 @@ class SloController:
         to its length offers its whole max_tokens. Each stream offers SLACK_SHARE of its
         slack, so that one step does not spend all of it and the next arrivals find some."""
         future_s = max(decode_s, self.typical_step_s)
-        if not decoding:
-            return math.inf
-        least = min(_allowed_s(seq.num_output_tokens, _spent_s(seq), _certain_tokens(seq), tau, future_s)
-                    for seq in decoding)
-        return decode_s + SLACK_SHARE * (least - decode_s)
+        least = min((_allowed_s(seq.num_output_tokens, _spent_s(seq), _certain_tokens(seq), tau, future_s)
+                     for seq in decoding), default=math.inf)
+        return _spendable(least, decode_s)
+
+    def _slack_budget(self, rows: int, decode_s: float, limit_s: float) -> int:
+        """A step's token budget: the steady one, or more where a step of `rows` decoding
+        rows (decode_s seconds without prompt tokens) may take up to limit_s."""
+        cost = self.model.cost
+        if cost.prefill_token_s <= 0:  # a prompt cost fitted at 0 says nothing of what slack buys
+            return self.budget
+        slack_tokens = rows + self._chunk_tokens(limit_s - decode_s - cost.position_s * self.row_context, cost)
+        return max(self.budget, _quantized(int(min(slack_tokens, self.max_tokens)), self.max_tokens))
 
     def _apply(self, budget: int, cap: int) -> None:
         """Down when the model asks for less than all but a sliver of the current value (the
@@ -289,14 +292,8 @@ class SloController:
             context = sum(st[4] for st in streams)
             decode_s = cost.predict(0, rows, context)
             future_s = max(decode_s, typical_s)
-            budget = self.budget
-            if cost.prefill_token_s > 0:  # as decide(): a prompt cost of 0 buys no slack
-                limit = math.inf
-                if streams:
-                    least = min(_allowed_s(m, sp, c, tau, future_s) for m, sp, c, *_ in streams)
-                    limit = decode_s + SLACK_SHARE * (least - decode_s)
-                slack = rows + self._chunk_tokens(limit - decode_s - cost.position_s * self.row_context, cost)
-                budget = max(budget, _quantized(int(min(slack, self.max_tokens)), self.max_tokens))
+            least = min((_allowed_s(m, sp, c, tau, future_s) for m, sp, c, *_ in streams), default=math.inf)
+            budget = self._slack_budget(rows, decode_s, _spendable(least, decode_s))
             # as the scheduler: the decoding rows first, the rest to the prompts in order (a
             # step of no decoding rows carries at least one prompt token)
             room = max(0, budget - rows) if rows else max(1, budget)
@@ -376,6 +373,12 @@ def _spent_s(seq) -> float:
     the engine thread, one may be set and not yet the other)."""
     first, last = seq.first_token_time, seq.last_token_time
     return last - first if first is not None and last is not None else 0.0
+
+
+def _spendable(least_s: float, decode_s: float) -> float:
+    """The longest a step may take: SLACK_SHARE of the way from a decode step's decode_s to
+    least_s, the most the stream that allows least accepts (inf with no stream decoding)."""
+    return decode_s + SLACK_SHARE * (least_s - decode_s) if math.isfinite(least_s) else math.inf
 
 
 def _allowed_s(made: int, spent_s: float, certain: int, tau: float, future_s: float) -> float:
