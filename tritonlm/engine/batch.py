@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonlm.engine.host_tensors import int64_tensor, padded_int64
+
 
 @dataclass
 class StepBatch:
@@ -84,11 +86,12 @@ class StepBatch:
     ) -> "StepBatch":
         """From new_tokens[b] (non-empty), past_lens[b] and a ready [B, L] slot table
         (KVCacheManager.slot_table), L >= past_lens[b] + len(new_tokens[b])."""
-        width = max(len(t) for t in new_tokens)
+        lengths = [len(t) for t in new_tokens]
+        width = max(lengths)
         return StepBatch(
-            input_ids=torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], dtype=torch.int64),
-            num_new=torch.tensor([len(t) for t in new_tokens], dtype=torch.int64),
-            past_len=torch.tensor(past_lens, dtype=torch.int64),
+            input_ids=padded_int64(new_tokens, width),
+            num_new=int64_tensor(lengths),
+            past_len=int64_tensor(past_lens),
             slot_table=slot_table,
             all_logits=all_logits,
         )

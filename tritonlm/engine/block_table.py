@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from tritonlm.engine.host_tensors import int64_tensor
+
 SCRATCH_SLOT = 0  # block 0 is kept out of circulation: padding writes land in its slot 0
 
 
@@ -86,7 +88,7 @@ class DeviceBlockTable:
 
     def gather(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
         """[B, width] int32 on the device: the block tables of seq_ids, in order."""
-        rows = torch.tensor(self.rows(seq_ids), dtype=torch.int64).to(self.device, non_blocking=True)  # [B]
+        rows = int64_tensor(self.rows(seq_ids)).to(self.device, non_blocking=True)  # [B]
         table = self.table if width is None or width >= self.width else self.table[:, :width]
         out = table.index_select(0, rows)
         if width is not None and width > self.width:

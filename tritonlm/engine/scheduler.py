@@ -26,9 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.host_tensors import int64_tensor
 from tritonlm.engine.kv_cache import KVCacheManager, block_digest
 from tritonlm.engine.request import ServerBusyError
 from tritonlm.engine.sequence import Sequence, SeqState
@@ -259,7 +258,7 @@ class Scheduler:
             batch.window_block_table = window.device_table.gather(ids)  # [B, M'] int32
         elif window is not None:
             batch.window_slot_table = window.slot_table(ids, lengths)  # [B, L]
-        batch.prompt_lens = torch.tensor([seq.rope_length for seq, _ in rows], dtype=torch.int64)
+        batch.prompt_lens = int64_tensor([seq.rope_length for seq, _ in rows])
         adapters = [seq.request.lora for seq, _ in rows]
         if any(a is not None for a in adapters):
             batch.adapters = adapters
