@@ -48,13 +48,22 @@ class RowOutput:
 @dataclass
 class ForwardResult:
     plan: ScheduledBatch
-    rows: list[tuple[Sequence, list[int], torch.Tensor]]  # (seq, tokens fed, logits [V] or [T, V])
+    rows: list[tuple[Sequence, list[int]]]  # (seq, tokens fed), in pass order
     proposals: dict[int, Proposal]  # seq id -> its draft
     len_before: dict[int, int]  # seq id -> its tokens (cached + the pending one) before the pass
     seconds: float
-    # (index of its first row in `rows`, logits [B, V]) of each pass that gave one row of logits
-    # per sequence: their greedy rows take one argmax per pass (ModelExecutor._greedy)
+    # (index of its first row in `rows`, logits [B, V], or [B, T, V] where it kept every
+    # position's) of each pass. A row's own logits are taken from its pass when asked
+    # (logits()): a view per row made for every row of every step would cost more than
+    # the greedy argmax that most rows need
     passes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def logits(self, i: int) -> torch.Tensor:
+        """Row i's logits: [V], or [T, V] from a pass that kept every position's."""
+        for first, logits in reversed(self.passes):
+            if i >= first:
+                return logits[i - first]
+        raise IndexError(f"row {i} is in no pass")
 
 
 @dataclass
@@ -112,23 +121,31 @@ class ModelExecutor:
         if ks:
             seqs = [seq for seq, _ in plan if seq.id in ks]
             proposals = dict(zip(ks, self.drafter.propose(seqs, [ks[s.id] for s in seqs])))
-        verify = [(seq, seq.pending_tokens + proposals[seq.id].tokens) for seq, _ in plan if seq.id in proposals]
-        plain = [(seq, seq.pending_tokens[:n]) for seq, n in plan if seq.id not in proposals]
+        # the rows by kind, in plan order, in one walk (it runs for every row of every step)
+        verify: list[tuple[Sequence, list[int]]] = []  # pending token + guesses
+        plain: list[tuple[Sequence, list[int]]] = []  # the rest but scored prompts: decodes and chunks
+        scored: list[tuple[Sequence, list[int]]] = []  # prompts whose every position's logits are kept
+        for seq, n in plan:
+            done = seq.num_computed
+            if proposals and seq.id in proposals:
+                verify.append((seq, seq.token_ids[done:] + proposals[seq.id].tokens))
+            elif seq.scores_prompt:
+                scored.append((seq, seq.token_ids[done : done + n]))
+            else:
+                plain.append((seq, seq.token_ids[done : done + n]))
         len_before = {seq.id: seq.num_tokens for seq, _ in verify}  # pending token included
         result = ForwardResult(plan, [], proposals, len_before, 0.0)
-        # rows whose prompt is being scored: every position's logits, in passes of their own
-        scored = [(seq, toks) for seq, toks in plain if seq.scores_prompt]
-        plain = [(seq, toks) for seq, toks in plain if not seq.scores_prompt]
         if self.scheduler.recompute:  # benchmark baseline: every row its whole history, one pass
             self._run(result, plain, all_logits=False)
             self._run(result, scored, all_logits=True)
         else:
-            decode = [(seq, toks) for seq, toks in plain if not seq.in_prefill]
+            decode = [row for row in plain if row[0].num_computed >= row[0].num_prompt_tokens]
             self._run(result, verify + decode, all_logits=bool(verify))
             # prefill chunks apart from the decodes: a chunk's width would take the decoding rows
             # off the decode-width kernels (paged attention in place, the one-call decoder stack)
-            for group in group_prefill([(seq, toks) for seq, toks in plain if seq.in_prefill]):
-                self._run(result, group, all_logits=False)
+            if len(decode) < len(plain):
+                for group in group_prefill([row for row in plain if row[0].in_prefill]):
+                    self._run(result, group, all_logits=False)
             for group in group_prefill(scored):
                 self._run(result, group, all_logits=True)
         result.seconds = time.perf_counter() - t0
@@ -138,10 +155,8 @@ class ModelExecutor:
         """One pass over rows, its rows appended to result (and its logits to result.passes)."""
         if not rows:
             return
-        logits = self._pass(rows, all_logits)
-        if not all_logits:
-            result.passes.append((len(result.rows), logits))
-        result.rows += [(seq, toks, logits[i]) for i, (seq, toks) in enumerate(rows)]
+        result.passes.append((len(result.rows), self._pass(rows, all_logits)))
+        result.rows += rows
 
     def _speculation(self, plan: ScheduledBatch) -> dict[int, int]:
         """seq id -> K for the decoding sequences that speculate this step."""
@@ -172,26 +187,27 @@ class ModelExecutor:
     def sample(self, fwd: ForwardResult) -> StepOutput:
         """A RowOutput for every row that has a next token; a row whose sampling fails gets
         an error and leaves the others alone."""
-        outputs = []
         failed_prompts = self._score_prompts(fwd)
+        # a row whose prompt scoring failed fails now, mid-prefill too (its list would be out of step)
+        outputs = [RowOutput(seq, error=failed_prompts[seq.id]) for seq, _ in fwd.rows if seq.id in failed_prompts]
+        # a prefill chunk that is not the prompt's last has no token yet
+        ready = [i for i, (seq, _) in enumerate(fwd.rows)
+                 if seq.num_computed >= len(seq.token_ids) and seq.id not in failed_prompts]
         try:
-            greedy = self._greedy(fwd)
+            greedy = self._greedy(fwd, ready)
         except Exception:  # noqa: BLE001 - every row then samples alone, each with its own error
             log.exception("batched greedy sampling failed; sampling row by row")
             greedy = {}
-        ready = [i for i, (seq, _, _) in enumerate(fwd.rows) if seq.num_computed >= seq.num_tokens]
-        # a row whose prompt scoring failed fails now, mid-prefill too (its list would be out of step)
-        outputs += [RowOutput(seq, error=failed_prompts[seq.id]) for seq, _, _ in fwd.rows if seq.id in failed_prompts]
-        ready = [i for i in ready if fwd.rows[i][0].id not in failed_prompts]
 
         def last(i: int) -> torch.Tensor:  # row i's logits at its last fed position: [V]
-            _, fed, logits = fwd.rows[i]
-            return logits if logits.dim() == 1 else logits[len(fed) - 1]
+            logits = fwd.logits(i)
+            return logits if logits.dim() == 1 else logits[len(fwd.rows[i][1]) - 1]
 
         # the other rows with a token to draw (not verifying): one sample_rows call, one wait
         # for the device; if it fails each samples alone (the same tokens, the draws being
         # per row), so only a faulty row fails
-        picked = [i for i in ready if i not in greedy and fwd.rows[i][0].id not in fwd.proposals]
+        proposals = fwd.proposals
+        picked = [i for i in ready if i not in greedy and fwd.rows[i][0].id not in proposals]
         drawn: dict[int, tuple[int, float]] = {}
         if picked:
             try:
@@ -199,12 +215,15 @@ class ModelExecutor:
                 drawn = dict(zip(picked, sample_rows(stacked, [fwd.rows[i][0].sampling for i in picked])))
             except Exception:  # noqa: BLE001 - the rows sample alone, each with its own error
                 log.warning("batched sampling failed; sampling row by row", exc_info=True)
+        if len(greedy) == len(ready):  # every row plain greedy: nothing below can fail or ask more
+            outputs += [RowOutput(fwd.rows[i][0], [(greedy[i], 0.0)]) for i in ready]
+            return StepOutput(outputs, len(fwd.plan), sum(len(fed) for _, fed in fwd.rows), fwd.seconds)
         alternatives: list[tuple[RowOutput, int]] = []  # rows that asked for top log-probabilities
-        for i in ready:  # a prefill chunk that is not the prompt's last has no token yet
-            seq, fed, logits = fwd.rows[i]
+        for i in ready:
+            seq = fwd.rows[i][0]
             try:
-                if seq.id in fwd.proposals:
-                    outputs.append(self._verify(seq, fwd.proposals[seq.id], logits, fwd.len_before[seq.id]))
+                if seq.id in proposals:
+                    outputs.append(self._verify(seq, proposals[seq.id], fwd.logits(i), fwd.len_before[seq.id]))
                 elif i in greedy:
                     outputs.append(RowOutput(seq, [(greedy[i], 0.0)]))
                 elif i in drawn:
@@ -235,16 +254,20 @@ class ModelExecutor:
                 log.exception("top log-probabilities failed")
                 for out, _ in alternatives:
                     out.tokens, out.error = [], f"internal error while computing top log-probabilities: {e}"
-        num_tokens = sum(len(fed) for _, fed, _ in fwd.rows)
-        return StepOutput(outputs, len(fwd.plan), num_tokens, fwd.seconds)
+        return StepOutput(outputs, len(fwd.plan), sum(len(fed) for _, fed in fwd.rows), fwd.seconds)
 
     def _score_prompts(self, fwd: ForwardResult) -> dict[int, str]:
         """The prompt log-probabilities of this step's scored prefill chunks, appended to their
         sequences' lists: position j's logits give the log-probability of prompt token j + 1.
         Returns seq id -> error for the rows where that failed (they fail, the others carry on)."""
         failed: dict[int, str] = {}
-        for seq, fed, logits in fwd.rows:
-            if logits.dim() != 2 or not seq.scores_prompt:
+        if all(logits.dim() == 2 for _, logits in fwd.passes):  # no pass kept every position's logits
+            return failed
+        for i, (seq, fed) in enumerate(fwd.rows):
+            if not seq.scores_prompt:
+                continue
+            logits = fwd.logits(i)
+            if logits.dim() != 2:
                 continue
             try:
                 start = seq.num_computed - len(fed)  # the position of fed[0]
@@ -267,21 +290,25 @@ class ModelExecutor:
         return failed
 
     @staticmethod
-    def _greedy(fwd: ForwardResult) -> dict[int, int]:
-        """Row index -> next token for the rows on plain greedy, one argmax per pass: the torch
-        calls on [V], made per row, would be a visible share of a batched step
+    def _greedy(fwd: ForwardResult, ready: list[int]) -> dict[int, int]:
+        """Row index -> next token for the `ready` rows on plain greedy, one argmax per pass:
+        the torch calls on [V], made per row, would be a visible share of a batched step
         (docs/performance-notes.md). A row whose winner is not finite is left to sample_rows,
         which masks NaN and clips +inf as sample_row does alone."""
         out: dict[int, int] = {}
-        for first, logits in fwd.passes:  # logits [B, V]; rows first .. first + B - 1
-            picked = [
-                i for i in range(first, first + len(logits))
-                if fwd.rows[i][0].num_computed >= fwd.rows[i][0].num_tokens and plain_greedy(fwd.rows[i][0].sampling)
-            ]
-            if not picked:
+        rows = fwd.rows
+        candidates = [i for i in ready if plain_greedy(rows[i][0].sampling)]
+        at = 0
+        for first, logits in fwd.passes:  # rows first .. first + B - 1
+            end = first + len(logits)
+            picked = []
+            while at < len(candidates) and candidates[at] < end:
+                picked.append(candidates[at])
+                at += 1
+            if not picked or logits.dim() != 2:  # a pass that kept every position is not plain
                 continue
-            rows = logits if len(picked) == len(logits) else logits[torch.tensor(picked) - first]  # [n, V]
-            out.update((i, t) for i, t in zip(picked, greedy_tokens(rows)) if t is not None)
+            chosen = logits if len(picked) == len(logits) else logits[torch.tensor(picked) - first]  # [n, V]
+            out.update((i, t) for i, t in zip(picked, greedy_tokens(chosen)) if t is not None)
         return out
 
     def _verify(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor, len_before: int) -> RowOutput:

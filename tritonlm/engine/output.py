@@ -171,24 +171,31 @@ class OutputProcessor:
     ) -> tuple[int, str | None]:
         """Add tokens in order until the sequence should finish; returns how many were used
         and the finish reason (None: it goes on). The caller finishes it."""
-        history, detok, params = seq.token_ids, seq.detok, seq.request.params
+        history, detok, params, sampling = seq.token_ids, seq.detok, seq.request.params, seq.sampling
         # max_tokens reached or the context full, as one history length (this runs per token)
         length_at = min(seq.num_prompt_tokens + params.max_tokens, self.max_context)
+        if not tokens:
+            return 0, None
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self._observe("on_first_token", now - seq.request.arrival)
+        seq.last_token_time = now
         for used, (token, logprob) in enumerate(tokens, start=1):
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                self._observe("on_first_token", now - seq.request.arrival)
-            seq.last_token_time = now
-            if seq.sampling.ends_on(token):  # EOS or a stop token id: not part of the answer
+            if sampling.ends_on(token):  # EOS or a stop token id: not part of the answer
+                self.stats.tokens_generated += used - 1
                 return used, "stop"
             history.append(token)
-            self.stats.tokens_generated += 1
-            text = detok.update()
-            self._report(seq, text, token, logprob, tops[used - 1] if tops else None, ranks[used - 1] if ranks else None)
+            seq.pending_text.append(detok.update())
+            seq.pending_ids.append(token)
+            if params.return_log_probs or params.top_log_probs:
+                self._report_log_probs(seq, logprob, tops[used - 1] if tops else None, ranks[used - 1] if ranks else None)
             if detok.stopped:
+                self.stats.tokens_generated += used
                 return used, "stop"
             if len(history) >= length_at:
+                self.stats.tokens_generated += used
                 return used, "length"
+        self.stats.tokens_generated += len(tokens)
         return len(tokens), None
 
     def _report(
@@ -198,10 +205,16 @@ class OutputProcessor:
         """Accumulate until the stream's next event or the final one."""
         seq.pending_text.append(text)
         seq.pending_ids.append(token)
-        if seq.request.params.return_log_probs:
+        self._report_log_probs(seq, logprob, top, rank)
+
+    @staticmethod
+    def _report_log_probs(seq: Sequence, logprob: float, top: list[tuple[int, float]] | None, rank: int | None) -> None:
+        """The token's log-probability, rank and alternatives, where the request asked for them."""
+        params = seq.request.params
+        if params.return_log_probs:
             seq.pending_log_probs.append(logprob)
             seq.pending_ranks.append(rank)
-        if seq.request.params.top_log_probs:
+        if params.top_log_probs:
             seq.pending_top_log_probs.append(top or [])
 
     def _stream(self, seq: Sequence) -> None:
@@ -216,18 +229,20 @@ class OutputProcessor:
             return
         # the interval first: it decides at once for most tokens; else nothing of this sequence sent yet
         if pending >= self.stream_interval or pending == seq.num_output_tokens:
-            self._emit(seq, GenerationEvent(seq.id, **self._take_pending(seq)))
+            self._emit(seq, self._take_pending(seq))
 
     @staticmethod
-    def _take_pending(seq: Sequence) -> dict:
-        out = {"text": "".join(seq.pending_text), "token_ids": seq.pending_ids, "log_probs": seq.pending_log_probs,
-               "top_log_probs": seq.pending_top_log_probs, "ranks": seq.pending_ranks}
+    def _take_pending(seq: Sequence, **final) -> GenerationEvent:
+        """An event with what the sequence has pending (which it then no longer has), and
+        `final`'s fields (the final event's)."""
+        event = GenerationEvent(seq.id, "".join(seq.pending_text), seq.pending_ids, seq.pending_log_probs,
+                                seq.pending_top_log_probs, seq.pending_ranks, **final)
         seq.pending_text, seq.pending_ids, seq.pending_log_probs, seq.pending_top_log_probs = [], [], [], []
         seq.pending_ranks = []
         if seq.prompt_log_probs is not None and not seq.prompt_log_probs_sent:  # the first event carries them
-            out["prompt_log_probs"], out["prompt_top_log_probs"] = seq.prompt_log_probs, seq.prompt_top_log_probs
+            event.prompt_log_probs, event.prompt_top_log_probs = seq.prompt_log_probs, seq.prompt_top_log_probs
             seq.prompt_log_probs_sent = True
-        return out
+        return event
 
     # ---- endings ----------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -245,9 +260,8 @@ class OutputProcessor:
         tail = "" if reason == "cancelled" else seq.detok.flush()
         self._retire(seq, reason)
         seq.pending_text.append(tail)
-        self._emit(seq, GenerationEvent(
-            seq.id,
-            **self._take_pending(seq),
+        self._emit(seq, self._take_pending(
+            seq,
             finished=True,
             finish_reason=reason,
             num_input_tokens=seq.num_prompt_tokens,

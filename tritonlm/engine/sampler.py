@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import secrets
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,13 @@ class RowState:
     # guided decoding: the matcher over this row's answer, which follows token_ids by itself
     # (forks share it: it rolls back to whichever history it is synced with next)
     guide: GuideState | None = None
+    # greedy, nothing that changes the logits, no log-probabilities, no guide: what
+    # plain_greedy needs of the row apart from its bans, fixed for the request's life
+    plain_params: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain_params = p.greedy and not p.changes_logits and not p.return_log_probs and self.guide is None
 
     @property
     def num_generated(self) -> int:
@@ -186,9 +193,12 @@ def next_token_distribution(logits: torch.Tensor, row: RowState) -> torch.Tensor
 def plain_greedy(row: RowState) -> bool:
     """Greedy with nothing that changes the logits and no log-probability asked for: the
     next token is the raw logits' argmax."""
+    if not row.plain_params:
+        return False
     p = row.params
-    return (p.greedy and not p.changes_logits and not p.return_log_probs and row.guide is None
-            and not banned_tokens(row))
+    if not p.bad_words and len(row.token_ids) - row.num_prompt >= p.min_tokens:
+        return True  # banned_tokens would find nothing; this runs for every row of every step
+    return not banned_tokens(row)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int | None]:

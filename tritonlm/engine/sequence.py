@@ -52,6 +52,14 @@ class Sequence:
     prompt_log_probs_sent: bool = False
     draft_tokens: int = 0  # speculative decoding: guesses proposed / accepted so far
     accepted_draft_tokens: int = 0
+    # the request's id and prompt length, read many times per row in every step: plain
+    # attributes, set once (a request's prompt does not change)
+    id: int = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.id = self.request.request_id
+        self.num_prompt_tokens = len(self.request.prompt_ids)
 
     @staticmethod
     def create(request: GenerationRequest, tokenizer, eos_id: int | None, spec_k_max: int = 0,
@@ -69,14 +77,6 @@ class Sequence:
             prompt_log_probs=[None] if scored else None,
             prompt_top_log_probs=[[]] if scored else None,
         )
-
-    @property
-    def id(self) -> int:
-        return self.request.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_ids)
 
     @property
     def rope_length(self) -> int:
