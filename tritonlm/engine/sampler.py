@@ -31,6 +31,7 @@ import torch
 from tritonlm.engine import draws
 from tritonlm.engine.draws import SAMPLE, inverse_cdf
 from tritonlm.engine.guided import GuideState, allocate_masks, apply_masks, fill_masks
+from tritonlm.engine.kernels import kernels_available
 from tritonlm.engine.request import SamplingParams
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -201,9 +202,17 @@ def plain_greedy(row: RowState) -> bool:
     return not banned_tokens(row)
 
 
+def native_argmax() -> bool:
+    """tritonlm's C++ greedy_argmax can run here (kernels/decode_ops.cpp)."""
+    return kernels_available()[0]
+
+
 def greedy_tokens(logits: torch.Tensor) -> list[int | None]:
     """[n, V] raw logits of plain-greedy rows -> each row's argmax, or None where that winner
     is not finite (NaN or +inf in the row), which sample_row then decides."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and native_argmax():
+        # the same first maximal index, and -1 where torch.max's winner would not be finite
+        return [t if t >= 0 else None for t in torch.ops.tritonlm.greedy_argmax(logits.contiguous()).tolist()]
     # max(dim) gives the first maximal index like argmax (NaN ranked highest too) and the
     # winning values, in half argmax(dim)'s time on CPU at [32, 49152]
     values, tokens = torch.max(logits, dim=-1)  # [n], [n]

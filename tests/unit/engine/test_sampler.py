@@ -99,8 +99,14 @@ def test_bad_words_are_never_produced():
     assert banned not in col.ids(rid) and col.ids(rid)[:3] == ref[:3]
 
 
-def test_one_argmax_per_pass_picks_what_sample_row_picks_row_by_row():
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-argmax", "torch-max"])
+def test_one_argmax_per_pass_picks_what_sample_row_picks_row_by_row(native, monkeypatch):
+    from tritonlm.engine import sampler
     from tritonlm.engine.sampler import RowState, greedy_tokens, sample_row
+
+    if not native:
+        monkeypatch.setattr(sampler, "native_argmax", lambda: False)
+    assert sampler.native_argmax() == native
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))  # [n, V]
     logits[1, 7] = logits[1, 30] = 99.0  # a tie: the first index wins, as in transformers' argmax

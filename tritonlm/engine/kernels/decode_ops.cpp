@@ -8,6 +8,8 @@
 //   add_rms_norm(x, delta, w, eps)       -> (s = x + delta, rms_norm(s, w, eps)): the
 //                                        residual add and the next layer's norm in one pass
 //   silu_mul(gate_up)                    [..., 2F] -> silu(gate) * up: Llama's MLP activation
+//   greedy_argmax(logits)                [n, V] -> [n] int64: each row's first largest index, -1
+//                                        where that value is not finite (greedy sampling)
 //   int8_linear(x, smooth, bias, packed, buf, reduce_range)
 //                                        x [..., in] -> [..., out] through PyTorch's dynamic int8
 //                                        linear (fbgemm), each row quantized alone: the row
@@ -29,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -201,12 +204,87 @@ at::Tensor int8_linear(const at::Tensor& x, const std::optional<at::Tensor>& smo
   return y.narrow(0, 1, rows).view(sizes);
 }
 
+// The first index of the row's largest value, or -1 where that value is not finite (the row
+// holds a NaN, or its largest is +-inf). Two passes over the row: its maximum (NaN seen
+// apart: the vector max does not order it), then the first position equal to it. torch.max
+// over a dim reduces value and index together, element by element, several times slower
+// than these two vector passes.
+inline int64_t argmax_row(const float* x, int64_t V) {
+  int64_t i = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_set1_ps(m);
+  __mmask16 unordered = 0;
+  for (; i + 16 <= V; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    acc = _mm512_max_ps(acc, v);
+  }
+  m = _mm512_reduce_max_ps(acc);
+  nan = unordered != 0;
+#elif defined(__AVX2__)
+  __m256 acc = _mm256_set1_ps(m);
+  __m256 unordered = _mm256_setzero_ps();
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    acc = _mm256_max_ps(acc, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float l : lanes) m = std::max(m, l);
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; i < V; ++i) {
+    nan |= std::isnan(x[i]);
+    m = std::max(m, x[i]);
+  }
+  if (nan || !std::isfinite(m)) return -1;
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; i + 16 <= V; i += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), mv, _CMP_EQ_OQ);
+    if (eq) return i + __builtin_ctz(eq);
+  }
+#elif defined(__AVX2__)
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; i + 8 <= V; i += 8) {
+    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mv, _CMP_EQ_OQ));
+    if (eq) return i + __builtin_ctz(eq);
+  }
+#endif
+  for (; i < V; ++i)
+    if (x[i] == m) return i;
+  return -1;  // not reached: m is one of the row's values
+}
+
+// logits [n, V] float32 -> [n] int64: each row's argmax as argmax_row gives it (-1: not finite).
+at::Tensor greedy_argmax(const at::Tensor& logits) {
+  check_float_rows(logits, "greedy_argmax", "logits");
+  TORCH_CHECK(logits.dim() == 2, "greedy_argmax: logits must be [n, V], not ", logits.sizes());
+  const int64_t n = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({n}, logits.options().dtype(at::kLong));
+  const float* xp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  if (V == 0) {
+    std::fill(op, op + n, -1);
+    return out;
+  }
+  at::parallel_for(0, n, std::max<int64_t>(1, kGrainFloats / V), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) op[r] = argmax_row(xp + r * V, V);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("greedy_argmax(Tensor logits) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor? smooth, Tensor? bias, "
         "__torch__.torch.classes.quantized.LinearPackedParamsBase packed, Tensor(a!) buf, bool reduce_range) -> Tensor");
 }
@@ -215,5 +293,6 @@ TORCH_LIBRARY_IMPL(tritonlm, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("greedy_argmax", &greedy_argmax);
   m.impl("int8_linear", &int8_linear);
 }

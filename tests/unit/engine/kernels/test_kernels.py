@@ -179,6 +179,38 @@ def test_fused_norm_and_activation_ops_equal_the_torch_math(shape):
                                torch.nn.functional.silu(big), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 7), (5, 33), (64, 512), (9, 49152)],
+                         ids=["one-value", "tail-only", "lanes-and-tail", "many-rows", "large-vocab"])
+def test_greedy_argmax_equals_torch_max(rows, vocab):
+    """The first largest index of every row, as torch.max(dim=-1) gives it, on random rows and
+    on rows made of ties (the first must win: ties at both ends of a vector and in the tail)."""
+    from tritonlm.engine.kernels import kernels_available
+
+    assert kernels_available()[0]
+    g = torch.Generator().manual_seed(rows * 7919 + vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    ties = torch.randint(0, 3, (rows, vocab), generator=g).float()  # many equal maxima per row
+    for logits in (x, ties, -ties, x.round()):
+        got = torch.ops.tritonlm.greedy_argmax(logits)
+        assert got.dtype == torch.int64
+        assert got.tolist() == torch.max(logits, dim=-1).indices.tolist()
+
+
+def test_greedy_argmax_marks_rows_whose_winner_is_not_finite():
+    """-1 where torch.max's winning value would not be finite: a NaN anywhere in the row (in
+    the vector lanes or the tail), +inf, or a row of -inf; -0.0 ties 0.0 (the first wins)."""
+    nan, inf = float("nan"), float("inf")
+    rows = [[1.0] * 40 for _ in range(6)]
+    rows[0][3] = nan  # in the first vector
+    rows[1][38] = nan  # in the tail
+    rows[2][20] = inf
+    rows[3] = [-inf] * 40
+    rows[4][5] = 2.0  # a finite winner
+    rows[5] = [-0.0, 0.0] * 20
+    got = torch.ops.tritonlm.greedy_argmax(torch.tensor(rows))
+    assert got.tolist() == [-1, -1, -1, -1, 5, 0]
+
+
 def test_fused_ops_refuse_bad_tensors_naming_them():
     from tritonlm.engine.kernels import kernels_available
 
@@ -194,6 +226,10 @@ def test_fused_ops_refuse_bad_tensors_naming_them():
         ops.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="silu_mul: gate_up must be a contiguous float32 CPU tensor"):
         ops.silu_mul(torch.randn(8, 2).t())
+    with pytest.raises(RuntimeError, match=r"greedy_argmax: logits must be \[n, V\], not \[2, 3, 4\]"):
+        ops.greedy_argmax(torch.randn(2, 3, 4))
+    with pytest.raises(RuntimeError, match="greedy_argmax: logits must be a contiguous float32 CPU tensor"):
+        ops.greedy_argmax(torch.randn(4, 8).half())
     from tritonlm.engine.runners.layers import FloatLinear, int8_reduce_range
     from tritonlm.engine.runners.quant import quantize_linear
 
