@@ -164,7 +164,7 @@ class ModelExecutor:
             return {}
         out = {}
         for seq, _ in plan:
-            if seq.in_prefill or seq.spec_k <= 0 or len(seq.pending_tokens) != 1:
+            if seq.in_prefill or seq.spec_k <= 0 or seq.num_pending != 1:
                 continue
             room = min(
                 seq.request.params.max_tokens - seq.num_output_tokens - 1,  # no guesses past max_tokens

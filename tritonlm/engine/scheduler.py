@@ -141,7 +141,7 @@ class Scheduler:
             if seq.in_prefill and not self.recompute:
                 prefilling.append(seq)
             else:
-                n = len(seq.pending_tokens)
+                n = seq.num_pending
                 plan.append((seq, n))
                 budget -= n
         if prefilling and self.slo is not None and budget > 0:  # no first token pushed past slo_ttft
@@ -150,12 +150,12 @@ class Scheduler:
         for seq in prefilling:  # oldest first
             if budget <= 0:
                 break
-            n = min(len(seq.pending_tokens), budget)
+            n = min(seq.num_pending, budget)
             plan.append((seq, n))
             budget -= n
         if not plan and prefilling:  # budget smaller than one decode round: still make progress
             seq = prefilling[0]
-            plan.append((seq, min(len(seq.pending_tokens), self.config.max_num_batched_tokens)))
+            plan.append((seq, min(seq.num_pending, self.config.max_num_batched_tokens)))
         return plan
 
     def rotate_again(self) -> None:

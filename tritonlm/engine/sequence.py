@@ -91,6 +91,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_pending(self) -> int:
+        """len(pending_tokens), without the copy."""
+        return max(len(self.token_ids) - self.num_computed, 0)
+
+    @property
     def pending_tokens(self) -> list[int]:
         """Tokens not yet in the KV cache: the prompt (prefill) or the last sampled token."""
         return self.token_ids[self.num_computed :]
