@@ -42,6 +42,22 @@ def tiny(name: str = "tiny-gpt2"):
     return build_tiny(name)
 
 
+def sentencepiece_style_tokenizer():
+    """A Llama-style tokenizer built offline: Unigram pieces with a "▁" for the space,
+    byte fallback for what no piece covers, a decoder that strips the text's first space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["▁hello", "▁world", "▁the", "▁round", "▁is", "▁", "ro", "und"] + list("abcdefghijklmnopqrstuvwxyz,.")
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{i:02X}>", -20.0) for i in range(256)]
+    vocab += [(p, -1.0) for p in pieces]
+    tk = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 def tiny_llama(**overrides):
     """Grouped-query Llama (4 query heads over 2 kv heads), tied embeddings, seeded weights;
     overrides go to its LlamaConfig."""

@@ -13,6 +13,7 @@ sampler    - per-row sampling (greedy, temperature, top-k/p, seed, penalties)
 guided     - guided decoding: guides compiled to grammar matchers, each row's matcher state
 speculative- drafters (draft model, prompt lookup) and the verification rule
 detok      - incremental, UTF-8-safe detokenization and stop strings
+token_bytes- each token id's bytes, for byte-level BPE tokenizers (detok's fast path)
 loader     - settings -> a ready Engine (tokenizer, runner, KV budget, drafter)
 
 docs/architecture.md follows one request through all of them.

@@ -2,17 +2,21 @@
 
 Decoding one token at a time breaks multi-byte characters (byte-level BPE splits
 them across tokens) and drops leading spaces (SentencePiece-style tokenizers).
-So each step decodes a short window of recent tokens with and without the new
-ones and emits the difference, and holds text back while it ends in an
-incomplete character (U+FFFD). Stop strings are matched on the text itself, so
-one split across two tokens is still found; text that could still turn into a
-stop string is held back until it cannot.
+Byte-level BPE tokenizers decode context-free (tritonlm/engine/token_bytes.py): for
+them each step decodes only the new tokens' bytes, with the bytes of an unfinished
+character kept back until the next step. Any other tokenizer decodes a short
+window of recent tokens with and without the new ones, and the difference is
+emitted, held back while it ends in an incomplete character (U+FFFD). Stop strings
+are matched on the text itself, so one split across two tokens is still found;
+text that could still turn into a stop string is held back until it cannot.
 """
 
 from __future__ import annotations
 
-import sys
+import codecs
 from typing import Callable
+
+from tritonlm.engine.token_bytes import UTF8_MAX_UNFINISHED, rust_tokenizer, token_bytes
 
 REPLACEMENT = "\ufffd"
 
@@ -20,31 +24,15 @@ REPLACEMENT = "\ufffd"
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     """ids -> tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False).
 
-    Two decodes per generated token make the detokenizer one of the engine's larger
-    per-token costs, and for a tokenizers-backed (fast) tokenizer most of a decode is
-    transformers' argument handling around the Rust one. Where the tokenizer's class keeps
-    transformers' own `decode` and `_decode` (which, without the clean-up, only hand a list
-    of ids to the Rust tokenizer), that one is called directly; any other tokenizer (a
-    class that overrides either, a Python one) decodes the ordinary way."""
+    For a tokenizers-backed (fast) tokenizer most of a decode is transformers' argument
+    handling around the Rust one. Where the tokenizer only hands the ids to its Rust tokenizer
+    (token_bytes.rust_tokenizer), that one is called directly; any other tokenizer decodes the
+    ordinary way."""
 
     def plain(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    # not loaded: the tokenizer cannot be one of its classes (and this costs no import)
-    fast_module = sys.modules.get("transformers.tokenization_utils_tokenizers")
-    base_module = sys.modules.get("transformers.tokenization_utils_base")
-    backend_cls = getattr(fast_module, "TokenizersBackend", None)
-    base_cls = getattr(base_module, "PreTrainedTokenizerBase", None)
-    cls = type(tokenizer)
-    if (
-        backend_cls is None
-        or base_cls is None
-        or not isinstance(tokenizer, backend_cls)
-        or getattr(cls, "decode", None) is not base_cls.decode
-        or getattr(cls, "_decode", None) is not backend_cls._decode
-        or "decode" in vars(tokenizer)
-        or "_decode" in vars(tokenizer)
-    ):
+    if rust_tokenizer(tokenizer) is None:
         return plain
 
     def direct(ids: list[int]) -> str:
@@ -54,16 +42,40 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     return direct
 
 
+def _bytes_from(table: tuple[bytes, ...], ids: list[int], start: int) -> bytes:
+    """The bytes of ids[start:] joined; ids past the table (a model's vocabulary may be padded
+    past the tokenizer's) have none, as the tokenizer decodes them to nothing."""
+    try:
+        if len(ids) == start + 1:  # one token per step (no speculative decoding): no list to join
+            return table[ids[start]]
+        return b"".join([table[i] for i in ids[start:]])
+    except IndexError:
+        return b"".join([table[i] if i < len(table) else b"" for i in ids[start:]])
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, token_ids: list[int], stop_words: tuple[str, ...] = ()):
         """token_ids: the sequence's history (the prompt so far), by reference: the engine
         appends generated tokens to it and `update()` reads what is new."""
         self.tokenizer = tokenizer
-        self._decode = text_decoder(tokenizer)
         self.ids = token_ids
-        # decode windows start a few tokens back so the first new token sees its left context
-        self.prefix_offset = max(len(self.ids) - 5, 0)
-        self.read_offset = len(self.ids)
+        self.read_offset = len(self.ids)  # the history before this has been read
+        self._table = token_bytes(tokenizer)
+        if self._table is None:
+            self._decode = text_decoder(tokenizer)
+            # decode windows start a few tokens back so the first new token sees its left context
+            self.prefix_offset = max(len(self.ids) - 5, 0)
+        else:
+            # the bytes since the last step that ended on a whole character; at first those of a
+            # character the prompt leaves unfinished, so that the tokens that finish it send it
+            # whole. The prompt's last few bytes hold all of them.
+            tail, start = b"", len(self.ids)
+            while len(tail) < UTF8_MAX_UNFINISHED and start > 0:
+                start -= 1
+                tail = _bytes_from(self._table, [self.ids[start]], 0) + tail
+            _, used = codecs.utf_8_decode(tail, "replace", False)
+            self._undecoded = tail[used:]
+            self._prompt_unfinished = bool(self._undecoded)  # see _after_prompt
         self.stop_words = tuple(s for s in stop_words if s)
         self._held = ""  # decoded text not yet emitted (may be the start of a stop word)
         # all text emitted so far, in pieces: one string grown per token would be copied whole each time
@@ -80,6 +92,25 @@ class IncrementalDetokenizer:
         """After tokens were appended to the history: the text now safe to send (maybe empty)."""
         if self.stopped:
             return ""
+        if self._table is not None:
+            ids = self.ids
+            if len(ids) > self.read_offset:
+                data = self._undecoded + _bytes_from(self._table, ids, self.read_offset)
+                self.read_offset = len(ids)
+                text, used = codecs.utf_8_decode(data, "replace", False)
+                # A step that ends inside a character sends nothing, as the window decode does:
+                # its bytes are decoded again with the next step's. Text that ends in U+FFFD for
+                # an invalid byte (one that can start no character), or in U+FFFD itself, goes
+                # out at once, as in the decode of the whole sequence: no later byte can change
+                # it. The window decode cannot tell that from an unfinished character and holds
+                # it until a step ends on a whole one.
+                self.incomplete = used < len(data)
+                if self.incomplete:
+                    self._undecoded = data
+                else:
+                    self._undecoded = b""
+                    self._held += self._after_prompt(text) if self._prompt_unfinished else text
+            return self._release(final=False)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         self.incomplete = full.endswith(REPLACEMENT)
@@ -93,12 +124,25 @@ class IncrementalDetokenizer:
         """At the end of generation: whatever is still held back (incomplete bytes included)."""
         if self.stopped:
             return ""
-        if self.read_offset < len(self.ids):
+        if self._table is not None:
+            data = self._undecoded + _bytes_from(self._table, self.ids, self.read_offset)
+            self.read_offset, self._undecoded = len(self.ids), b""
+            # an unfinished character's bytes as the tokenizer decodes them at the end: U+FFFD
+            text = codecs.utf_8_decode(data, "replace", True)[0]
+            self._held += self._after_prompt(text) if self._prompt_unfinished else text
+        elif self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
             full = self._decode(self.ids[self.prefix_offset :])
             self._held += full[len(prefix) :]
             self.read_offset = len(self.ids)
         return self._release(final=True)
+
+    def _after_prompt(self, text: str) -> str:
+        """The first text decoded after a prompt that ends inside a character, less the U+FFFD
+        that the prompt's text shows for it where the answer does not finish it (or finishes it
+        as U+FFFD itself)."""
+        self._prompt_unfinished = False
+        return text[1:] if text.startswith(REPLACEMENT) else text
 
     def _release(self, final: bool) -> str:
         held = self._held

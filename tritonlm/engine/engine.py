@@ -28,6 +28,7 @@ from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import Drafter
 from tritonlm.engine.threads import ENGINE_THREAD, named_thread
+from tritonlm.engine.token_bytes import token_bytes
 
 __all__ = ["Engine", "EngineObserver", "EngineStats"]
 
@@ -63,6 +64,7 @@ class Engine:
         complete); None: where the forward pass runs asynchronously, on a GPU."""
         self.runner = runner
         self.tokenizer = tokenizer
+        token_bytes(tokenizer)  # the detokenizer's table, made now rather than for the first request
         self.max_context = max_context
         self.queue_timeout_s = queue_timeout_s
         self.cancellation_check_s = cancellation_check_s

@@ -3,20 +3,35 @@
 The pieces sent one step at a time must join to the tokenizer's own decode of all the
 tokens, and no piece may carry half a character: checked directly over the tiny model's
 byte-level BPE (which splits multi-byte characters across tokens) and a SentencePiece-style
-tokenizer built here (Metaspace, byte fallback: decoding one token at a time drops its
-leading space), and through the engine. Stop strings are found in the text, also across
-tokens, and nothing of one is sent."""
+tokenizer (Metaspace, byte fallback: decoding one token at a time drops its leading space),
+and through the engine. Stop strings are found in the text, also across tokens, and nothing
+of one is sent. A byte-level tokenizer is decoded from its tokens' bytes: that sends the
+same pieces as decoding windows of tokens (the way every other tokenizer is decoded), except
+that text ending in an invalid byte goes out at once, and a character the prompt leaves
+unfinished is finished by the answer."""
 
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers.models import MIXED_PROMPTS, Collector, drain, hf_greedy_text, make_engine, tiny
+from tests.helpers.models import (
+    MIXED_PROMPTS,
+    Collector,
+    drain,
+    hf_greedy_text,
+    make_engine,
+    sentencepiece_style_tokenizer,
+    tiny,
+)
+from tritonlm.engine import token_bytes as token_bytes_module
 from tritonlm.engine.detok import IncrementalDetokenizer
+from tritonlm.engine.token_bytes import token_bytes
+from tritonlm.models.builtin import tiny_tokenizer
 
 REPLACEMENT = "\ufffd"
 
@@ -43,22 +58,6 @@ def continuation(tok, prompt: list[int], generated: list[int]) -> str:
     whole = decode(tok, prompt + generated)
     assert whole.startswith(before)
     return whole[len(before):]
-
-
-def sentencepiece_style_tokenizer():
-    """A Llama-style tokenizer built offline: Unigram pieces with a "▁" for the space,
-    byte fallback for what no piece covers, a decoder that strips the text's first space."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = ["▁hello", "▁world", "▁the", "▁round", "▁is", "▁", "ro", "und"] + list("abcdefghijklmnopqrstuvwxyz,.")
-    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{i:02X}>", -20.0) for i in range(256)]
-    vocab += [(p, -1.0) for p in pieces]
-    tk = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
-    tk.pre_tokenizer = pre_tokenizers.Metaspace()
-    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 # ---------------------------------------------------------------------------- the pieces
@@ -138,6 +137,199 @@ def test_flush_sends_an_unfinished_character_as_the_tokenizer_decodes_it():
     pieces, tail = run(tok, [], [[t] for t in ids[:cut]])
     assert "".join(pieces) + tail == decode(tok, ids[:cut])
     assert REPLACEMENT in tail and REPLACEMENT not in "".join(pieces)
+
+
+# ---------------------------------------------------------------------------- token bytes
+
+
+def windows_only(tok):
+    """tok as the detokenizer sees a tokenizer of no kind it knows (a decode and nothing else):
+    it decodes windows of tokens. The reference for decoding a byte-level tokenizer's bytes."""
+    return types.SimpleNamespace(decode=tok.decode)
+
+
+def trace(tok, prompt: list[int], steps: list[list[int]], stop_words: tuple[str, ...] = ()):
+    """After each step: the piece, `incomplete`, `stopped`; then flush()'s tail and `text`."""
+    history = list(prompt)
+    detok = IncrementalDetokenizer(tok, history, stop_words)
+    pieces, incomplete, stopped = [], [], []
+    for new in steps:
+        history.extend(new)
+        pieces.append(detok.update())
+        incomplete.append(detok.incomplete)
+        stopped.append(detok.stopped)
+    tail = detok.flush()
+    return pieces, incomplete, stopped, tail, detok.text
+
+
+def in_steps(ids: list[int], seed: int) -> list[list[int]]:
+    """ids 1 to 4 per step, as speculative steps append several."""
+    rng = random.Random(seed)
+    steps, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 4)
+        steps.append(ids[i:i + n])
+        i += n
+    return steps
+
+
+def stop_strings(reference: str, cuts: list[tuple[int, int]], made_up: list[str]) -> tuple[str, ...]:
+    """Pieces of the text (so that they hit), and made-up ones (which mostly do not)."""
+    taken = tuple(reference[a % (len(reference) + 1):][:n] for a, n in cuts)
+    return taken + tuple(made_up)
+
+
+def ends_at_a_stop(text: str, reference: str, stop_words: tuple[str, ...]) -> bool:
+    """text is the reference where no stop string is in it, else the part before the one found
+    first (the first to be complete), with none inside."""
+    stop_words = tuple(s for s in stop_words if s)
+    if not any(s in reference for s in stop_words):
+        return text == reference
+    return (reference.startswith(text) and any(reference.startswith(s, len(text)) for s in stop_words)
+            and not any(s in text for s in stop_words))
+
+
+ALPHABET = list("ab ,.\n") + ["é", "ß", "你", "好", "🙂", "€", "\u0301"]
+CUTS = st.lists(st.tuples(st.integers(min_value=0, max_value=60), st.integers(min_value=1, max_value=4)), max_size=3)
+MADE_UP = st.lists(st.text(alphabet=st.sampled_from(ALPHABET), min_size=1, max_size=3), max_size=2)
+
+
+def test_byte_level_tokenizers_are_decoded_from_token_bytes_and_others_by_windows():
+    _, tok = tiny()
+    assert IncrementalDetokenizer(tok, [])._table is token_bytes(tok) is not None
+    assert IncrementalDetokenizer(sentencepiece_style_tokenizer(), [])._table is None
+    assert IncrementalDetokenizer(windows_only(tok), [])._table is None
+
+
+@settings(max_examples=80, deadline=None, database=None)  # a failure prints its example
+@given(
+    text=st.text(alphabet=st.sampled_from(ALPHABET), min_size=1, max_size=40),
+    cut=st.integers(min_value=0, max_value=40),
+    seed=st.integers(min_value=0, max_value=2**16),
+    cuts=CUTS,
+    made_up=MADE_UP,
+)
+def test_token_bytes_send_the_pieces_that_windows_send(text, cut, seed, cuts, made_up):
+    """Text's tokens (so: no invalid bytes) after a prompt cut at a whole character, 1 to 4 per
+    step, with stop strings: every piece, `incomplete` and `stopped` after each step, the
+    tail and the text are those of decoding windows; the text is the whole decode less the
+    prompt's, up to the stop string found first."""
+    _, tok = tiny()
+    ids = tok(text).input_ids
+    boundaries = [k for k in range(len(ids)) if not decode(tok, ids[:k]).endswith(REPLACEMENT)]
+    k = boundaries[cut % len(boundaries)]
+    prompt, generated = ids[:k], ids[k:]
+    reference = continuation(tok, prompt, generated)
+    stop_words = stop_strings(reference, cuts, made_up)
+    steps = in_steps(generated, seed)
+    fast = trace(tok, prompt, steps, stop_words)
+    assert fast == trace(windows_only(tok), prompt, steps, stop_words)
+    assert ends_at_a_stop(fast[4], reference, stop_words)
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(
+    prompt=st.lists(st.integers(min_value=0, max_value=511), max_size=8),
+    # any ids: bytes that start or make no character, the end of text (0, skipped), one past the vocabulary
+    generated=st.lists(st.one_of(st.integers(min_value=0, max_value=511), st.sampled_from([0, 520])), min_size=1,
+                       max_size=30),
+    seed=st.integers(min_value=0, max_value=2**16),
+    cuts=CUTS,
+    made_up=MADE_UP,
+)
+def test_token_bytes_of_any_ids_send_what_windows_send_or_sooner(prompt, generated, seed, cuts, made_up):
+    """Any ids after a prompt that ends on a whole character: the text is the whole decode less
+    the prompt's, up to the stop string found first, as with windows. After a step that ends on a
+    whole character by the windows' reckoning, both have sent the same text and both have
+    stopped or not; otherwise the windows hold text that the token bytes may have sent (text
+    that ends in an invalid byte), never the other way round."""
+    _, tok = tiny()
+    assume(not decode(tok, prompt).endswith(REPLACEMENT))
+    reference = continuation(tok, prompt, generated)
+    # none with U+FFFD in it: the token bytes may find one a step sooner than the windows, and
+    # so one that holds it but started earlier and ends later, found by the windows, is not
+    stop_words = tuple(s for s in stop_strings(reference, cuts, made_up) if REPLACEMENT not in s)
+    steps = in_steps(generated, seed)
+    pieces, incomplete, stopped, tail, text = trace(tok, prompt, steps, stop_words)
+    w_pieces, w_incomplete, w_stopped, w_tail, w_text = trace(windows_only(tok), prompt, steps, stop_words)
+    assert text == w_text and ends_at_a_stop(text, reference, stop_words)
+    sent = w_sent = ""
+    for k in range(len(steps)):
+        sent, w_sent = sent + pieces[k], w_sent + w_pieces[k]
+        assert text.startswith(sent) and sent.startswith(w_sent)
+        assert w_incomplete[k] or not incomplete[k]  # an unfinished character: the windows hold it too
+        if not w_incomplete[k]:
+            assert (sent, stopped[k]) == (w_sent, w_stopped[k])
+
+
+def test_text_that_ends_in_an_invalid_byte_goes_out_at_once():
+    """A lone continuation byte can start no character: its U+FFFD is in the whole decode
+    whatever follows, so it is sent with its step (the windows hold it for one more step)."""
+    from tritonlm.engine.token_bytes import bytes_to_unicode
+
+    _, tok = tiny()
+    orphan = tok.convert_tokens_to_ids(bytes_to_unicode()[0x80])
+    steps = [tok(" a").input_ids + [orphan], tok(" b").input_ids]
+    prompt = tok("Once").input_ids
+    pieces, incomplete, _, tail, text = trace(tok, prompt, steps)
+    assert (pieces, incomplete, tail) == ([" a" + REPLACEMENT, " b"], [False, False], "")
+    w_pieces, w_incomplete, _, _, w_text = trace(windows_only(tok), prompt, steps)
+    assert (w_pieces, w_incomplete) == (["", " a" + REPLACEMENT + " b"], [True, False])
+    assert text == w_text == continuation(tok, prompt, steps[0] + steps[1])
+
+
+def test_a_character_the_prompt_leaves_unfinished_is_finished_by_the_answer():
+    """The prompt's text shows U+FFFD for the bytes it ends on; the answer's first tokens finish
+    that character, and the answer starts with it. Where they do not, that U+FFFD is the
+    prompt's: the answer is the whole decode less the prompt's."""
+    _, tok = tiny()
+    ids = tok(" 🙂 ok").input_ids
+    k = next(k for k in range(1, len(ids)) if decode(tok, ids[:k]).endswith(REPLACEMENT))
+    prompt = tok("Once").input_ids + ids[:k]
+    pieces, tail = run(tok, prompt, [[t] for t in ids[k:]])
+    assert "".join(pieces) + tail == "🙂 ok"
+    assert pieces[0] == "" or pieces[0].startswith("🙂")  # never a U+FFFD that the prompt's text showed
+    left = tok(" left").input_ids
+    pieces, tail = run(tok, prompt, [left])
+    whole, before = decode(tok, prompt + left), decode(tok, prompt)
+    assert "".join(pieces) + tail == whole[len(before):] == " left"
+    # nothing generated: the unfinished bytes were the prompt's, nothing to send
+    assert run(tok, prompt, [])[1] == ""
+
+
+def test_special_added_and_unknown_tokens_are_decoded_as_the_tokenizer_decodes_them():
+    """End of text and an added special token are skipped (also between a character's bytes),
+    added tokens read as the tokenizer reads them (one spells an unfinished character), an id
+    past the vocabulary is nothing."""
+    tok = tiny_tokenizer()  # its own object: tokens are added
+    tok.add_tokens(["<extra>", "Ġhey", "x y", "ðŁĻ"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    assert token_bytes(tok) is not None
+    smile = tok("🙂").input_ids
+    assert len(smile) == 3
+    extra, hey, xy, partial, tool = tok.convert_tokens_to_ids(["<extra>", "Ġhey", "x y", "ðŁĻ", "<|tool|>"])
+    prompt = tok("Once").input_ids
+    # the last four: an added token ends the unfinished character before it, as in the tokenizer
+    generated = ([smile[0], tok.eos_token_id, smile[1], tool, smile[2], hey, partial, smile[2], xy, len(tok) + 3]
+                 + [smile[0], extra, smile[1], smile[2]])
+    reference = continuation(tok, prompt, generated)
+    assert reference.startswith("🙂 hey🙂x y") and "<extra>" in reference
+    for steps in ([[t] for t in generated], in_steps(generated, 5)):
+        pieces, tail = run(tok, prompt, steps)
+        assert "".join(pieces) + tail == reference
+        w_pieces, w_tail = run(windows_only(tok), prompt, steps)
+        assert "".join(w_pieces) + w_tail == reference
+
+
+def test_a_tokenizer_whose_table_fails_its_check_is_decoded_by_windows(monkeypatch):
+    tok = tiny_tokenizer()  # its own object: no table made for it yet
+    spelled = token_bytes_module.byte_level_bytes
+    monkeypatch.setattr(token_bytes_module, "byte_level_bytes", lambda s: spelled(s).upper())
+    detok = IncrementalDetokenizer(tok, tok("Once").input_ids)
+    assert detok._table is None
+    ids = tok(" upper and lower, é").input_ids
+    detok.ids.extend(ids)
+    assert detok.update() + detok.flush() == " upper and lower, é"
 
 
 # ---------------------------------------------------------------------------- stop strings
