@@ -119,7 +119,8 @@ inline void score_rows(const float* const* q, const int64_t* first, const int64_
   const int64_t j_lo = first[0];           // and the first the earliest (windows slide with t)
   int64_t j0 = j_lo;
 #if defined(__AVX512F__)
-  if constexpr (HD > 0 && HD % 16 == 0) {
+  const int64_t hd = HD > 0 ? HD : D;  // the head size, known at compile time or not
+  if (hd % 16 == 0) {
     const __m512 scv = _mm512_set1_ps(sc);
     for (; j0 + 16 <= n_max; j0 += 16) {  // the block's 16 key rows stay in L1 for its query rows
       const float* kj[16];
@@ -127,7 +128,7 @@ inline void score_rows(const float* const* q, const int64_t* first, const int64_
       if (j0 + 32 <= n_max)
         for (int k = 0; k < 16; ++k) {
           const char* nx = reinterpret_cast<const char*>(kp + (slots[j0 + 16 + k] * Hkv + g) * D);
-          for (int64_t c = 0; c < HD * 4; c += 64) _mm_prefetch(nx + c, _MM_HINT_T0);
+          for (int64_t c = 0; c < hd * 4; c += 64) _mm_prefetch(nx + c, _MM_HINT_T0);
         }
       for (int64_t r = 0; r < nrows; ++r) {
         float* s = scores + r * stride;    // s[j - base]: key j's score
@@ -135,7 +136,7 @@ inline void score_rows(const float* const* q, const int64_t* first, const int64_
         if (j0 + 16 <= nkeys[r]) {
           __m512 x[16];
 #pragma GCC unroll 16
-          for (int k = 0; k < 16; ++k) x[k] = tritonlm_simd::dot_lanes(q[r], kj[k], HD);
+          for (int k = 0; k < 16; ++k) x[k] = tritonlm_simd::dot_lanes(q[r], kj[k], hd);
           _mm512_storeu_ps(s + j0 - base, _mm512_mul_ps(tritonlm_simd::reduce_add_16(x), scv));
         } else {
           for (int64_t j = j0; j < std::min(j0 + 16, nkeys[r]); ++j) s[j - base] = dot<HD>(q[r], kj[j - j0], D) * sc;
@@ -157,9 +158,50 @@ inline void score_rows(const float* const* q, const int64_t* first, const int64_
   }
 }
 
+#if defined(__AVX512F__)
+// weigh_values' work on the CB 16-float column chunks from c0 of every value row, their
+// outputs accumulated in registers (kRowBlock x CB of them); each chunk's sums run over the
+// keys in order, as the other paths' do.
+template <int CB>
+inline void weigh_columns(float* const* out, const int64_t* first, const int64_t* nkeys, int64_t nrows,
+                          const float* vp, const int64_t* slots, int64_t Hkv, int64_t g, int64_t D, int64_t c0,
+                          const float* p, int64_t stride, int64_t base) {
+  const int64_t n_max = nkeys[nrows - 1];
+  __m512 acc[kRowBlock][CB];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRowBlock; ++r)
+#pragma GCC unroll 6
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = first[0]; j < n_max; ++j) {
+    const float* vj = vp + (slots[j] * Hkv + g) * D + c0;
+    if (j + 8 < n_max) {
+      const char* nx = reinterpret_cast<const char*>(vp + (slots[j + 8] * Hkv + g) * D + c0);
+#pragma GCC unroll 6
+      for (int c = 0; c < CB; ++c) _mm_prefetch(nx + 64 * c, _MM_HINT_T0);
+    }
+    __m512 v[CB];
+#pragma GCC unroll 6
+    for (int c = 0; c < CB; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRowBlock; ++r) {
+      if (r < nrows && j >= first[r] && j < nkeys[r]) {
+        const __m512 pr = _mm512_set1_ps(p[r * stride + j - base]);
+#pragma GCC unroll 6
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(pr, v[c], acc[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRowBlock; ++r)
+    if (r < nrows)
+#pragma GCC unroll 6
+      for (int c = 0; c < CB; ++c) _mm512_storeu_ps(out[r] + c0 + 16 * c, acc[r][c]);
+}
+#endif
+
 // out_r = sum_j p[r, j - base] v_j over first[r] <= j < nkeys[r], for a block of rows; the
-// block's outputs are accumulated in registers when the head size is known (AVX-512), each
-// value row read once.
+// block's outputs are accumulated in registers (AVX-512, a head size of 16k), each value row
+// read once (once per 96 columns where the head size is known only at run time).
 template <int HD>
 inline void weigh_values(float* const* out, const int64_t* first, const int64_t* nkeys, int64_t nrows,
                          const float* vp, const int64_t* slots, int64_t Hkv, int64_t g, int64_t D, const float* p,
@@ -197,6 +239,21 @@ inline void weigh_values(float* const* out, const int64_t* first, const int64_t*
       if (r < nrows)
 #pragma GCC unroll 8
         for (int c = 0; c < V; ++c) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
+    return;
+  }
+  if (HD == 0 && D % 16 == 0) {  // 96 columns at a time (24 accumulators and 6 loads: 30 of 32
+                                 // registers), then the rest
+    int64_t c0 = 0;
+    for (; c0 + 96 <= D; c0 += 96)
+      weigh_columns<6>(out, first, nkeys, nrows, vp, slots, Hkv, g, D, c0, p, stride, base);
+    switch ((D - c0) / 16) {
+      case 5: weigh_columns<5>(out, first, nkeys, nrows, vp, slots, Hkv, g, D, c0, p, stride, base); break;
+      case 4: weigh_columns<4>(out, first, nkeys, nrows, vp, slots, Hkv, g, D, c0, p, stride, base); break;
+      case 3: weigh_columns<3>(out, first, nkeys, nrows, vp, slots, Hkv, g, D, c0, p, stride, base); break;
+      case 2: weigh_columns<2>(out, first, nkeys, nrows, vp, slots, Hkv, g, D, c0, p, stride, base); break;
+      case 1: weigh_columns<1>(out, first, nkeys, nrows, vp, slots, Hkv, g, D, c0, p, stride, base); break;
+      default: break;
+    }
     return;
   }
 #endif

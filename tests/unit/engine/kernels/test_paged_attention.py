@@ -64,13 +64,15 @@ OPTIONS = {
 @pytest.mark.parametrize("options", list(OPTIONS.values()), ids=list(OPTIONS))
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim, width",
-    [(8, 2, 64, 1), (4, 4, 128, 4), (6, 2, 24, 3)],
-    ids=["gqa-d64-decode", "mha-d128-verify4", "gqa-d24-generic-verify3"],
+    [(8, 2, 64, 1), (4, 4, 128, 4), (6, 2, 24, 3), (4, 4, 16, 1), (4, 2, 80, 2), (2, 1, 96, 1), (2, 2, 256, 3)],
+    ids=["gqa-d64-decode", "mha-d128-verify4", "gqa-d24-generic-verify3", "mha-d16-decode", "gqa-d80-verify2",
+         "gqa-d96-decode", "mha-d256-verify3"],
 )
 def test_options_match_float64_reference(options, heads, kv_heads, head_dim, width):
     """Rows with pasts of 0 to 120 keys on scattered slots, decode and verification widths
     (a row's new tokens see windows that start at different keys), padded rows (num_new <
-    width), head sizes of the unrolled AVX-512 paths (64, 128) and of the generic one (24):
+    width), head sizes of the unrolled AVX-512 paths (64, 128), of the run-time sized ones
+    that take 16 keys and up to 96 columns at a time (16, 80, 96, 256) and of the generic one (24):
     the float64 reference, and an answer that differs from plain attention where the option
     changes anything."""
     from tritonlm.engine.runners.base import plan_step
