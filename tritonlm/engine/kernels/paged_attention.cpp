@@ -170,23 +170,23 @@ inline void weigh_columns(float* const* out, const int64_t* first, const int64_t
   __m512 acc[kRowBlock][CB];
 #pragma GCC unroll 4
   for (int r = 0; r < kRowBlock; ++r)
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t j = first[0]; j < n_max; ++j) {
     const float* vj = vp + (slots[j] * Hkv + g) * D + c0;
     if (j + 8 < n_max) {
       const char* nx = reinterpret_cast<const char*>(vp + (slots[j + 8] * Hkv + g) * D + c0);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
       for (int c = 0; c < CB; ++c) _mm_prefetch(nx + 64 * c, _MM_HINT_T0);
     }
     __m512 v[CB];
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int c = 0; c < CB; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);
 #pragma GCC unroll 4
     for (int r = 0; r < kRowBlock; ++r) {
       if (r < nrows && j >= first[r] && j < nkeys[r]) {
         const __m512 pr = _mm512_set1_ps(p[r * stride + j - base]);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
         for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(pr, v[c], acc[r][c]);
       }
     }
@@ -194,7 +194,7 @@ inline void weigh_columns(float* const* out, const int64_t* first, const int64_t
 #pragma GCC unroll 4
   for (int r = 0; r < kRowBlock; ++r)
     if (r < nrows)
-#pragma GCC unroll 6
+#pragma GCC unroll 8
       for (int c = 0; c < CB; ++c) _mm512_storeu_ps(out[r] + c0 + 16 * c, acc[r][c]);
 }
 #endif
@@ -209,36 +209,8 @@ inline void weigh_values(float* const* out, const int64_t* first, const int64_t*
   const int64_t n_max = nkeys[nrows - 1];
   const int64_t j_lo = first[0];
 #if defined(__AVX512F__)
-  if constexpr (HD > 0 && HD % 16 == 0 && HD <= 128) {
-    constexpr int V = HD / 16;
-    __m512 acc[kRowBlock][V];
-#pragma GCC unroll 4
-    for (int r = 0; r < kRowBlock; ++r)
-#pragma GCC unroll 8
-      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t j = j_lo; j < n_max; ++j) {
-      const float* vj = vp + (slots[j] * Hkv + g) * D;
-      if (j + 8 < n_max) {
-        const char* nx = reinterpret_cast<const char*>(vp + (slots[j + 8] * Hkv + g) * D);
-        for (int c = 0; c < HD * 4; c += 64) _mm_prefetch(nx + c, _MM_HINT_T0);
-      }
-      __m512 v[V];
-#pragma GCC unroll 8
-      for (int c = 0; c < V; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);
-#pragma GCC unroll 4
-      for (int r = 0; r < kRowBlock; ++r) {
-        if (r < nrows && j >= first[r] && j < nkeys[r]) {
-          const __m512 pr = _mm512_set1_ps(p[r * stride + j - base]);
-#pragma GCC unroll 8
-          for (int c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(pr, v[c], acc[r][c]);
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < kRowBlock; ++r)
-      if (r < nrows)
-#pragma GCC unroll 8
-        for (int c = 0; c < V; ++c) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
+  if constexpr (HD > 0 && HD % 16 == 0 && HD <= 128) {  // the whole row in one pass
+    weigh_columns<HD / 16>(out, first, nkeys, nrows, vp, slots, Hkv, g, D, 0, p, stride, base);
     return;
   }
   if (HD == 0 && D % 16 == 0) {  // 96 columns at a time (24 accumulators and 6 loads: 30 of 32
