@@ -55,7 +55,7 @@ class ForwardResult:
     # (index of its first row in `rows`, logits [B, V], or [B, T, V] where it kept every
     # position's) of each pass. A row's own logits are taken from its pass when asked
     # (logits()): a view per row made for every row of every step would cost more than
-    # the greedy argmax that most rows need
+    # the greedy argmax that most rows need (docs/performance-notes.md)
     passes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def logits(self, i: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from tritonlm.engine import draws
 from tritonlm.engine.draws import SAMPLE, inverse_cdf
 from tritonlm.engine.guided import GuideState, allocate_masks, apply_masks, fill_masks
-from tritonlm.engine.kernels import kernels_available
+from tritonlm.engine.kernels import kernels_loaded
 from tritonlm.engine.request import SamplingParams
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -203,15 +203,19 @@ def plain_greedy(row: RowState) -> bool:
 
 
 def native_argmax() -> bool:
-    """tritonlm's C++ greedy_argmax can run here (kernels/decode_ops.cpp)."""
-    return kernels_available()[0]
+    """tritonlm's C++ greedy_argmax can run here (kernels/decode_ops.cpp): the kernels are
+    loaded already. Sampling never loads them itself: where the runner did not (another
+    runner, another dtype, the gather attention), torch's max serves, and no build or ISA
+    refusal can happen on the engine thread mid-step."""
+    return kernels_loaded()
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int | None]:
     """[n, V] raw logits of plain-greedy rows -> each row's argmax, or None where that winner
     is not finite (NaN or +inf in the row), which sample_row then decides."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and native_argmax():
-        # the same first maximal index, and -1 where torch.max's winner would not be finite
+        # the same first maximal index, and -1 where torch.max's winner would not be finite;
+        # torch.max reduces value and index element by element (docs/performance-notes.md)
         return [t if t >= 0 else None for t in torch.ops.tritonlm.greedy_argmax(logits.contiguous()).tolist()]
     # max(dim) gives the first maximal index like argmax (NaN ranked highest too) and the
     # winning values, in half argmax(dim)'s time on CPU at [32, 49152]

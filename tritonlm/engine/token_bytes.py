@@ -106,8 +106,10 @@ def token_bytes(tokenizer) -> tuple[bytes, ...] | None:
     """tokenizer's table id -> bytes (special tokens: none, as the engine skips them), or None
     where its decode is not context-free byte-level BPE (then only the tokenizer can decode).
     Made at the first call for a tokenizer object (the engine calls it when it is built, so
-    no request waits for it), and again if the tokenizer's vocabulary has changed since. Ids
-    from the table's length up decode to nothing, as in the tokenizer."""
+    no request waits for it), and again if the tokenizer's vocabulary has grown since (the
+    engine never changes its tokenizer; a token made special in place, with no new token,
+    would keep its old entry). Ids from the table's length up decode to nothing, as in the
+    tokenizer."""
     backend = rust_tokenizer(tokenizer)
     if backend is None:
         return None

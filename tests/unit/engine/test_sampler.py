@@ -104,7 +104,11 @@ def test_one_argmax_per_pass_picks_what_sample_row_picks_row_by_row(native, monk
     from tritonlm.engine import sampler
     from tritonlm.engine.sampler import RowState, greedy_tokens, sample_row
 
-    if not native:
+    from tritonlm.engine.kernels import kernels_available
+
+    if native:
+        assert kernels_available()[0]  # a runner loads them at model load; sampling only uses them
+    else:
         monkeypatch.setattr(sampler, "native_argmax", lambda: False)
     assert sampler.native_argmax() == native
 
@@ -123,6 +127,27 @@ def test_one_argmax_per_pass_picks_what_sample_row_picks_row_by_row(native, monk
     assert batched[2:4] == [None, None]
     assert sample_row(logits[2], row)[0] == int(torch.argmax(torch.nan_to_num(logits[2], nan=float("-inf"))))
     assert sample_row(logits[3], row)[0] == 4
+
+
+def test_greedy_sampling_never_loads_the_kernels_itself():
+    """In a process where no runner loaded the C++ ops, greedy rows take torch's max and leave
+    them unloaded: no build, and no TRITONLM_KERNEL_ISA refusal, on the engine thread mid-step."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from tritonlm.engine.sampler import greedy_tokens\n"
+        "from tritonlm.engine.kernels import kernels_loaded\n"
+        "x = torch.randn(4, 50)\n"
+        "assert greedy_tokens(x) == torch.max(x, dim=-1).indices.tolist()\n"
+        "assert not kernels_loaded()\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "TRITONLM_KERNEL_ISA": "not-a-level"}  # loading would raise
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_log_probs_are_those_of_the_model():

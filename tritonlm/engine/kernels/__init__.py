@@ -1,6 +1,7 @@
 """tritonlm's own C++ kernels, prebuilt per x86-64 level and loaded on first use.
 
     kernels_available() -> (bool, why)   loads the best build for this CPU once per process;
+    kernels_loaded() -> bool             whether that has happened and the ops can run
     loaded_build() -> LoadedBuild        which one (level, prebuilt or compiled, path); then
     torch.ops.tritonlm.paged_attention_qkv(qkv, k_cache, v_cache, write_slots, slot_table,
                                            positions, cos, sin, heads, scale)
@@ -110,6 +111,12 @@ def kernels_available() -> tuple[bool, str]:
             _state = _load()
             (log.info if _state[0] else log.warning)("C++ kernels: %s", _state[1])
         return _state
+
+
+def kernels_loaded() -> bool:
+    """The C++ ops are loaded in this process already; never loads or builds them (a caller on
+    a hot path uses them only where a runner has loaded them at model load)."""
+    return _state is not None and _state[0]
 
 
 def loaded_build() -> LoadedBuild | None:

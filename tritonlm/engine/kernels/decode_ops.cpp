@@ -207,8 +207,8 @@ at::Tensor int8_linear(const at::Tensor& x, const std::optional<at::Tensor>& smo
 // The first index of the row's largest value, or -1 where that value is not finite (the row
 // holds a NaN, or its largest is +-inf). Two passes over the row: its maximum (NaN seen
 // apart: the vector max does not order it), then the first position equal to it. torch.max
-// over a dim reduces value and index together, element by element, several times slower
-// than these two vector passes.
+// over a dim reduces value and index together, element by element: slower than these two
+// vector passes (docs/performance-notes.md).
 inline int64_t argmax_row(const float* x, int64_t V) {
   int64_t i = 0;
   float m = -std::numeric_limits<float>::infinity();
