@@ -100,13 +100,7 @@ def test_any_text_cut_into_any_steps_joins_to_the_full_decode(text, cut, seed):
     boundaries = [k for k in range(len(ids)) if not decode(tok, ids[:k]).endswith(REPLACEMENT)]
     k = boundaries[cut % len(boundaries)]
     prompt, generated = ids[:k], ids[k:]
-    rng = random.Random(seed)
-    steps, i = [], 0
-    while i < len(generated):
-        n = rng.randint(1, 4)
-        steps.append(generated[i:i + n])
-        i += n
-    pieces, tail = run(tok, prompt, steps)
+    pieces, tail = run(tok, prompt, in_steps(generated, seed))
     reference = continuation(tok, prompt, generated)
     so_far = ""
     for p in pieces:
