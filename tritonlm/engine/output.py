@@ -171,11 +171,11 @@ class OutputProcessor:
     ) -> tuple[int, str | None]:
         """Add tokens in order until the sequence should finish; returns how many were used
         and the finish reason (None: it goes on). The caller finishes it."""
+        if not tokens:
+            return 0, None
         history, detok, params, sampling = seq.token_ids, seq.detok, seq.request.params, seq.sampling
         # max_tokens reached or the context full, as one history length (this runs per token)
         length_at = min(seq.num_prompt_tokens + params.max_tokens, self.max_context)
-        if not tokens:
-            return 0, None
         if seq.first_token_time is None:
             seq.first_token_time = now
             self._observe("on_first_token", now - seq.request.arrival)
