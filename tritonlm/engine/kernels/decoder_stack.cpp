@@ -14,6 +14,9 @@
 //     .add_panel(panel, bias, out)                  one projection, float32 weights in 16-wide output
 //                                                   panels (float_panel.cpp's panel_linear)
 //     .add_int8(packed, smooth, bias, reduce_range) one projection, PyTorch's packed int8 weight
+//     .add_i8(panel, wscale, smooth, bias, out, isa)  one projection, int8 weights in 16-wide output
+//                                                   panels with 8-bit activations (int8_act8.cpp's
+//                                                   i8_linear); smooth: x's multiplier first, or None
 //     .add_w8(panel, scale, offset, bias, out)      one projection, int8 weights in 16-wide output panels
 //                                                   (uint8 codes, float16 scales and offsets) with float
 //                                                   activations (weight_only_int8.cpp's w8_linear)
@@ -118,6 +121,9 @@ struct Ops {
       w8_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
       panel_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const std::optional<at::Tensor>&, int64_t, std::string_view)>
+      i8_linear;
 
   static const Ops& get() {
     static const Ops ops = [] {
@@ -145,6 +151,9 @@ struct Ops {
                                 const std::optional<at::Tensor>&, int64_t, std::string_view)>(),
           d.findSchemaOrThrow("tritonlm::panel_linear", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>(),
+          d.findSchemaOrThrow("tritonlm::i8_linear", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const std::optional<at::Tensor>&, int64_t, std::string_view)>(),
       };
     }();
     return ops;
@@ -181,6 +190,9 @@ struct Projection {
   Packed packed;       // int8: PyTorch's packed per-channel weights; null for float
   // weight-only int8: codes [P, in, 16] uint8, scales and offsets [P, groups, 16] float16; undefined otherwise
   at::Tensor w8, w8_scale, w8_offset;
+  // int8 with 8-bit activations: codes [P, in4, 16, 4] int8, scales [P * 16] float32, i8_linear's path
+  at::Tensor i8, i8_scale;
+  std::string i8_isa;
   std::optional<at::Tensor> smooth, bias;
   bool reduce_range = false;
 
@@ -196,6 +208,9 @@ struct Projection {
       y = ops.panel_linear.call(flat, panel, b, out);
     } else if (w8.defined()) {
       y = ops.w8_linear.call(flat, w8, w8_scale, w8_offset, b, out, "auto");
+    } else if (i8.defined()) {
+      const at::Tensor scaled = smooth ? at::mul(flat, *smooth) : flat.contiguous();
+      y = ops.i8_linear.call(scaled, i8, i8_scale, b, out, i8_isa);
     } else if (packed) {
       y = ops.int8_linear.call(flat.contiguous(), smooth, b, packed, pinned.take(rows, in, flat.options()),
                                reduce_range);
@@ -275,6 +290,23 @@ struct DecoderStack : torch::CustomClassHolder {
     p.smooth = std::move(smooth);
     p.bias = std::move(bias);
     p.reduce_range = reduce_range;
+    add(std::move(p));
+  }
+
+  void add_i8(at::Tensor panel, at::Tensor wscale, std::optional<at::Tensor> smooth, std::optional<at::Tensor> bias,
+              int64_t out, std::string isa) {
+    TORCH_CHECK(panel.device().is_cpu() && panel.scalar_type() == at::kChar && panel.dim() == 4 &&
+                    panel.size(2) == 16 && panel.size(3) == 4 && panel.is_contiguous(),
+                "DecoderStack.add_i8: panel must be a contiguous int8 CPU tensor [P, in4, 16, 4]");
+    TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.numel() == panel.size(0) * 16,
+                "DecoderStack.add_i8: wscale must be float32 [", panel.size(0) * 16, "]");
+    Projection p;
+    p.i8 = std::move(panel);
+    p.i8_scale = std::move(wscale);
+    p.i8_isa = std::move(isa);
+    p.out = out;
+    p.smooth = std::move(smooth);
+    p.bias = std::move(bias);
     add(std::move(p));
   }
 
@@ -503,6 +535,7 @@ TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
       .def(torch::init<int64_t>())
       .def("add_float", &DecoderStack::add_float)
       .def("add_int8", &DecoderStack::add_int8)
+      .def("add_i8", &DecoderStack::add_i8)
       .def("add_w8", &DecoderStack::add_w8)
       .def("add_panel", &DecoderStack::add_panel)
       .def("add_layer", &DecoderStack::add_layer)

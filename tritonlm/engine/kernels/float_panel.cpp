@@ -3,8 +3,8 @@
 //   panel_linear(x [..., in] f32, panel [P, in, 16] f32, bias [out] f32 or None, out)
 //       -> y [..., out] f32, y = x @ w^T + bias, where panel[p, k, j] = w[16 p + j, k]
 //          (zero beyond out)
-//   panel_supported() -> whether this build has the AVX-512 kernel (else the caller keeps
-//       oneDNN's blocked layout)
+//   panel_supported() -> whether this build has a vector kernel, AVX-512 or AVX2 (else the
+//       caller keeps oneDNN's blocked layout)
 //
 // Why a layout of our own: a decode step's projections are bound by streaming the weights
 // from memory, and at a handful of rows oneDNN's blocked kernel streams them well below
@@ -12,11 +12,12 @@
 // panel is one contiguous stream of in x 16 floats: one 64-byte load per k feeds 16 output
 // channels of every row in the tile, and the hardware prefetcher sees a plain sequence.
 //
-// Tiles: a few rows (MB) x a few panels (NP) of accumulators stay in zmm registers over the
-// whole k loop; one row's output channel is always the sum over k = 0, 1, ..., in - 1 of
+// Tiles: a few rows (MB) x a few panels (NP) of accumulators stay in registers over the
+// whole k loop (a panel is one zmm, or two ymm on AVX2); one row's output channel is always the sum over k = 0, 1, ..., in - 1 of
 // x[k] * w[k] by fused multiply-adds in that order, whatever the tile, so a row's bits do not
 // depend on the other rows of its batch (a single row and the same row in a batch agree
-// exactly). The bias is added last, as at::linear's does.
+// exactly), and AVX2's lanes compute what AVX-512's do, so both levels give the same bits.
+// The bias is added last, as at::linear's does.
 // Threads: torch's team, by groups of panels; rows loop inside a panel group, so each
 // panel is read from memory once per call and the rows' inputs come from cache.
 
@@ -25,7 +26,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -41,7 +42,7 @@ constexpr int64_t kLanes = 16;  // output channels in a panel: one zmm of float3
 constexpr int64_t kPrefetchAhead = 1024;
 
 bool panel_supported() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   return true;
 #else
   return false;
@@ -78,6 +79,56 @@ inline void tile(const float* __restrict x, int64_t in, const float* __restrict 
   }
 }
 
+#elif defined(__AVX2__)
+
+// AVX2's tile: each panel's 16 lanes are two ymm (lo: channels 0-7, hi: 8-15)
+template <int MB, int NP>
+inline void tile(const float* __restrict x, int64_t in, const float* __restrict w, const float* bias, float* __restrict y,
+                 int64_t out, int64_t n0) {
+  __m256 acc[MB][NP][2];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NP; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  const int64_t stride = in * kLanes;
+  for (int64_t k = 0; k < in; ++k) {
+    __m256 lo[NP], hi[NP];
+    for (int j = 0; j < NP; ++j) {
+      const float* at = w + j * stride + k * kLanes;
+      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchAhead), _MM_HINT_T0);  // past the end: a no-op
+      lo[j] = _mm256_loadu_ps(at);
+      hi[j] = _mm256_loadu_ps(at + 8);
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xb = _mm256_broadcast_ss(x + i * in + k);
+      for (int j = 0; j < NP; ++j) {
+        acc[i][j][0] = _mm256_fmadd_ps(xb, lo[j], acc[i][j][0]);
+        acc[i][j][1] = _mm256_fmadd_ps(xb, hi[j], acc[i][j][1]);
+      }
+    }
+  }
+  // the halves by constant index: a runtime one would keep acc in memory through the k loop
+  const auto store = [&](int64_t n, int64_t lanes, const __m256 (&sums)[MB]) {  // channels n.. n + lanes - 1
+    if (lanes <= 0) return;
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(lanes, 8))),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 b = bias ? _mm256_maskload_ps(bias + n, mask) : _mm256_setzero_ps();
+    for (int i = 0; i < MB; ++i) _mm256_maskstore_ps(y + i * out + n, mask, _mm256_add_ps(sums[i], b));
+  };
+  for (int j = 0; j < NP; ++j) {
+    const int64_t n = n0 + j * kLanes, left = out - n;
+    __m256 lo[MB], hi[MB];
+    for (int i = 0; i < MB; ++i) {
+      lo[i] = acc[i][j][0];
+      hi[i] = acc[i][j][1];
+    }
+    store(n, left, lo);
+    store(n + 8, left - 8, hi);
+  }
+}
+
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+
 // every row of x against NP panels starting at output channel n0: tiles of MBMAX rows, then the rest
 template <int NP, int MBMAX>
 void all_rows(const float* x, int64_t rows, int64_t in, const float* w, const float* bias, float* y, int64_t out,
@@ -104,7 +155,7 @@ void all_rows(const float* x, int64_t rows, int64_t in, const float* w, const fl
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panel, const std::optional<at::Tensor>& bias,
                         int64_t out) {
-  TORCH_CHECK(panel_supported(), "panel_linear: this build has no AVX-512 kernel (panel_supported() is false)");
+  TORCH_CHECK(panel_supported(), "panel_linear: this build has no vector kernel (panel_supported() is false)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && panel.scalar_type() == at::kFloat,
               "panel_linear: x and panel must be float32");
   TORCH_CHECK(panel.dim() == 3 && panel.size(2) == kLanes && panel.is_contiguous(),
@@ -119,27 +170,32 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panel, const std:
   auto sizes = x.sizes().vec();
   sizes.back() = out;
   at::Tensor y = at::empty({rows, out}, x.options());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   const float* xp = flat.data_ptr<float>();
   const float* wp = panel.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // at one or two rows the k loop is a chain of dependent FMAs per accumulator: four panels
-  // at a time give the core four chains; more rows bring their own, and two panels halve
-  // the broadcasts per FMA
-  const int64_t np = rows <= 2 ? 4 : 2;
+  // at one or two rows the k loop is a chain of dependent FMAs per accumulator: more panels
+  // at a time give the core more chains; more rows bring their own, and fewer panels halve
+  // the broadcasts per FMA. AVX2 has half the registers (16 ymm) for half-width vectors.
+#if defined(__AVX512F__)
+  constexpr int64_t kFewRowsPanels = 4, kFewRowsTile = 2, kManyRowsPanels = 2, kManyRowsTile = 12;
+#else
+  constexpr int64_t kFewRowsPanels = 2, kFewRowsTile = 2, kManyRowsPanels = 1, kManyRowsTile = 6;
+#endif
+  const int64_t np = rows <= 2 ? kFewRowsPanels : kManyRowsPanels;
   const int64_t groups = (P + np - 1) / np;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p = g * np, have = std::min(np, P - p);
       const float* w = wp + p * in * kLanes;
-      if (have == 4) {
-        all_rows<4, 2>(xp, rows, in, w, bp, yp, out, p * kLanes);
-      } else if (have == 2) {
-        all_rows<2, 12>(xp, rows, in, w, bp, yp, out, p * kLanes);
+      if (np == kFewRowsPanels && have == kFewRowsPanels) {
+        all_rows<kFewRowsPanels, kFewRowsTile>(xp, rows, in, w, bp, yp, out, p * kLanes);
+      } else if (have == kManyRowsPanels) {
+        all_rows<kManyRowsPanels, kManyRowsTile>(xp, rows, in, w, bp, yp, out, p * kLanes);
       } else {
         for (int64_t q = 0; q < have; ++q)
-          all_rows<1, 12>(xp, rows, in, w + q * in * kLanes, bp, yp, out, (p + q) * kLanes);
+          all_rows<1, kManyRowsTile>(xp, rows, in, w + q * in * kLanes, bp, yp, out, (p + q) * kLanes);
       }
     }
   });

@@ -15,6 +15,8 @@
 // at most 127 x 127, a pair at most 32258 < 32767, so nothing saturates and 8 bits stay.
 // On AVX2 a panel's weights serve up to kTileRows rows at once (each weight vector loaded once
 // for all of them), and the sign is applied by an xor plus a per-row sum instead (panel_avx2).
+// VNNI's vpdpbusd adds in int32, so there the unsigned operand is q + 128 and one sum per
+// output channel takes the 128 back out (panel_vnni), again kTileRows rows a weight load.
 // The int32 sums are exact on every path (scalar, AVX2, AVX-512BW, VNNI), so every path
 // gives the same integers, and the epilogue's one explicit fma rounds the same everywhere:
 // the same bits on every CPU, and a row's bits do not depend on its batch.
@@ -113,6 +115,7 @@ void panel_scalar(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
 // masks (0xff where q < 0, else 0) and per row the sum of |q| over its negative codes
 struct Codes {
   const int8_t* q;
+  const uint8_t* biased;  // q + 128 as u8 (q ^ 0x80), for the VNNI path
   const uint8_t* abs;
   const int8_t* neg_mask;
   const int32_t* neg_sum;
@@ -156,10 +159,9 @@ void panel_avx2(const Codes& c, int64_t r0, const int8_t* w, int64_t in4, int32_
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-template <bool kVnni>
 void panel_avx512(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
   __m512i sum = _mm512_setzero_si512();
-  [[maybe_unused]] const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i ones = _mm512_set1_epi16(1);
   for (int64_t k = 0; k < in4; ++k) {
     int32_t four;
     std::memcpy(&four, q + 4 * k, 4);
@@ -169,31 +171,91 @@ void panel_avx512(const int8_t* q, const int8_t* w, int64_t in4, int32_t* acc) {
     // 0 and so is the product, whatever w's sign
     const __m512i wk = _mm512_loadu_si512(w + k * kLanes * 4);
     const __m512i sw = _mm512_mask_sub_epi8(wk, _mm512_movepi8_mask(xq), _mm512_setzero_si512(), wk);
-#if defined(__AVX512VNNI__)
-    if constexpr (kVnni) {
-      sum = _mm512_dpbusd_epi32(sum, ax, sw);
-      continue;
-    }
-#endif
     sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(ax, sw), ones));
   }
   _mm512_storeu_si512(acc, _mm512_add_epi32(_mm512_loadu_si512(acc), sum));
 }
 #endif
 
-constexpr int64_t kTileRows = 4;  // rows that share each loaded weight vector (AVX2)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// acc[r][16] += the panel's sums for kRows rows at once, with VNNI's u8 x s8 dot product of 4
+// (vpdpbusd, which adds in int32 and so cannot saturate). Its unsigned operand is q + 128
+// (in [1, 255]), and sum_k (q_k + 128) w_k - sum_k 128 w_k = sum_k q_k w_k: the second sum,
+// one per output channel (`comp`), is a dot product of the same weights with 128 in every
+// byte, computed with the panel's first row tile (kFirst) and reused by the others. No sign
+// fix-up per weight: a load and one vpdpbusd per row, each weight vector loaded once for
+// all rows. With one or two rows, two sets of sums (even and odd k) keep more vpdpbusd
+// chains in flight. vpdpbusd wraps in int32 rather than saturating, so the difference is
+// exact wherever sum_k q_k w_k itself fits int32, as on the other paths: the integers are theirs.
+template <int kRows, bool kFirst>
+void panel_vnni(const Codes& c, int64_t r0, const int8_t* w, int64_t in4, int32_t* acc, int32_t* comp) {
+  constexpr int kChains = kRows >= 3 ? 1 : 2;
+  const __m512i b128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i sums[kChains][kRows], comps[kChains];
+  for (int h = 0; h < kChains; ++h) {
+    comps[h] = _mm512_setzero_si512();
+    for (int r = 0; r < kRows; ++r) sums[h][r] = _mm512_setzero_si512();
+  }
+  const uint8_t* u = c.biased + r0 * c.stride;
+  const auto step = [&](int h, int64_t k) {  // k4 group k into chain h
+    const __m512i wk = _mm512_loadu_si512(w + k * kLanes * 4);
+    if constexpr (kFirst) comps[h] = _mm512_dpbusd_epi32(comps[h], b128, wk);
+    for (int r = 0; r < kRows; ++r) {
+      int32_t four;  // row r's 4 biased codes, in every lane
+      std::memcpy(&four, u + r * c.stride + 4 * k, 4);
+      sums[h][r] = _mm512_dpbusd_epi32(sums[h][r], _mm512_set1_epi32(four), wk);
+    }
+  };
+  int64_t k = 0;
+  for (; k + kChains <= in4; k += kChains)
+    for (int h = 0; h < kChains; ++h) step(h, k + h);
+  for (; k < in4; ++k) step(0, k);
+  __m512i total;
+  if constexpr (kFirst) {
+    total = comps[0];
+    for (int h = 1; h < kChains; ++h) total = _mm512_add_epi32(total, comps[h]);
+    _mm512_storeu_si512(comp, total);
+  } else {
+    total = _mm512_loadu_si512(comp);
+  }
+  for (int r = 0; r < kRows; ++r) {
+    __m512i sum = sums[0][r];
+    for (int h = 1; h < kChains; ++h) sum = _mm512_add_epi32(sum, sums[h][r]);
+    int32_t* out = acc + r * kLanes;
+    _mm512_storeu_si512(out, _mm512_add_epi32(_mm512_loadu_si512(out), _mm512_sub_epi32(sum, total)));
+  }
+}
+
+template <bool kFirst>
+void tile_vnni(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc, int32_t* comp) {
+  switch (rows) {
+    case 4: return panel_vnni<4, kFirst>(c, r0, w, in4, acc, comp);
+    case 3: return panel_vnni<3, kFirst>(c, r0, w, in4, acc, comp);
+    case 2: return panel_vnni<2, kFirst>(c, r0, w, in4, acc, comp);
+    default: return panel_vnni<1, kFirst>(c, r0, w, in4, acc, comp);
+  }
+}
+
+void rows_vnni(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc, int32_t* comp) {
+  return r0 == 0 ? tile_vnni<true>(c, r0, rows, w, in4, acc, comp) : tile_vnni<false>(c, r0, rows, w, in4, acc, comp);
+}
+#endif
+
+constexpr int64_t kTileRows = 4;  // rows that share each loaded weight vector (AVX2, VNNI)
 
 // acc [rows][16] += the panel's sums for `rows` (at most kTileRows) rows of q (|q| in aq),
 // `stride` codes apart
-using RowsKernel = void (*)(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc);
+// comp [16]: scratch that a path may keep per panel across its row tiles (r0 = 0 comes first)
+using RowsKernel = void (*)(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc,
+                            int32_t* comp);
 
 template <void (*kOne)(const int8_t*, const int8_t*, int64_t, int32_t*)>
-void row_by_row(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc) {
+void row_by_row(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc, int32_t*) {
   for (int64_t r = 0; r < rows; ++r) kOne(c.q + (r0 + r) * c.stride, w, in4, acc + r * kLanes);
 }
 
 #if defined(__AVX2__)
-void rows_avx2(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc) {
+void rows_avx2(const Codes& c, int64_t r0, int64_t rows, const int8_t* w, int64_t in4, int32_t* acc, int32_t*) {
   switch (rows) {
     case 4: return panel_avx2<4>(c, r0, w, in4, acc);
     case 3: return panel_avx2<3>(c, r0, w, in4, acc);
@@ -208,10 +270,10 @@ RowsKernel kernel_for(Isa isa) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #if defined(__AVX512VNNI__)
     case Isa::kAvx512Vnni:
-      return row_by_row<panel_avx512<true>>;
+      return rows_vnni;
 #endif
     case Isa::kAvx512:
-      return row_by_row<panel_avx512<false>>;
+      return row_by_row<panel_avx512>;
 #endif
 #if defined(__AVX2__)
     case Isa::kAvx2:
@@ -289,7 +351,7 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
   const int64_t rows = in ? x.numel() / in : 0;
   // each row quantized alone: q [rows, 4 in4] (zero-padded), |q| and sign masks alike, s [rows]
   std::vector<int8_t> q(rows * 4 * in4, 0), neg_mask(rows * 4 * in4, 0);
-  std::vector<uint8_t> aq(rows * 4 * in4, 0);
+  std::vector<uint8_t> aq(rows * 4 * in4, 0), biased(rows * 4 * in4, 0x80);
   std::vector<int32_t> neg_sum(rows, 0);
   std::vector<float> s(rows);
   const float* xp = x.data_ptr<float>();
@@ -301,18 +363,20 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     int8_t* qr = q.data() + r * 4 * in4;
     uint8_t* ar = aq.data() + r * 4 * in4;
     int8_t* mr = neg_mask.data() + r * 4 * in4;
+    uint8_t* br = biased.data() + r * 4 * in4;
     quantize(xr, in, inv, qr);
     int32_t negative = 0;  // separate loops: each one vectorizes
     for (int64_t i = 0; i < in; ++i) {
       const int8_t code = qr[i];
       ar[i] = static_cast<uint8_t>(code < 0 ? -code : code);
       mr[i] = static_cast<int8_t>(code >> 7);  // 0xff where negative: an arithmetic shift of the sign
+      br[i] = static_cast<uint8_t>(code) ^ 0x80;  // code + 128
     }
     for (int64_t i = 0; i < in; ++i) negative += ar[i] & static_cast<uint8_t>(mr[i]);
     neg_sum[r] = negative;
     s[r] = scale;
   }
-  const Codes codes{q.data(), aq.data(), neg_mask.data(), neg_sum.data(), 4 * in4};
+  const Codes codes{q.data(), biased.data(), aq.data(), neg_mask.data(), neg_sum.data(), 4 * in4};
   auto sizes = x.sizes().vec();
   sizes.back() = out;
   at::Tensor y = at::empty(sizes, x.options());
@@ -324,10 +388,11 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     for (int64_t p = lo; p < hi; ++p) {
       const int8_t* w = wp + p * in4 * kLanes * 4;
       const int64_t n = p * kLanes, lanes = std::min(kLanes, out - n);
+      alignas(64) int32_t comp[kLanes];
       for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
         const int64_t tile = std::min(kTileRows, rows - r0);
         alignas(64) int32_t acc[kTileRows * kLanes] = {};
-        kernel(codes, r0, tile, w, in4, acc);
+        kernel(codes, r0, tile, w, in4, acc, comp);
         for (int64_t r = r0; r < r0 + tile; ++r) {
           const int32_t* ar = acc + (r - r0) * kLanes;
           for (int64_t j = 0; j < lanes; ++j) {

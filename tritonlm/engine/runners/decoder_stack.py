@@ -60,9 +60,9 @@ class StackModel(Protocol):
 def build_decoder_stack(model: StackModel) -> object | None:
     """The model's layers as one DecoderStack, or None where its ops do not cover them. It
     takes Llama-family layers (RMSNorm, silu(gate) * up) and GPT-2's (LayerNorm, gelu tanh
-    over fc) whose projections are all float32 in panels or oneDNN-blocked, int8 through the fused
-    int8 op (fbgemm's: not tritonlm's own i8_linear, Int8Linear.act8) or weight-only int8 through w8_linear (the C++ kernels must be loaded:
-    Transformer.use_paged_kernel); each layer's sliding window, soft-cap and sinks go with it
+    over fc) whose projections are all float32 in panels or oneDNN-blocked, int8 through
+    fbgemm's fused op or tritonlm's own i8_linear (Int8Linear.act8), or weight-only int8
+    through w8_linear (the C++ kernels must be loaded: Transformer.use_paged_kernel); each layer's sliding window, soft-cap and sinks go with it
     (DecoderStack.set_attention). When the model also holds its float32 embedding and final
     norm and an LM head of those kinds (a whole model, not a pipeline stage or a vocabulary
     shard) and a RoPE of positions alone, the stack gets them too (stack.has_ends()):
@@ -78,9 +78,8 @@ def build_decoder_stack(model: StackModel) -> object | None:
         return None
 
     def runs_in_stack(p: Linear | None) -> bool:
-        fbgemm_int8 = isinstance(p, Int8Linear) and p.cpp_op and p.act8 is None  # the stack takes fbgemm's packs
-        return (isinstance(p, (BlockedLinear, PanelLinear)) or fbgemm_int8
-                or (isinstance(p, WeightOnlyInt8Linear) and p.cpp_op))
+        return isinstance(p, (BlockedLinear, PanelLinear)) or (isinstance(p, (Int8Linear, WeightOnlyInt8Linear))
+                                                              and p.cpp_op)
 
     for L in model.layers:
         mlp_in = L.gate_up if act == "silu_mul" else L.fc
@@ -100,6 +99,9 @@ def build_decoder_stack(model: StackModel) -> object | None:
             stack.add_panel(p.panel, p.b, p.out)
         elif isinstance(p, WeightOnlyInt8Linear):
             stack.add_w8(p.panel, p.scale, p.offset, p.b, p.out)
+        elif p.act8 is not None:
+            a = p.act8
+            stack.add_i8(a.panel, a.wscale, p.smooth, p.b, a.out, a.isa)
         else:
             stack.add_int8(p.packed, p.smooth, p.b, p.reduce_range)
 

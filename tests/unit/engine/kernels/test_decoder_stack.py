@@ -20,16 +20,20 @@ from tritonlm.models.builtin import build_tiny
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "int8_fbgemm", "int8_tritonlm"])
 @pytest.mark.parametrize("widths", [[1] * 5, [3, 1, 8]], ids=["decode", "mixed"])
-def test_decoder_stack_gives_the_python_loops_bits(arch, int8, widths, monkeypatch):
+def test_decoder_stack_gives_the_python_loops_bits(arch, dtype, widths, monkeypatch):
     """The C++ DecoderStack (every layer of a decode-width step in one call) against
     run_layers' Python loop of the same ops: equal logits, bit for bit, over three steps.
     Llama with biased q/k/v projections (Qwen-style) so the bias paths run too; GPT-2:
-    LayerNorm, biases everywhere, gelu over fc, learned positions."""
-    monkeypatch.setenv("TRITONLM_INT8_KERNEL", "fbgemm")  # the stack takes fbgemm's int8 packs only
+    LayerNorm, biases everywhere, gelu over fc, learned positions. int8 through either
+    kernel: fbgemm's packs and tritonlm's own panels (i8_linear)."""
+    if dtype.startswith("int8"):
+        monkeypatch.setenv("TRITONLM_INT8_KERNEL", dtype.removeprefix("int8_"))
     model = tiny_llama(attention_bias=True) if arch == "llama" else build_tiny("tiny-gpt2")[0]
-    runner = TorchRunner(model, int8=int8)
+    runner = TorchRunner(model, int8=dtype.startswith("int8"))
+    if dtype == "int8_tritonlm":
+        assert runner.transformer.layers[0].qkv.act8 is not None
     stack = runner.transformer.decoder_stack
     assert stack is not None and stack.num_layers() == 2
     logits = stack_and_loop_logits(runner, widths, first_past=5, blocks=60)
@@ -44,6 +48,10 @@ def test_decoder_stack_refuses_an_unfinished_layer_naming_it():
     stack = torch.classes.tritonlm.DecoderStack(4)
     with pytest.raises(RuntimeError, match=r"add_layer: a layer takes 4 projections \(qkv, o, gate_up or fc, down\); 0 were added"):
         stack.add_layer(torch.ones(8), None, 1e-5, torch.ones(8), None, 1e-5, True, "silu_mul", 1.0)
+    with pytest.raises(RuntimeError, match=r"add_i8: panel must be a contiguous int8 CPU tensor \[P, in4, 16, 4\]"):
+        stack.add_i8(torch.zeros(1, 2, 16, 4), torch.zeros(16), None, None, 16, "auto")
+    with pytest.raises(RuntimeError, match=r"add_i8: wscale must be float32 \[16\]"):
+        stack.add_i8(torch.zeros(1, 2, 16, 4, dtype=torch.int8), torch.zeros(8), None, None, 16, "auto")
     w = torch.randn(8, 8).contiguous()
     for _ in range(4):
         stack.add_float(torch.ops.mkldnn._reorder_linear_weight(w, None), None)
@@ -57,15 +65,17 @@ def test_decoder_stack_refuses_an_unfinished_layer_naming_it():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("dtype", ["float32", "int8", "int8_weight_only"])
+@pytest.mark.parametrize("dtype", ["float32", "int8_fbgemm", "int8_tritonlm", "int8_weight_only"])
 def test_decode_step_gives_the_python_paths_bits(arch, dtype, monkeypatch):
     """A decode step in one C++ call (the slots from the block tables, the embedding, RoPE or
     learned positions, the layers, the final norm, the LM head) against plan_step and
     Transformer.forward: equal logits, bit for bit, one row alone and three rows of different
     lengths together, over steps that cross block boundaries."""
-    monkeypatch.setenv("TRITONLM_INT8_KERNEL", "fbgemm")  # the stack takes fbgemm's int8 packs only
+    if dtype in ("int8_fbgemm", "int8_tritonlm"):
+        monkeypatch.setenv("TRITONLM_INT8_KERNEL", dtype.removeprefix("int8_"))
     model = tiny_llama(attention_bias=True) if arch == "llama" else build_tiny("tiny-gpt2")[0]
-    runner = TorchRunner(model, int8=dtype == "int8", int8_weight_only=dtype == "int8_weight_only")
+    runner = TorchRunner(model, int8=dtype in ("int8_fbgemm", "int8_tritonlm"),
+                         int8_weight_only=dtype == "int8_weight_only")
     assert runner.transformer.decode_step_ready
     (python, native), through_forward = decode_step_and_python_logits(runner, pasts=[5, 12, 3], steps=6, blocks=60)
     assert through_forward == [6, 0]  # the native path never went through Transformer.forward

@@ -96,13 +96,13 @@ def expected_paths(level: str) -> tuple[str, bool]:
         level = isa.supported(isa.cpu_flags())[0].name
     if level.startswith("avx512"):
         return "avx512", True
-    return ("avx2", False) if level == "avx2" else ("scalar", False)
+    return ("avx2", True) if level == "avx2" else ("scalar", False)
 
 
 def test_the_loaded_build_is_the_chosen_level_and_has_its_instructions():
     """The build in this process (TRITONLM_KERNEL_ISA's when set) is the level dispatch chose, and
-    its own code reports that level's paths: AVX-512 builds run w8_linear's AVX-512 path and
-    the float panels, avx2 its AVX2 path, portable the scalar one."""
+    its own code reports that level's paths: AVX-512 builds run w8_linear's AVX-512 path, avx2
+    its AVX2 path, portable the scalar one; every level but portable has the float panels."""
     from tritonlm.engine.kernels import kernels_available, loaded_build
 
     ok, why = kernels_available()
@@ -130,6 +130,8 @@ CHECKS = [
     "tests/unit/engine/kernels/test_kernels.py::test_greedy_argmax_marks_rows_whose_winner_is_not_finite",
     "tests/unit/engine/kernels/test_weight_only_int8.py::test_w8_linear_equals_the_dequantized_matmul_on_every_path",
     "tests/unit/engine/kernels/test_int8_act8.py",
+    "tests/unit/engine/kernels/test_float_panel.py",
+    "tests/unit/engine/kernels/test_decoder_stack.py::test_decode_step_gives_the_python_paths_bits",
     "tests/unit/engine/kernels/test_lora_ops.py",
 ]
 
@@ -138,7 +140,7 @@ CHECKS = [
 def test_each_level_this_cpu_runs_passes_the_kernel_checks_when_forced(level):
     """TRITONLM_KERNEL_ISA=level in a fresh process (one build per process): that level's build
     loads (prebuilt by `make setup`; compiled once into torch's extension cache where it is not)
-    and the paged attention, fused ops and w8_linear checks pass on it."""
+    and the kernels' checks (CHECKS) pass on it."""
     runs = [lv.name for lv in isa.supported(isa.cpu_flags())]
     if level not in runs:
         pytest.skip(f"this CPU does not run {level} (it runs {', '.join(runs)})")
@@ -147,3 +149,44 @@ def test_each_level_this_cpu_runs_passes_the_kernel_checks_when_forced(level):
                          cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " failed" not in out.stdout, out.stdout[-2000:]
+
+
+# what each level's vector kernels compute for seeded inputs: the panel projections (AVX2's
+# two ymm per panel against AVX-512's one zmm) and the int8 projections (i8_linear's best path
+# there), every tile shape, with and without a bias
+SAME_BITS = """
+import hashlib, torch
+from tritonlm.engine.kernels import kernels_available
+from tritonlm.engine.runners.layers import FloatLinear, Int8Linear, PanelLinear, panels_available
+assert kernels_available()[0]
+g = torch.Generator().manual_seed(0)
+float_digest, int8_digest = hashlib.sha256(), hashlib.sha256()
+for n_in, out in ((576, 960), (100, 49), (7, 33)):
+    w, b = torch.randn(n_in, out, generator=g), torch.randn(out, generator=g)
+    float_proj = PanelLinear.from_float(FloatLinear(w, b)) if panels_available() else None
+    int8_proj = Int8Linear.from_float(w, b)
+    int8_proj.use_act8()
+    for rows in (1, 2, 3, 7, 13, 40):
+        x = torch.randn(rows, n_in, generator=g)
+        if float_proj is not None:
+            float_digest.update(float_proj(x).numpy().tobytes())
+        int8_digest.update(int8_proj(x).numpy().tobytes())
+print("digests", int8_digest.hexdigest(), float_digest.hexdigest() if panels_available() else "-")
+"""
+
+
+def test_every_level_computes_the_same_projection_bits():
+    """The float32 panel kernel (AVX-512 and AVX2 levels) and i8_linear (every level) give the
+    same bits on every level this CPU runs: a model's projections answer alike on any x86 CPU."""
+    runs = [lv.name for lv in isa.supported(isa.cpu_flags())]
+    digests = {}
+    for level in runs:
+        out = subprocess.run([sys.executable, "-c", SAME_BITS], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "TRITONLM_KERNEL_ISA": level})
+        assert out.returncode == 0, f"{level}: {out.stderr[-2000:]}"
+        digests[level] = out.stdout.split("digests ")[-1].split()
+    int8 = {lv: d[0] for lv, d in digests.items()}
+    assert len(set(int8.values())) == 1, int8
+    panels = {lv: d[1] for lv, d in digests.items() if d[1] != "-"}
+    assert len(set(panels.values())) == 1, panels
+    assert set(panels) == set(runs) - {"portable"}  # every vector level has the panel kernel
