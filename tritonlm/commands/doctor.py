@@ -65,6 +65,7 @@ def checks() -> list[tuple[str, bool, str]]:
         except IsaError as e:  # a TRITONLM_KERNEL_ISA this CPU cannot run: a model would not load
             ok, why, fix = False, str(e), "unset TRITONLM_KERNEL_ISA or name a level this CPU runs"
         rows.append(("C++ kernels (paged attention, fused ops)", ok, why if ok else f"{why}: {fix}"))
+        rows.append(int8_kernel_row(ok))
     except ImportError:
         pass
     from tritonlm.engine.cpu_cores import usable_cores
@@ -102,3 +103,22 @@ def run(args) -> int:
     bad = [r for r in rows if not r[1]]
     print(f"\n{len(bad)} problem(s)" if bad else "\nall good")
     return 1 if bad else 0
+
+
+def int8_kernel_row(kernels_ok: bool) -> tuple[str, bool, str]:
+    """Which kernel `dtype: int8` runs here (TRITONLM_INT8_KERNEL) and with how many activation bits."""
+    from tritonlm.engine.runners.layers import INT8_KERNEL_ENV, INT8_VNNI, int8_kernel, int8_reduce_range
+
+    name = "int8 kernel (dtype: int8)"
+    try:
+        kernel = int8_kernel() if kernels_ok else "fbgemm"
+        if kernel == "tritonlm":
+            import torch
+
+            return name, True, (f"tritonlm's i8_linear, {torch.ops.tritonlm.i8_isas()[0]} path: 8-bit activations, "
+                                "the same bits on every x86 CPU")
+        bits = 7 if int8_reduce_range() else 8
+        why = "" if kernels_ok else " (no C++ kernels)"
+        return name, True, f"fbgemm{why}: {bits}-bit activations{' (no VNNI)' if bits == 7 and not INT8_VNNI else ''}"
+    except ValueError as e:  # a wrong TRITONLM_INT8_KERNEL or TRITONLM_INT8_REDUCE_RANGE: an int8 model would not load
+        return name, False, f"{e} (unset {INT8_KERNEL_ENV} for the default)"

@@ -64,21 +64,23 @@ def int8_reduce_range() -> bool:
     return value == "1"
 
 
-# The kernel an int8 projection runs when tritonlm's C++ ops are built. fbgemm's (above:
-# 8-bit activations with VNNI only) or tritonlm's own, kernels/int8_act8.cpp's i8_linear,
-# which keeps all 8 bits on every x86 level (no pair of its u8 x s8 products can saturate)
-# and gives the same bits on each. Without VNNI it is the default; with VNNI fbgemm is.
+# The kernel an int8 projection runs when tritonlm's C++ ops are built: tritonlm's own,
+# kernels/int8_act8.cpp's i8_linear, by default. It keeps all 8 bits of the activations on
+# every x86 level (no pair of its u8 x s8 products can saturate) and gives the same bits on
+# each, so an int8 model answers alike on every CPU; it is also the faster of the two
+# (docs/benchmarks.md, "int8 kernel: tritonlm's by default"). fbgemm's (above: 8-bit
+# activations with VNNI only) stays a choice.
 INT8_KERNEL_ENV = "TRITONLM_INT8_KERNEL"
 
 
 def int8_kernel() -> str:
-    """'fbgemm' or 'tritonlm': TRITONLM_INT8_KERNEL, or unset: fbgemm with VNNI, tritonlm without."""
+    """'fbgemm' or 'tritonlm': TRITONLM_INT8_KERNEL, or 'tritonlm' when unset."""
     value = os.environ.get(INT8_KERNEL_ENV, "").strip()
     if not value:
-        return "fbgemm" if INT8_VNNI else "tritonlm"
+        return "tritonlm"
     if value not in ("fbgemm", "tritonlm"):
-        raise ValueError(f"{INT8_KERNEL_ENV}={value!r}: fbgemm (PyTorch's dynamic int8 linear), tritonlm "
-                         "(8-bit activations on every x86 CPU) or unset (tritonlm without VNNI, fbgemm with it)")
+        raise ValueError(f"{INT8_KERNEL_ENV}={value!r}: tritonlm (the default: 8-bit activations on every x86 CPU), "
+                         "fbgemm (PyTorch's dynamic int8 linear) or unset")
     return value
 
 
@@ -204,7 +206,7 @@ PANEL_LANES = 16  # output channels per panel (kLanes of float_panel.cpp and wei
 
 
 def panels_available() -> bool:
-    """tritonlm's C++ kernels are built and have the AVX-512 panel kernel."""
+    """tritonlm's C++ kernels are built and have the panel kernel (AVX-512 or AVX2 levels)."""
     from tritonlm.engine.kernels import kernels_available
 
     return kernels_available()[0] and bool(torch.ops.tritonlm.panel_supported())
@@ -248,7 +250,7 @@ class Act8Panels:
     panel: torch.Tensor  # [P, in4, 16, 4] int8, codes in [-127, 127]
     wscale: torch.Tensor  # [P * 16] float32, zero past `out`
     out: int
-    isa: str = "auto"  # the kernel's path: auto (the best this build has) or one of i8_isas()
+    isa: str = "auto"  # the kernel's path: auto (the best this build has) or one of i8_isas(); a decoder stack reads it when built
 
 
 @dataclass(eq=False)

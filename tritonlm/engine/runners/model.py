@@ -334,7 +334,7 @@ class Transformer:
     # ---- weights ------------------------------------------------------------------------
     def block_weights(self, layout: str = "auto") -> bool:
         """Every float projection and the LM head in a layout for the CPU's kernels, in place:
-        float32 in tritonlm's output panels where its AVX-512 kernel is built (PanelLinear),
+        float32 in tritonlm's output panels where its kernel is built (AVX-512 or AVX2: PanelLinear),
         else oneDNN's blocked layout (BlockedLinear). Only on the CPU, for the dtypes those
         take, and after any slicing, calibration or int8 quantization (they need the plain
         weights); int8 projections stay as they are, and in an int8 model only those
@@ -429,7 +429,7 @@ class Transformer:
         for p in self.projections():
             if isinstance(p, Int8Linear):
                 p.cpp_op = self.cpp_ops
-                if self.cpp_ops and int8_kernel() == "tritonlm":  # 8-bit activations without VNNI
+                if self.cpp_ops and int8_kernel() == "tritonlm":  # 8 bits on every CPU, the same bits
                     p.use_act8()
             elif isinstance(p, WeightOnlyInt8Linear):
                 p.cpp_op = self.cpp_ops

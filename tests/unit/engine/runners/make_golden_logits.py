@@ -253,11 +253,16 @@ VARIANTS: dict[str, Callable[[torch.nn.Module, list[StepBatch]], list[torch.Tens
 }
 
 
-# The recording's parts: the float32 variants, and the int8 ones with 8-bit activations (CPUs
-# with VNNI) and with 7-bit ones (the others), each forced through TRITONLM_INT8_REDUCE_RANGE.
-# fbgemm's integer sums are exact in both ranges, so a CPU with VNNI computes both.
-PARTS = ("float32", "int8_act8", "int8_act7")
-INT8_PARTS = {"int8_act8": 8, "int8_act7": 7}  # part -> activation bits
+# The recording's parts: the float32 variants; int8 through fbgemm with 8-bit activations
+# (CPUs with VNNI) and with 7-bit ones (fbgemm without VNNI), each forced through
+# TRITONLM_INT8_REDUCE_RANGE (fbgemm's integer sums are exact in both ranges, so a CPU with
+# VNNI computes both); and int8 through tritonlm's own kernel (i8_linear, the default: 8 bits,
+# the same integers on every x86 CPU).
+PARTS = ("float32", "int8_act8", "int8_act7", "int8_i8")
+INT8_PARTS = {"int8_act8": 8, "int8_act7": 7, "int8_i8": 8}  # part -> activation bits
+# The i8 part's variants: the gather variant runs without tritonlm's C++ ops, so through
+# fbgemm whatever the kernel setting (its int8_act8 recording)
+I8_VARIANTS = ("int8_kernels",)
 
 
 def part_of(key: str) -> str:
@@ -268,10 +273,15 @@ def part_of(key: str) -> str:
 
 @contextlib.contextmanager
 def activation_range(part: str) -> Iterator[None]:
-    """TRITONLM_INT8_REDUCE_RANGE set to the int8 part's range meanwhile, and TRITONLM_INT8_KERNEL
-    to fbgemm, whose ranges these parts record (float32: untouched)."""
-    bits = INT8_PARTS.get(part)
-    forced = {} if bits is None else {INT8_REDUCE_RANGE_ENV: "1" if bits == 7 else "0", INT8_KERNEL_ENV: "fbgemm"}
+    """The int8 part's kernel and range forced meanwhile: TRITONLM_INT8_KERNEL (fbgemm for the
+    act parts, tritonlm for i8) and TRITONLM_INT8_REDUCE_RANGE (fbgemm's parts; float32:
+    untouched)."""
+    if part == "int8_i8":
+        forced = {INT8_KERNEL_ENV: "tritonlm"}
+    elif part in INT8_PARTS:
+        forced = {INT8_REDUCE_RANGE_ENV: "1" if INT8_PARTS[part] == 7 else "0", INT8_KERNEL_ENV: "fbgemm"}
+    else:
+        forced = {}
     before = {name: os.environ.get(name) for name in forced}
     os.environ.update(forced)
     try:
@@ -296,6 +306,8 @@ def compute_logits(models: dict[str, torch.nn.Module] | None = None,
                 batches = step_batches(hf.config.vocab_size)
                 for name, run in VARIANTS.items():
                     if name.startswith("int8") != (part in INT8_PARTS):
+                        continue
+                    if part == "int8_i8" and name not in I8_VARIANTS:
                         continue
                     label = f"{name}_{part.removeprefix('int8_')}" if part in INT8_PARTS else name
                     for i, logits in enumerate(run(hf, batches)):

@@ -152,26 +152,27 @@ def test_gather_path_attention_options_equal_the_kernel(heads, kv_heads, width):
     assert ((want - plain) * valid).abs().max().item() > 1e-2  # the sinks took their share
 
 
-# ---- Int8Linear's kernel (TRITONLM_INT8_KERNEL): fbgemm's, or tritonlm's i8_linear
-# (kernels/int8_act8.cpp, 8-bit activations on every x86 level, Int8Linear.act8). The default
-# follows the CPU; on the AVX2 path a tiny Llama's int8 logits are at least as close to float32
-# as fbgemm's with the 7-bit activations an AVX2-only CPU gets from it, rows stay
-# batch-invariant, and the decoder stack (which takes fbgemm's packs) steps aside.
+# ---- Int8Linear's kernel (TRITONLM_INT8_KERNEL): tritonlm's i8_linear (kernels/int8_act8.cpp,
+# 8-bit activations on every x86 level, Int8Linear.act8) by default, or fbgemm's. On the AVX2
+# path a tiny Llama's int8 logits are at least as close to float32 as fbgemm's with the 7-bit
+# activations an AVX2-only CPU gets from it, and rows stay batch-invariant.
 
 
-def test_the_int8_kernel_is_the_cpus_unless_forced(monkeypatch):
+def test_the_int8_kernel_is_tritonlms_on_every_cpu_unless_forced(monkeypatch):
     from tritonlm.engine.runners import layers
     from tritonlm.engine.runners.layers import int8_kernel
 
     monkeypatch.delenv(layers.INT8_KERNEL_ENV, raising=False)
-    for vnni, kernel in ((True, "fbgemm"), (False, "tritonlm")):
+    for vnni in (True, False):
         monkeypatch.setattr(layers, "INT8_VNNI", vnni)
-        assert int8_kernel() == kernel
+        assert int8_kernel() == "tritonlm"
+        monkeypatch.setenv(layers.INT8_KERNEL_ENV, " ")
+        assert int8_kernel() == "tritonlm"  # empty counts as unset
         for forced in ("fbgemm", "tritonlm"):
             monkeypatch.setenv(layers.INT8_KERNEL_ENV, forced)
             assert int8_kernel() == forced
         monkeypatch.setenv(layers.INT8_KERNEL_ENV, "onednn")
-        with pytest.raises(ValueError, match=r"TRITONLM_INT8_KERNEL='onednn': fbgemm .* tritonlm"):
+        with pytest.raises(ValueError, match=r"TRITONLM_INT8_KERNEL='onednn': tritonlm .* fbgemm"):
             int8_kernel()
         monkeypatch.delenv(layers.INT8_KERNEL_ENV)
 
@@ -196,6 +197,7 @@ def test_act8_on_the_avx2_path_is_as_close_to_float32_as_7_bit_fbgemm(monkeypatc
     from tests.unit.engine.runners.test_quant import logits_of, tiny_model
     from tritonlm.engine.kernels import kernels_available
     from tritonlm.engine.runners import layers
+    from tritonlm.engine.runners.decoder_stack import build_decoder_stack
 
     ok, why = kernels_available()
     assert ok, why
@@ -216,7 +218,7 @@ def test_act8_on_the_avx2_path_is_as_close_to_float32_as_7_bit_fbgemm(monkeypatc
     for p in int8_projections(act8):
         assert p.act8 is not None and p.packed is None
         p.act8.isa = "avx2"  # forced: this host may have VNNI; every path gives the same bits
-    assert act8.transformer.decoder_stack is None  # the stack runs fbgemm's packs only
+    act8.transformer.decoder_stack = build_decoder_stack(act8.transformer)  # the stack takes the path when built
     act8_logits = valid_logits(act8, rows).double()
 
     def rms(d: torch.Tensor) -> float:
@@ -237,4 +239,5 @@ def test_act8_on_the_avx2_path_is_as_close_to_float32_as_7_bit_fbgemm(monkeypatc
     # the same bits through the best path this build has
     for p in int8_projections(act8):
         p.act8.isa = "auto"
+    act8.transformer.decoder_stack = build_decoder_stack(act8.transformer)
     assert torch.equal(valid_logits(act8, rows).double(), act8_logits)
