@@ -2,8 +2,10 @@
 
 For each `dtype` (float32, bfloat16, int8, int8_weight_only, and what `auto` picks here) in one run, plus
 float32 with plain [in, out] weights (`x @ w`, the layout before the runner packs them at
-load), float32 in oneDNN's blocked layout (`-blocked`; the default where tritonlm's AVX-512
-kernel builds is its own 16-wide output panels, layers.PanelLinear), and float32 / int8 with `attention_backend: gather`
+load), float32 in oneDNN's blocked layout (`-blocked`; the default where tritonlm's AVX-512 or
+AVX2 kernels build is its own 16-wide output panels, layers.PanelLinear), int8 through
+fbgemm's kernel (`int8-fbgemm`, TRITONLM_INT8_KERNEL=fbgemm; the default is tritonlm's
+i8_linear), and float32 / int8 with `attention_backend: gather`
 (each row's K/V copied, then SDPA; the default reads them in place with the paged-attention
 kernel), and float32 / int8 with the layers run by the Python loop (`-loop`; the default
 runs a decode step's layers in one C++ call, the DecoderStack), to show what those changes buy:
@@ -22,12 +24,16 @@ Prints the CPU it ran on; writes results/bench_precision/bench_precision.csv and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from tritonlm.engine.precision import resolve_precision
+from tritonlm.engine.runners.layers import INT8_KERNEL_ENV
 from tritonlm.engine.runners.model import Transformer
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.engine.runners.weight_only import calibration_ids, quantize_weight_only
@@ -35,6 +41,21 @@ from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, write_csv
 from tritonlm_bench.agreement import smollm2_reference, teacher_forced_agreement
 from tritonlm_bench.steptime import decode_step_ms
+
+
+@contextlib.contextmanager
+def int8_kernel_forced(kernel: str | None) -> Iterator[None]:
+    """TRITONLM_INT8_KERNEL=kernel while a runner is built (it is read at load), then as it was."""
+    before = os.environ.get(INT8_KERNEL_ENV)
+    if kernel is not None:
+        os.environ[INT8_KERNEL_ENV] = kernel
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(INT8_KERNEL_ENV, None)
+        else:
+            os.environ[INT8_KERNEL_ENV] = before
 
 
 def main() -> int:
@@ -56,7 +77,7 @@ def main() -> int:
     auto = resolve_precision("auto", "cpu")
     print(f"dtype auto here: {auto.name} ({auto.reason})")
     settings = [("float32", {}), ("float32-blocked", {}), ("float32-gather", {"attention": "gather"}), ("float32-plain", {}),
-                ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True}),
+                ("bfloat16", {"dtype": torch.bfloat16}), ("int8", {"int8": True}), ("int8-fbgemm", {"int8": True}),
                 ("int8-gather", {"int8": True, "attention": "gather"}), ("int8_weight_only", {"int8_weight_only": True}),
                 ("int8_weight_only-gptq", {}),
                 ("float32-loop", {}), ("int8-loop", {"int8": True})]
@@ -69,7 +90,8 @@ def main() -> int:
         settings = [(name, kwargs) for name, kwargs in settings if name in wanted]
     rows = []
     for name, kwargs in settings:
-        runner = TorchRunner(model, **kwargs)
+        with int8_kernel_forced("fbgemm" if name == "int8-fbgemm" else None):
+            runner = TorchRunner(model, **kwargs)
         if name == "float32-plain":
             runner.transformer = Transformer.from_hf(model)  # the same weights, [in, out], not blocked
             runner.transformer.use_paged_kernel()

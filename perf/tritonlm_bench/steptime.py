@@ -17,6 +17,17 @@ from tritonlm.engine.kv_cache import KVCacheManager
 BLOCK = 16  # KV cache block size, in tokens
 
 
+def row_counts(text: str) -> list[int]:
+    """A --rows argument ("1,8,32") as row counts, each at least 1; ValueError naming what is wrong."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--rows {text!r}: comma-separated row counts of at least 1")
+    return counts
+
+
 def time_calls(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
     """Seconds each of `reps` calls of fn took, after `warmup` untimed calls (first calls
     pay for allocations and kernel choices a steady server has behind it)."""

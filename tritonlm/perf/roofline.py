@@ -58,7 +58,7 @@ def weight_format(name: str) -> WeightFormat:
         raise ValueError(f"weight format {name!r} is not one of {', '.join(WEIGHT_FORMATS)}") from None
 
 
-def _last_level_cache_bytes() -> int:
+def last_level_cache_bytes() -> int:
     """The largest cache of CPU 0 (sysfs), 0 where it cannot be read."""
     best = 0
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
@@ -83,7 +83,7 @@ def read_bandwidth(threads: int, mib: int | None = None, repeats: int = 5) -> fl
         raise ValueError(f"threads must be at least 1, not {threads}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, not {repeats}")
-    size = (mib << 20) if mib is not None else max(256 << 20, 8 * _last_level_cache_bytes())
+    size = (mib << 20) if mib is not None else max(256 << 20, 8 * last_level_cache_bytes())
     buf = torch.ones(size // 4, dtype=torch.float32)  # [size / 4]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
