@@ -144,6 +144,9 @@ def check_attention_backend(settings: EngineSettings, runner) -> None:
     if settings.attention_backend == "paged" and used != "paged":
         raise SettingsError(f"attention_backend: 'paged' cannot run here: {why}; use 'auto' or 'gather'")
     log.info("attention: %s%s", used, f" ({why})" if why else "")
+    int8 = runner.transformer.int8_path() if hasattr(runner, "transformer") else None
+    if int8:
+        log.info("int8 projections: %s", int8)
 
 
 def load_model_runner(settings: EngineSettings, threads: int = 0):

@@ -440,6 +440,18 @@ class Transformer:
             why = f"{why}; {self.spec.family}: {paths.why}"
         return self.cpp_ops and paths.attention_kernel, why
 
+    def int8_path(self) -> str | None:
+        """Which kernel the int8 projections run and with how many activation bits, for the
+        startup log; None without int8 projections."""
+        ps = [p for p in self.projections() if isinstance(p, Int8Linear)]
+        if not ps:
+            return None
+        a = ps[0].act8
+        if a is not None:
+            path = torch.ops.tritonlm.i8_isas()[0] if a.isa == "auto" else a.isa
+            return f"tritonlm's i8_linear, {path} path, 8-bit activations"
+        return f"fbgemm, {7 if ps[0].reduce_range else 8}-bit activations"
+
     def fast_paths(self) -> FastPaths:
         """Which fast paths these layers' BlockSpecs allow (families.fast_paths): the one place
         a family's features switch the C++ / Triton paths off, at load."""

@@ -92,3 +92,20 @@ def test_golden_file_is_small_and_raw_float32(recorded):
     _, golden = recorded
     assert maker.DATA.stat().st_size < 1_000_000
     assert all(a.dtype == np.float32 for a in golden.values())
+
+
+def test_int8_path_names_the_kernel_the_projections_run(monkeypatch):
+    """Transformer.int8_path (the startup log's line): tritonlm's i8_linear by default, fbgemm
+    where forced, None for a float model."""
+    from tests.helpers.models import tiny_llama
+    from tritonlm.engine.runners.torch_runner import TorchRunner
+
+    model = tiny_llama()
+    assert TorchRunner(model).transformer.int8_path() is None
+    monkeypatch.delenv("TRITONLM_INT8_KERNEL", raising=False)
+    path = TorchRunner(model, int8=True).transformer.int8_path()
+    assert path.startswith("tritonlm's i8_linear, ") and path.endswith(" path, 8-bit activations")
+    assert path.split(", ")[1].removesuffix(" path") == torch.ops.tritonlm.i8_isas()[0]
+    monkeypatch.setenv("TRITONLM_INT8_KERNEL", "fbgemm")
+    monkeypatch.setenv("TRITONLM_INT8_REDUCE_RANGE", "1")
+    assert TorchRunner(model, int8=True).transformer.int8_path() == "fbgemm, 7-bit activations"
