@@ -116,7 +116,7 @@ def int8_kernel_row(kernels_ok: bool) -> tuple[str, bool, str]:
             import torch
 
             return name, True, (f"tritonlm's i8_linear, {torch.ops.tritonlm.i8_isas()[0]} path: 8-bit activations, "
-                                "the same bits on every x86 CPU")
+                                "the same bits on every x86 CPU (fbgemm's with attention_backend: gather)")
         bits = 7 if int8_reduce_range() else 8
         why = "" if kernels_ok else " (no C++ kernels)"
         return name, True, f"fbgemm{why}: {bits}-bit activations{' (no VNNI)' if bits == 7 and not INT8_VNNI else ''}"

@@ -1,10 +1,10 @@
 """The `dtype` setting resolved for a device: compute dtype, and whether weights are int8.
 
     float32 | bfloat16 | float16   compute, KV cache and weights in that dtype
-    int8                           weights int8 per output channel (PyTorch's dynamic
-                                   quantized linear: fbgemm, VNNI where the CPU has it);
-                                   activations quantized per call; compute and KV float32.
-                                   CPU only.
+    int8                           weights int8 per output channel, activations quantized
+                                   per token to 8 bits (tritonlm's i8_linear, or PyTorch's
+                                   fbgemm without the C++ kernels: TRITONLM_INT8_KERNEL);
+                                   compute and KV float32. CPU only.
     int8_weight_only               8-bit weights per group of 32 inputs, activations float32:
                                    the weights are widened to float inside tritonlm's own
                                    matmul kernel (kernels/weight_only_int8.cpp). Closer to
