@@ -245,6 +245,12 @@ def measure_point(
         except StackError as e:
             raise PerfError(str(e)) from None
         except subprocess.TimeoutExpired:
+            if attempt == 0:
+                # perf_analyzer can stall on its own side, with nothing in flight on the
+                # server: one more try before the model is blamed
+                print(f" perf_analyzer did not finish within {measure.timeout_s:.0f} s, measuring again ...",
+                      end="", flush=True)
+                continue
             raise PerfError(
                 f"perf_analyzer did not finish within {measure.timeout_s:.0f} s at {mode} {_num(load)}: "
                 "the model may never complete its requests (a decoupled model must send a final response)"
