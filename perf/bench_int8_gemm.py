@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tritonlm.engine.runners.layers import Int8Linear, PinnedRows
+from tritonlm.engine.runners.layers import INT8_VNNI, Int8Linear, PinnedRows
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.roofline import last_level_cache_bytes, read_bandwidth
 from tritonlm.perf.report import add_out_arg, table, write_csv
@@ -47,8 +47,8 @@ def kernels(w: torch.Tensor, paths: list[str]) -> dict[str, Int8Linear]:
     """Every way this host can run w [in, out] in int8 (i8_linear on `paths`), by name."""
     out = {}
     for bits, reduce_range in ((8, False), (7, True)):
-        if bits == 8 and not torch.cpu._is_vnni_supported():
-            continue  # fbgemm saturates 8-bit activations without VNNI
+        if bits == 8 and not INT8_VNNI:
+            continue  # fbgemm saturates 8-bit activations without VNNI (the CPU's, or capped)
         lin = Int8Linear.from_float(w, None)
         lin.cpp_op, lin.reduce_range, lin.pinned = True, reduce_range, PinnedRows()
         out[f"fbgemm_{bits}bit"] = lin

@@ -43,7 +43,20 @@ from tritonlm.engine.runners.families import BlockSpec
 # in int32 and keeps all 8. The integer sums are exact in both modes, so a VNNI host forced
 # to 7 bits computes what a host without VNNI does: int8_reduce_range() is the one place
 # that decides, and TRITONLM_INT8_REDUCE_RANGE overrides it (docs/configuration.md).
-INT8_VNNI = bool(hasattr(torch.cpu, "_is_vnni_supported") and torch.cpu._is_vnni_supported())
+# fbgemm's own cap (FBGEMM_ENABLE_INSTRUCTIONS, read by fbgemm at its first call) can keep it
+# off VNNI on a CPU that has it: only its AVX512_E1 levels run VNNI, an unknown value none
+# of them caps it.
+FBGEMM_ISA_ENV = "FBGEMM_ENABLE_INSTRUCTIONS"
+FBGEMM_NON_VNNI = ("AVX2", "AVX512", "AVX512_256")
+
+
+def _fbgemm_runs_vnni() -> bool:
+    """fbgemm's int8 kernel runs VNNI here: the CPU has it and FBGEMM_ENABLE_INSTRUCTIONS does not cap it below."""
+    cpu = bool(hasattr(torch.cpu, "_is_vnni_supported") and torch.cpu._is_vnni_supported())
+    return cpu and os.environ.get(FBGEMM_ISA_ENV, "").upper() not in FBGEMM_NON_VNNI
+
+
+INT8_VNNI = _fbgemm_runs_vnni()
 INT8_REDUCE_RANGE_ENV = "TRITONLM_INT8_REDUCE_RANGE"
 
 
@@ -59,8 +72,9 @@ def int8_reduce_range() -> bool:
         raise ValueError(f"{INT8_REDUCE_RANGE_ENV}={value!r}: 1 (7-bit int8 activations), "
                          "0 (8-bit, CPUs with VNNI only) or unset (chosen by the CPU)")
     if value == "0" and not INT8_VNNI:
-        raise ValueError(f"{INT8_REDUCE_RANGE_ENV}=0: this CPU has no VNNI, where fbgemm's int8 kernel "
-                         "saturates with 8-bit activations; use 1 or leave it unset")
+        raise ValueError(f"{INT8_REDUCE_RANGE_ENV}=0: fbgemm's int8 kernel runs without VNNI here (the CPU "
+                         f"lacks it, or {FBGEMM_ISA_ENV} caps it), where it saturates with 8-bit activations; "
+                         "use 1 or leave it unset")
     return value == "1"
 
 

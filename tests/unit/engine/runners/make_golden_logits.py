@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from tritonlm.engine.batch import StepBatch
-from tritonlm.engine.kernels import kernels_available
+from tritonlm.engine.kernels import kernels_available, loaded_build
 from tritonlm.engine.parallel.comm import Comm
 from tritonlm.engine.parallel.shard import layer_slice, tensor_slice
 from tritonlm.engine.runners.base import plan_step
@@ -48,16 +48,25 @@ VERIFY_WIDTH = 3
 # CPU features that choose oneDNN's, fbgemm's and tritonlm's kernels (and so the bits)
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
              "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+# settings that cap the code paths below what the CPU has (perf/bench_peer.py's --as-avx2 sets them)
+# (TRITONLM_KERNEL_ISA and ATEN_CPU_CAPABILITY show in the levels recorded)
+CAP_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
 
 
 @dataclass(frozen=True)
 class HostFacts:
-    """What the logits' exact bits depend on besides the code: the same facts, the same bits."""
+    """What the logits' exact bits depend on besides the code: the same facts, the same bits.
+
+    The CPU's features say what the host can run; the code paths it does run can be capped
+    below them (TRITONLM_KERNEL_ISA, ATen's ATEN_CPU_CAPABILITY, oneDNN's and fbgemm's caps:
+    how a host of an older kind is checked on a newer one), so those are facts too."""
 
     cpu_flags: tuple[str, ...]
     torch_version: str
     num_threads: int  # torch's intra-op threads: how oneDNN splits a matmul
-    kernels: bool  # tritonlm's C++ ops built here (otherwise their variants run torch's path)
+    kernels: str | None  # the level of tritonlm's C++ ops loaded here (None: not built; their variants run torch's path)
+    aten_capability: str  # the vector level ATen's own CPU kernels run (norms, softmax, elementwise)
+    isa_caps: tuple[str, ...]  # the settings of CAP_ENV that are set ("ONEDNN_MAX_CPU_ISA=AVX2")
 
     @staticmethod
     def here() -> "HostFacts":
@@ -66,16 +75,22 @@ class HostFacts:
                 flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
         except OSError:
             flags = [platform.machine()]
+        build = loaded_build() if kernels_available()[0] else None
+        caps = tuple(f"{name}={os.environ[name]}" for name in CAP_ENV if os.environ.get(name))
         return HostFacts(tuple(f for f in CPU_FLAGS if f in flags), torch.__version__, torch.get_num_threads(),
-                         kernels_available()[0])
+                         build.level if build is not None else None, torch.backends.cpu.get_cpu_capability(), caps)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "HostFacts":
+        """A recording's facts; one made before a fact was recorded matches no host (its
+        logits are compared within tolerance until it is made again)."""
         d = json.loads(text)
-        return HostFacts(tuple(d["cpu_flags"]), d["torch_version"], d["num_threads"], d["kernels"])
+        kernels = d["kernels"] if isinstance(d["kernels"], str) else None
+        return HostFacts(tuple(d["cpu_flags"]), d["torch_version"], d["num_threads"], kernels,
+                         d.get("aten_capability", "unrecorded"), tuple(d.get("isa_caps", ("unrecorded",))))
 
 
 def tiny_llama():

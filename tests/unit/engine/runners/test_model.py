@@ -5,8 +5,8 @@ without tritonlm's C++ ops, oneDNN-blocked, int8 with and without the C++ ops, t
 tensor-parallel ranks, two pipeline stages), for tiny-gpt2 and a tiny grouped-query Llama, over a packed prefill,
 two decode steps and a verify step; int8 in both activation ranges (8 bits: CPUs with VNNI;
 7 bits: the others, and any CPU when forced), one test case each. On a host whose HostFacts
-match the recording's (CPU features, torch version, thread count, kernels built) the logits
-must be the same bits: a refactoring may not change one. Elsewhere other kernels run, so
+match the recording's (CPU features, the levels its code paths run at, torch version, thread
+count, kernels built) the logits must be the same bits: a refactoring may not change one. Elsewhere other kernels run, so
 they are compared within float32 rounding (int8: within a few activation quantization
 steps of the range's own recording), and a warning says why it could not compare bits.
 """
@@ -92,6 +92,24 @@ def test_golden_file_is_small_and_raw_float32(recorded):
     _, golden = recorded
     assert maker.DATA.stat().st_size < 1_000_000
     assert all(a.dtype == np.float32 for a in golden.values())
+
+
+def test_host_facts_tell_a_capped_code_path_from_the_recording(recorded, monkeypatch):
+    """A level capped below the CPU's (how an older host is checked on this one) is a fact of
+    its own, so its logits are compared within tolerance, not bit for bit; and a recording
+    made before the levels were recorded matches no host."""
+    facts, _ = recorded
+    for name in maker.CAP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = maker.HostFacts.here()
+    assert capped.isa_caps == ("ONEDNN_MAX_CPU_ISA=AVX2",) and capped != facts
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert maker.HostFacts.here().isa_caps == ()
+    old = maker.HostFacts.from_json(
+        '{"cpu_flags": ["avx2"], "torch_version": "2.13.0+cpu", "num_threads": 2, "kernels": true}')
+    assert old.kernels is None and old.aten_capability == "unrecorded"
+    assert maker.HostFacts.from_json(facts.to_json()) == facts
 
 
 def test_int8_path_names_the_kernel_the_projections_run(monkeypatch):

@@ -225,11 +225,24 @@ def test_the_activation_range_is_the_cpus_unless_forced(monkeypatch):
         if vnni:
             assert int8_reduce_range() is False
         else:
-            with pytest.raises(ValueError, match="TRITONLM_INT8_REDUCE_RANGE=0: this CPU has no VNNI"):
+            with pytest.raises(ValueError, match="TRITONLM_INT8_REDUCE_RANGE=0: fbgemm's int8 kernel runs without VNNI here"):
                 int8_reduce_range()
         monkeypatch.setenv(env, "yes")
         with pytest.raises(ValueError, match=r"TRITONLM_INT8_REDUCE_RANGE='yes': 1 \(7-bit int8 activations\)"):
             int8_reduce_range()
+
+
+def test_fbgemms_own_cap_keeps_it_off_vnni(monkeypatch):
+    """FBGEMM_ENABLE_INSTRUCTIONS below VNNI (fbgemm's names, any case) makes fbgemm run its
+    saturating AVX2/AVX-512 kernel on a CPU with VNNI: int8 then needs 7-bit activations too."""
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    for value, vnni in (("", True), ("AVX512_E1", True), ("avx512_e1_256", True), ("AVX2", False),
+                        ("avx512", False), ("AVX512_256", False), ("unknown", True)):
+        monkeypatch.setenv(layers.FBGEMM_ISA_ENV, value)
+        assert layers._fbgemm_runs_vnni() is vnni, value
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    monkeypatch.setenv(layers.FBGEMM_ISA_ENV, "AVX512_E1")
+    assert layers._fbgemm_runs_vnni() is False
 
 
 @pytest.mark.parametrize("bits", [8, 7])
