@@ -4,6 +4,10 @@ of that module (tests/integration/conftest.py) prints the server's log at teardo
 
 from __future__ import annotations
 
+import getpass
+import os
+import tempfile
+
 import pytest
 
 
@@ -23,4 +27,15 @@ def pytest_sessionstart(session):
     test's tritonserver loads models: each of those would otherwise wait for the first."""
     from tritonlm.engine.kernels import kernels_available
 
+    _inductor_cache_per_capability()
     kernels_available()
+
+
+def _inductor_cache_per_capability() -> None:
+    """A run with ATEN_CPU_CAPABILITY set (an older CPU's code on this one) gets a compile
+    cache of its own: torch's cache hands back CPU kernels built for the other capability,
+    which compute wrong values (docs/configuration.md)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        name = f"torchinductor_{getpass.getuser()}_{capability.lower()}"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), name)
