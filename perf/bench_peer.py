@@ -111,11 +111,12 @@ from tritonlm_bench.streaming import (
 MODEL = "smollm2"  # the model's name in tritonlm's repository
 LONG_CONTEXT = 2048  # per sequence in the long-prompt runs: a ~1,500-token prompt and a running stream
 LONG_SLOTS = 8  # sequences of LONG_CONTEXT the long-prompt servers hold (llama-server --parallel)
-# --as-avx2: tritonlm's kernels at the x86-64-v3 level, oneDNN and ATen's own kernels capped at AVX2,
-# fbgemm at its AVX2 kernel with the 7-bit activations it gets there: what an AVX2-only CPU
-# runs (llama.cpp gets LLAMA_BUILDS["avx2"])
-AVX2_ENV = {"TRITONLM_KERNEL_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
-            "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "TRITONLM_INT8_REDUCE_RANGE": "1"}
+# --as-avx2: tritonlm's kernels at the x86-64-v3 level, oneDNN, MKL (torch's BLAS: plain
+# matmuls, SDPA's products) and ATen's own kernels capped at AVX2, fbgemm at its AVX2 kernel
+# with the 7-bit activations it gets there: what an AVX2-only CPU runs (llama.cpp gets
+# LLAMA_BUILDS["avx2"])
+AVX2_ENV = {"TRITONLM_KERNEL_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "TRITONLM_INT8_REDUCE_RANGE": "1"}
 
 def sweep(rows: list[dict], skipped: list[str], pair: str, engine: str, weights: str, levels: list[int],
           per_client: int, max_tokens: int, one_request, make_conn, server_pid: int) -> bool:

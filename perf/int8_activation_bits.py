@@ -14,8 +14,9 @@ what an AVX2-only CPU runs by default. This script measures all of them on one h
     .venv/bin/python perf/int8_activation_bits.py             # 32 prompts x 128 tokens
     .venv/bin/python perf/int8_activation_bits.py --quick     # 8 x 32
     FBGEMM_ENABLE_INSTRUCTIONS=AVX2 .venv/bin/python perf/int8_activation_bits.py
-        # fbgemm's AVX2 kernel on a CPU with VNNI: the 7-bit row must not change
-Without VNNI fbgemm's 8-bit row is left out. On a shared host, OMP_NUM_THREADS=1 keeps torch's
+        # fbgemm's AVX2 kernel on a CPU with VNNI: the 7-bit row must not change, and the
+        # 8-bit row (which tritonlm refuses to serve there) shows the int16 saturation
+On a CPU without VNNI fbgemm's 8-bit row is left out. On a shared host, OMP_NUM_THREADS=1 keeps torch's
 threads from waiting on each other. Prints the CPU it ran on; writes
 results/int8_activation_bits/int8_activation_bits.csv.
 """
@@ -48,7 +49,9 @@ def main() -> int:
         args.prompts, args.tokens = 8, 32
     cpu = describe_cpu()
     fbgemm_isa = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "")  # fbgemm's own ISA cap, for diagnosis
-    print(f"CPU: {cpu}; VNNI (torch): {'yes' if layers.INT8_VNNI else 'no'}; torch {torch.__version__}, "
+    cpu_vnni = bool(torch.cpu._is_vnni_supported())
+    print(f"CPU: {cpu}; VNNI (torch): {'yes' if cpu_vnni else 'no'}; fbgemm runs VNNI: "
+          f"{'yes' if layers.INT8_VNNI else 'no'}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads" + (f"; FBGEMM_ENABLE_INSTRUCTIONS={fbgemm_isa}" if fbgemm_isa else ""))
     if fbgemm_isa:
         print("fbgemm runs the kernel that cap allows: without VNNI there, the 8-bit row shows its int16 saturation")
@@ -58,13 +61,21 @@ def main() -> int:
     before = {name: os.environ.get(name) for name in envs}
     # (kernel, bits, the environment that picks it)
     configs = [("fbgemm", 8, ("0", "fbgemm")), ("fbgemm", 7, ("1", "fbgemm")), ("tritonlm_avx2", 8, ("", "tritonlm"))]
-    configs = [(k, b, dict(zip(envs, e))) for k, b, e in configs if layers.INT8_VNNI or (k, b) != ("fbgemm", 8)]
+    configs = [(k, b, dict(zip(envs, e))) for k, b, e in configs if cpu_vnni or (k, b) != ("fbgemm", 8)]
     print(f"\n{'kernel':<14} {'activations':<12} {'agree':>7} {'agreed/total':>13} {'s':>5}", flush=True)
     try:
         for kernel, bits, env in configs:
-            os.environ.update(env)
+            # 8 bits under fbgemm's cap is refused when an int8 model is made: made at 7 bits,
+            # its projections are switched to 8 afterwards, op by op (no decoder stack)
+            saturating = kernel == "fbgemm" and bits == 8 and not layers.INT8_VNNI
+            os.environ.update({**env, layers.INT8_REDUCE_RANGE_ENV: "1"} if saturating else env)
             t0 = time.perf_counter()
             runner = TorchRunner(model, int8=True)
+            if saturating:
+                runner.transformer.decoder_stack = None
+                for p in runner.transformer.projections():
+                    if isinstance(p, layers.Int8Linear):
+                        p.reduce_range = False
             if kernel == "tritonlm_avx2":  # forced: the path an AVX2-only CPU runs (every path gives the same bits)
                 ps = [p for p in runner.transformer.projections() if isinstance(p, layers.Int8Linear)]
                 if not all(p.act8 is not None for p in ps):

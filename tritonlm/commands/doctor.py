@@ -119,6 +119,6 @@ def int8_kernel_row(kernels_ok: bool) -> tuple[str, bool, str]:
                                 "the same bits on every x86 CPU (fbgemm's with attention_backend: gather)")
         bits = 7 if int8_reduce_range() else 8
         why = "" if kernels_ok else " (no C++ kernels)"
-        return name, True, f"fbgemm{why}: {bits}-bit activations{' (no VNNI)' if bits == 7 and not INT8_VNNI else ''}"
+        return name, True, f"fbgemm{why}: {bits}-bit activations{' (without VNNI)' if bits == 7 and not INT8_VNNI else ''}"
     except ValueError as e:  # a wrong TRITONLM_INT8_KERNEL or TRITONLM_INT8_REDUCE_RANGE: an int8 model would not load
         return name, False, f"{e} (unset {INT8_KERNEL_ENV} for the default)"

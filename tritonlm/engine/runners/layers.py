@@ -44,8 +44,8 @@ from tritonlm.engine.runners.families import BlockSpec
 # to 7 bits computes what a host without VNNI does: int8_reduce_range() is the one place
 # that decides, and TRITONLM_INT8_REDUCE_RANGE overrides it (docs/configuration.md).
 # fbgemm's own cap (FBGEMM_ENABLE_INSTRUCTIONS, read by fbgemm at its first call) can keep it
-# off VNNI on a CPU that has it: only its AVX512_E1 levels run VNNI, an unknown value none
-# of them caps it.
+# off VNNI on a CPU that has it: only its AVX512_E1 levels run VNNI; an unknown value caps
+# nothing (fbgemm runs the CPU's best).
 FBGEMM_ISA_ENV = "FBGEMM_ENABLE_INSTRUCTIONS"
 FBGEMM_NON_VNNI = ("AVX2", "AVX512", "AVX512_256")
 

@@ -50,7 +50,7 @@ CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq
              "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 # settings that cap the code paths below what the CPU has (perf/bench_peer.py's --as-avx2 sets them)
 # (TRITONLM_KERNEL_ISA and ATEN_CPU_CAPABILITY show in the levels recorded)
-CAP_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+CAP_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class HostFacts:
     torch_version: str
     num_threads: int  # torch's intra-op threads: how oneDNN splits a matmul
     kernels: str | None  # the level of tritonlm's C++ ops loaded here (None: not built; their variants run torch's path)
+    # (a recording made before these were recorded reads "unrecorded" and matches no host)
     aten_capability: str  # the vector level ATen's own CPU kernels run (norms, softmax, elementwise)
     isa_caps: tuple[str, ...]  # the settings of CAP_ENV that are set ("ONEDNN_MAX_CPU_ISA=AVX2")
 
@@ -88,7 +89,7 @@ class HostFacts:
         """A recording's facts; one made before a fact was recorded matches no host (its
         logits are compared within tolerance until it is made again)."""
         d = json.loads(text)
-        kernels = d["kernels"] if isinstance(d["kernels"], str) else None
+        kernels = d["kernels"] if isinstance(d["kernels"], str) or d["kernels"] is None else "unrecorded"
         return HostFacts(tuple(d["cpu_flags"]), d["torch_version"], d["num_threads"], kernels,
                          d.get("aten_capability", "unrecorded"), tuple(d.get("isa_caps", ("unrecorded",))))
 
