@@ -65,7 +65,6 @@ class HostFacts:
     torch_version: str
     num_threads: int  # torch's intra-op threads: how oneDNN splits a matmul
     kernels: str | None  # the level of tritonlm's C++ ops loaded here (None: not built; their variants run torch's path)
-    # (a recording made before these were recorded reads "unrecorded" and matches no host)
     aten_capability: str  # the vector level ATen's own CPU kernels run (norms, softmax, elementwise)
     isa_caps: tuple[str, ...]  # the settings of CAP_ENV that are set ("ONEDNN_MAX_CPU_ISA=AVX2")
 
