@@ -48,10 +48,13 @@ def reference_continuations(model, prompt_ids: list[list[int]], max_tokens: int,
 
 
 def teacher_forced_agreement(
-    runner, prompt_ids: list[list[int]], continuations: list[list[int]], batch: int = 8
+    runner, prompt_ids: list[list[int]], continuations: list[list[int]], batch: int = 8, chunk: int | None = None
 ) -> Agreement:
     """The runner's argmax after every reference prefix, against the reference's next token
-    (`batch` sequences per forward pass)."""
+    (`batch` sequences per forward pass). chunk: feed the sequences `chunk` tokens a pass,
+    each pass reading the KV cache of the ones before, so that a projection sees at most
+    batch x chunk rows, as in decoding (int8_weight_only's kernel takes another path for a
+    prefill-sized batch); None: each whole sequence in one pass."""
     agreed = total = 0
     block = 16
     for i in range(0, len(prompt_ids), batch):
@@ -61,11 +64,19 @@ def teacher_forced_agreement(
                                allocate_kv=runner.allocate_kv)
         for b, row in enumerate(rows):
             cache.allocate(b, len(row))
-        step = StepBatch.build([r[:-1] for r in rows], [0] * len(rows),
-                               [cache.slots(b, len(r) - 1) for b, r in enumerate(rows)], all_logits=True)
-        logits = runner.forward(step, cache.pool)  # [B, T, V]
+        fed = [r[:-1] for r in rows]
+        step_len = chunk or max(len(f) for f in fed)
+        row_logits: list[list[torch.Tensor]] = [[] for _ in rows]
+        for start in range(0, max(len(f) for f in fed), step_len):
+            live = [b for b, f in enumerate(fed) if start < len(f)]
+            step = StepBatch.build([fed[b][start:start + step_len] for b in live], [start] * len(live),
+                                   [cache.slots(b, len(fed[b])) for b in live], all_logits=True)
+            logits = runner.forward(step, cache.pool)  # [len(live), T, V]
+            for n, b in enumerate(live):
+                row_logits[b].append(logits[n, :len(fed[b][start:start + step_len])])
         for b, (ids, cont) in enumerate(zip(prompt_ids[i:i + batch], continuations[i:i + batch])):
-            predicted = logits[b, len(ids) - 1:len(ids) - 1 + len(cont)].argmax(-1).tolist()  # the token after each prefix
+            logits = torch.cat(row_logits[b])  # [len(fed[b]), V]
+            predicted = logits[len(ids) - 1:len(ids) - 1 + len(cont)].argmax(-1).tolist()  # the token after each prefix
             agreed += sum(p == c for p, c in zip(predicted, cont))
             total += len(cont)
     return Agreement(agreed, total)

@@ -5,8 +5,8 @@
                                    per token to 8 bits (tritonlm's i8_linear, or PyTorch's
                                    fbgemm without the C++ kernels: TRITONLM_INT8_KERNEL);
                                    compute and KV float32. CPU only.
-    int8_weight_only               8-bit weights per group of 32 inputs, activations float32:
-                                   the weights are widened to float inside tritonlm's own
+    int8_weight_only               8-bit weights per group of 32 inputs, activations float32,
+                                   rounded to 16-bit codes per block inside tritonlm's own
                                    matmul kernel (kernels/weight_only_int8.cpp). Closer to
                                    float32's output than int8; CPU only.
     auto                           bfloat16 where the device multiplies bf16 natively (a
@@ -37,7 +37,7 @@ class Precision:
     compute: torch.dtype  # activations and the KV cache
     int8_weights: bool  # int8 x int8: int8 weights, activations quantized per token
     reason: str  # why this precision, for the log
-    int8_weight_only: bool = False  # int8 weights, float32 activations
+    int8_weight_only: bool = False  # int8 weights, float32 activations rounded to 16-bit codes
 
 
 def native_bf16(device: str | torch.device) -> tuple[bool, str]:

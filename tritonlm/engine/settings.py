@@ -456,9 +456,9 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
        " precision (half the KV bytes per token); `int8`: CPU only, weights int8 per output channel "
        "(SmoothQuant-smoothed), activations quantized per token, compute and KV float32; `int8_weight_only`:"
        " CPU only, weights (LM head included) int8 with a scale and an offset per 32 inputs, activations and KV"
-       " float32, "
-       "the weights widened to float inside tritonlm's C++ kernel (closer to float32 than `int8`, prefill at "
-       "float32's speed: [configuration.md](configuration.md#precision)); `auto`: bfloat16 "
+       " float32 (rounded to 16-bit codes inside tritonlm's C++ kernel, 2^-16 of a block's "
+       "largest value); closer to float32 than `int8`, prefill at "
+       "float32's speed ([configuration.md](configuration.md#precision)); `auto`: bfloat16 "
        "where the device multiplies it natively (a GPU of compute capability 8.0+, a CPU with AVX512-BF16 or"
        " AMX), else float32. Anything but float32 needs `runtime: torch` without model parallelism and may "
        "change greedy text at near ties"),

@@ -38,6 +38,10 @@ def test_teacher_forced_agreement_counts_transformers_own_predictions(model_and_
     runner = TorchRunner(model)
     got = teacher_forced_agreement(runner, prompts, continuations, batch=2)
     assert got == Agreement(expected, 6 * len(prompts))
+    # fed a few tokens a pass over the KV cache (sequences of unequal lengths ending in
+    # different passes): the same predictions
+    for chunk in (1, 4):
+        assert teacher_forced_agreement(runner, prompts, continuations, batch=2, chunk=chunk) == got
     # its own greedy continuations it predicts every time
     reference = [hf_greedy_ids(model, p, 6) for p in prompts]
     assert teacher_forced_agreement(runner, prompts, reference).fraction == 1.0

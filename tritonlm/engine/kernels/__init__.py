@@ -11,10 +11,11 @@
         a layer's element-wise steps fused (decode_ops.cpp)
     torch.ops.tritonlm.int8_linear(x, smooth, bias, packed, buf, reduce_range)
         an int8 projection, rows quantized alone, in one op (decode_ops.cpp)
-    torch.ops.tritonlm.w8_linear(x, panel, scale, offset, bias, out, isa), .w8_isas()
-        a projection with int8 weights in 16-wide output panels and float32 activations
-        (`dtype: int8_weight_only`), AVX-512 / AVX2 / scalar: the best this CPU's build has,
-        or the one named (weight_only_int8.cpp)
+    torch.ops.tritonlm.w8_linear(x, panel, scale, offset, bias, in, out, isa), .w8_isas()
+        a projection with int8 weights in 16-wide output panels of quads and float32
+        activations rounded to 16-bit codes (`dtype: int8_weight_only`), AVX-512 / AVX2 /
+        scalar, the same bits on each up to 64 rows: the best this CPU's build has, or the one
+        named (weight_only_int8.cpp)
     torch.ops.tritonlm.panel_linear(x, panel, bias, out), .panel_supported()
         a float32 projection over weights in 16-wide output panels (runners/layers.py's
         PanelLinear; AVX-512 and AVX2 builds) (float_panel.cpp)

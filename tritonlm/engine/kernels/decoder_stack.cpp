@@ -18,8 +18,8 @@
 //                                                   panels with 8-bit activations (int8_act8.cpp's
 //                                                   i8_linear); smooth: x's multiplier first, or None
 //     .add_w8(panel, scale, offset, bias, out)      one projection, int8 weights in 16-wide output panels
-//                                                   (uint8 codes, float16 scales and offsets) with float
-//                                                   activations (weight_only_int8.cpp's w8_linear)
+//                                                   (uint8 codes, float16 scales and offsets) with 16-bit
+//                                                   activation codes (weight_only_int8.cpp's w8_linear)
 //     .add_layer(ln_attn, ln_attn_b, attn_eps, ln_mlp, ln_mlp_b, mlp_eps, rms, act, attn_scale)
 //                                                   closes a layer: the 4 projections added
 //                                                   before it are its qkv, o, gate_up (fc), down;
@@ -117,7 +117,7 @@ struct Ops {
                                       std::optional<std::string_view>)>
       linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const std::optional<at::Tensor>&, int64_t, std::string_view)>
+                                      const std::optional<at::Tensor>&, int64_t, int64_t, std::string_view)>
       w8_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
       panel_linear;
@@ -148,7 +148,7 @@ struct Ops {
                                 std::optional<std::string_view>)>(),
           d.findSchemaOrThrow("tritonlm::w8_linear", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const std::optional<at::Tensor>&, int64_t, std::string_view)>(),
+                                const std::optional<at::Tensor>&, int64_t, int64_t, std::string_view)>(),
           d.findSchemaOrThrow("tritonlm::panel_linear", "")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>(),
           d.findSchemaOrThrow("tritonlm::i8_linear", "")
@@ -188,7 +188,8 @@ struct Projection {
   at::Tensor panel;    // float: [P, in, 16] output panels (float_panel.cpp); undefined otherwise
   int64_t out = 0;     // the panel's output channels (float or int8 panels)
   Packed packed;       // int8: PyTorch's packed per-channel weights; null for float
-  // weight-only int8: codes [P, in, 16] uint8, scales and offsets [P, groups, 16] float16; undefined otherwise
+  // weight-only int8: codes [P, groups * quads per group, 16, 4] uint8, scales and offsets [P, groups, 16]
+  // float16; undefined otherwise
   at::Tensor w8, w8_scale, w8_offset;
   // int8 with 8-bit activations: codes [P, in4, 16, 4] int8, scales [P * 16] float32, i8_linear's path
   at::Tensor i8, i8_scale;
@@ -207,7 +208,7 @@ struct Projection {
     if (panel.defined()) {
       y = ops.panel_linear.call(flat, panel, b, out);
     } else if (w8.defined()) {
-      y = ops.w8_linear.call(flat, w8, w8_scale, w8_offset, b, out, "auto");
+      y = ops.w8_linear.call(flat, w8, w8_scale, w8_offset, b, in, out, "auto");
     } else if (i8.defined()) {
       const at::Tensor scaled = smooth ? at::mul(flat, *smooth) : flat.contiguous();
       y = ops.i8_linear.call(scaled, i8, i8_scale, b, out, i8_isa);
@@ -311,9 +312,9 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
   void add_w8(at::Tensor panel, at::Tensor scale, at::Tensor offset, std::optional<at::Tensor> bias, int64_t out) {
-    TORCH_CHECK(panel.device().is_cpu() && panel.scalar_type() == at::kByte && panel.dim() == 3 &&
-                    panel.size(2) == 16 && panel.is_contiguous(),
-                "DecoderStack.add_w8: panel must be a contiguous uint8 CPU tensor [P, in, 16]");
+    TORCH_CHECK(panel.device().is_cpu() && panel.scalar_type() == at::kByte && panel.dim() == 4 &&
+                    panel.size(2) == 16 && panel.size(3) == 4 && panel.is_contiguous(),
+                "DecoderStack.add_w8: panel must be a contiguous uint8 CPU tensor [P, groups * quads per group, 16, 4]");
     TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(0) == panel.size(0) &&
                     offset.sizes() == scale.sizes() && offset.scalar_type() == at::kHalf,
                 "DecoderStack.add_w8: scale and offset must be float16 [", panel.size(0), ", groups, 16]");

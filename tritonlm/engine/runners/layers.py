@@ -4,7 +4,7 @@
                   same call, `apply(x, bias)`: FloatLinear (w [in, out], `x @ w`),
                   BlockedLinear (oneDNN's blocked layout, the CPU float default),
                   Int8Linear (per-output-channel int8, every token's activations quantized
-                  alone) and WeightOnlyInt8Linear (int8 weights, float activations). Slicing and quantization read FloatLinear's plain weights
+                  alone) and WeightOnlyInt8Linear (int8 weights, activations rounded to 16-bit codes). Slicing and quantization read FloatLinear's plain weights
                   (`Linear.plain`); the other formats are made from it last.
     norms         Norm (LayerNorm or RMSNorm)
     attention     paged_attention: the new K/V written into the pool in place, each row's
@@ -217,6 +217,7 @@ class BlockedLinear(Linear):
 
 
 PANEL_LANES = 16  # output channels per panel (kLanes of float_panel.cpp and weight_only_int8.cpp)
+QUAD = 4  # consecutive inputs of a channel side by side in an int8 panel (kQuad of weight_only_int8.cpp)
 
 
 def panels_available() -> bool:
@@ -354,35 +355,67 @@ class Int8Linear(Linear):
         return (self.packed if self.act8 is None else self.act8.panel), self.nbytes
 
 
+ACT_CODE_MAX = 32767.0  # int8_weight_only's activation codes: 16-bit, symmetric
+ACT_CHUNK = 256  # inputs of a group under one activation scale, at most (kernels/weight_only_int8.cpp)
+
+
+def rounded_activations(x: torch.Tensor, groups: int) -> torch.Tensor:  # [..., in] -> [..., in]
+    """x with every input rounded to int8_weight_only's 16-bit codes, as its kernel rounds them:
+    per row, per chunk of at most ACT_CHUNK inputs from each group's first, code = round(x /
+    max|x| * 32767) times max|x| / 32767; a chunk holding an inf or a NaN becomes NaN."""
+    group = x.shape[-1] // groups
+    xg = x.reshape(*x.shape[:-1], groups, group)
+    out = torch.empty_like(xg)
+    for k0 in range(0, group, ACT_CHUNK):
+        part = xg[..., k0:k0 + ACT_CHUNK]
+        top = part.abs().amax(dim=-1, keepdim=True)
+        finite = top.isfinite()
+        safe = torch.where(finite & (top > 0), top, torch.ones_like(top))
+        codes = torch.round((part / safe * ACT_CODE_MAX).clamp(-ACT_CODE_MAX, ACT_CODE_MAX))
+        codes = torch.where(finite & (top > 0), codes, torch.zeros_like(codes))
+        scale = torch.where(finite, top / ACT_CODE_MAX, torch.full_like(top, float("nan")))
+        out[..., k0:k0 + ACT_CHUNK] = codes * scale
+    return out.reshape(x.shape)
+
+
 @dataclass(eq=False)
 class WeightOnlyInt8Linear(Linear):
-    """8-bit weight codes with float16 scales and offsets, float32 activations (`dtype:
-    int8_weight_only`): y = x @ (q * s + o)^T + b, q in [0, 255], one scale s and one offset o
-    per group of consecutive inputs of each output channel (G groups of in / G inputs; G = 1:
-    per channel). Activations are never quantized, so the only error is the weights'
-    rounding (runners/weight_only.py). Stored in 16-wide output panels as PanelLinear's float
-    weights are: panel[p, k, j] = q[16 p + j, k], scale[p, g, j] = s[16 p + j, g] and offset
-    likewise, zero past `out`. With the C++ kernels (`cpp_op`) the codes are widened to float
-    inside the matmul (kernels/weight_only_int8.cpp); without them, to a float copy per call."""
+    """8-bit weight codes with float16 scales and offsets (`dtype: int8_weight_only`):
+    y = x @ (q * s + o)^T + b, q in [0, 255], one scale s and one offset o per group of
+    consecutive inputs of each output channel (G groups of in / G inputs; G = 1: per channel).
+    Stored in 16-wide output panels of quads, four consecutive inputs of a channel side by side
+    (the layout int8's i8_linear reads): panel[p, g * Q + t, j, r] = q[16 p + j, g * group +
+    4 t + r], Q = ceil(group / 4) quads per group, zero past the group's end and past `out`;
+    scale[p, g, j] = s[16 p + j, g] and offset likewise. With the C++ kernels (`cpp_op`) the
+    activations are rounded to 16-bit codes (a scale per row and block of at most 256 inputs
+    of a group); a decode-sized batch multiplies them with the codes in integer arithmetic, a
+    prefill-sized one with the weights widened to float in a GEMM (kernels/weight_only_int8.cpp).
+    Without the kernels, the same rounding in torch ops, times a float copy of the weights."""
 
-    panel: torch.Tensor  # [P, in, 16] uint8
+    panel: torch.Tensor  # [P, G * Q, 16, 4] uint8
     scale: torch.Tensor  # [P, G, 16] float16
     offset: torch.Tensor  # [P, G, 16] float16
     b: torch.Tensor | None  # [out]
     out: int
+    inputs: int  # in: the panel's quads may hold padding past it
     cpp_op: bool = False  # through torch.ops.tritonlm.w8_linear
 
     @staticmethod
     def from_rows(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                   b: torch.Tensor | None) -> "WeightOnlyInt8Linear":
         """q [out, in] uint8, scale and offset [out, G] (stored as float16) into panels."""
-        out = q.shape[0]
+        out, inputs = q.shape
+        groups = scale.shape[1]
+        group = inputs // groups
+        quads = -(-group // QUAD)
         pad = -(-out // PANEL_LANES) * PANEL_LANES - out
 
         def to_panels(rows: torch.Tensor) -> torch.Tensor:  # [out, n] -> [P, n, 16]
             return F.pad(rows, (0, 0, 0, pad)).view(-1, PANEL_LANES, rows.shape[1]).transpose(1, 2).contiguous()
 
-        return WeightOnlyInt8Linear(to_panels(q), to_panels(scale.half()), to_panels(offset.half()), b, out)
+        codes = F.pad(q.reshape(out, groups, group), (0, quads * QUAD - group, 0, 0, 0, pad))  # [out_p, G, Q * 4]
+        codes = codes.view(-1, PANEL_LANES, groups * quads, QUAD).transpose(1, 2).contiguous()  # [P, G * Q, 16, 4]
+        return WeightOnlyInt8Linear(codes, to_panels(scale.half()), to_panels(offset.half()), b, out, inputs)
 
     def code_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in] uint8, scale [out, G] float16, offset [out, G] float16): the weights as
@@ -391,7 +424,10 @@ class WeightOnlyInt8Linear(Linear):
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t.transpose(1, 2).reshape(-1, t.shape[1])[: self.out]
 
-        return rows(self.panel), rows(self.scale), rows(self.offset)
+        groups = self.scale.shape[1]
+        group = self.inputs // groups
+        codes = self.panel.transpose(1, 2).reshape(-1, groups, self.panel.shape[1] // groups * QUAD)  # [out_p, G, Q * 4]
+        return codes[: self.out, :, :group].reshape(self.out, self.inputs), rows(self.scale), rows(self.offset)
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32
         q, scale, offset = self.code_rows()
@@ -400,8 +436,9 @@ class WeightOnlyInt8Linear(Linear):
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.cpp_op:
-            return torch.ops.tritonlm.w8_linear(x, self.panel, self.scale, self.offset, bias, self.out, "auto")
-        return F.linear(x, self.dequantized(), bias)
+            return torch.ops.tritonlm.w8_linear(x, self.panel, self.scale, self.offset, bias, self.inputs, self.out,
+                                                "auto")
+        return F.linear(rounded_activations(x, self.scale.shape[1]), self.dequantized(), bias)
 
     def plain(self) -> FloatLinear:
         raise ValueError("int8 weights cannot be sliced: slice the float model, then quantize each share")

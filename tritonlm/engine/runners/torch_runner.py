@@ -40,7 +40,8 @@ class TorchRunner:
     ):
         """int8: weights of every projection and the LM head in int8 (CPU, float32 compute);
         int8_keep_float(name) -> True leaves that projection float (quant.quantize_int8).
-        int8_weight_only: int8 weights with float32 activations instead (runners.weight_only).
+        int8_weight_only: int8 weights with float32 activations rounded to 16-bit codes
+            instead (runners.weight_only).
         attention: "auto" / "paged" use the paged-attention kernel where it can run (see
         `self.attention` and `self.attention_why`; "paged" does not raise, the loader
         refuses it); "gather" never does.

@@ -1,5 +1,6 @@
 """Weight-only int8 for a Transformer (`dtype: int8_weight_only`): 8-bit weight codes with a
-float16 scale and offset per group of inputs of each output channel, float32 activations.
+float16 scale and offset per group of inputs of each output channel, float32 activations
+(rounded to 16-bit codes per block inside the kernel: layers.WeightOnlyInt8Linear).
 
     calibration_ids(hf_model)  seeded random token ids to calibrate on
     quantize_weight_only(model, calibration_ids=None)
@@ -205,8 +206,8 @@ def quantize_weight_only(model: Transformer, calibration_ids: list[list[int]] | 
     them. Embeddings, norms, biases and the KV cache stay float32. A tied LM head becomes its
     own int8 copy (the embedding lookup keeps the float table).
 
-    No rotation or smoothing: those exist to make activations quantizable, and here
-    activations stay float."""
+    No rotation or smoothing: those exist to make activations quantizable to 8 bits, and here
+    the kernel keeps 16 (a scale per block of at most 256 inputs)."""
     if model.dtype != torch.float32 or model.device.type != "cpu":
         raise ValueError(f"int8_weight_only needs float32 compute on the CPU, not {model.dtype} on {model.device}")
     xtx = collect_covariances(model, calibration_ids) if calibration_ids else {}
