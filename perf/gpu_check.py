@@ -26,6 +26,9 @@ the others, and skipped when the time budget runs out:
                step time and logits against the graph alone, served tok/s, GPU busy
  9. compiled exactness  greedy and seeded tokens of the compiled GPU engine (fp32) against
                the CPU engine
+10. ahead      schedule_ahead (the next step launched before the host reads this step's
+               tokens): greedy and seeded tokens against the CPU engine, and served tok/s
+               at 1 and 64 streams with it off and on (bf16, graphs), GPU busy at 64
 Section 6 runs last: a compiler failure there can leave torch unusable in the process.
 Prints a table, writes gpu_check.csv under --out (or $OUT). Exits 2 without CUDA.
 """
@@ -99,7 +102,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "results" / "gpu_check"))
     ap.add_argument("--device", default="cuda:0", help="cpu: a quick dry run of the script's logic")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds; later sections are skipped past it")
-    ap.add_argument("--sections", default="1,2,3,4,5,6,7", help="which sections to run, by number")
+    ap.add_argument("--sections", default="1,2,3,4,5,6,7,10", help="which sections to run, by number")
     args = ap.parse_args()
     on_gpu = args.device.startswith("cuda")
     if on_gpu and not torch.cuda.is_available():
@@ -241,17 +244,19 @@ def main() -> int:
 
     # ---- engines
     def engine_run(runner, streams: int, tokens: int, prompt_len: int = 16, seed_base: int | None = None,
-                   temperature: float | None = None, drafter=None, k: int = 4) -> tuple[dict[int, list[int]], float, Engine]:
+                   temperature: float | None = None, drafter=None, k: int = 4,
+                   ahead: bool = False, ends: dict[int, int] | None = None,
+                   ) -> tuple[dict[int, list[int]], float, Engine]:
         cache = KVCacheManager(runner.spec, (streams + 2) * (prompt_len + tokens + 32) * runner.spec.bytes_per_token, 16,
                                allocate_kv=runner.allocate_kv)
         sched = SchedulerConfig(max_num_seqs=max(streams, 1), max_num_batched_tokens=max(512, streams * 2))
         engine = Engine(runner, tok, cache, sched, max_context=1024, drafter=drafter(cache) if drafter else None,
-                        num_draft_tokens=k)
+                        num_draft_tokens=k, schedule_ahead=ahead)
         out: dict[int, list[int]] = {}
         gen = torch.Generator().manual_seed(123)
         for i in range(streams):
             prompt = torch.randint(3, 49152, (prompt_len,), generator=gen).tolist()
-            params = SamplingParams(max_tokens=tokens, end_id=-1, temperature=temperature,
+            params = SamplingParams(max_tokens=tokens, end_id=(ends or {}).get(i, -1), temperature=temperature,
                                     seed=None if seed_base is None else seed_base + i)
             engine.submit(GenerationRequest(prompt, params, lambda ev, i=i: out.setdefault(i, []).extend(ev.token_ids),
                                             stream=False))
@@ -261,12 +266,12 @@ def main() -> int:
         sync()
         return out, engine.stats.tokens_generated / (time.perf_counter() - t0), engine
 
-    def compare_engines(section_name: str, what: str, gpu) -> None:
+    def compare_engines(section_name: str, what: str, gpu, ahead: bool = False) -> None:
         """The GPU runner's engine against the CPU engine (gather path), greedy and seeded."""
         cpu = TorchRunner(short, attention="gather")
         n, t = (32, 32) if not small else (4, 4)
         for label, kw in (("greedy", {}), ("seeded sampling (T=0.8)", {"seed_base": 1000, "temperature": 0.8})):
-            g_out, _, _ = engine_run(gpu, n, t, **kw)
+            g_out, _, _ = engine_run(gpu, n, t, ahead=ahead, **kw)
             c_out, _, _ = engine_run(cpu, n, t, **kw)
             same = sum(g_out[i] == c_out[i] for i in range(n))
             tok_same = sum(a == b for i in range(n) for a, b in zip(g_out[i], c_out[i])) / (n * t)
@@ -346,6 +351,40 @@ def main() -> int:
             _, served, _ = engine_run(r, 64, 256)
         record("reference", "static cache + torch.compile(reduce-overhead), 64 rows x 256 tokens", tps,
                f"tok/s (compile + warm-up {warm:.0f} s); served engine / reference = {served / tps:.2f}")
+        ahead = next((x["value"] for x in reversed(ROWS) if x["check"] == "_engine64_ahead"), None)
+        if ahead is not None:
+            record("reference", "served engine with schedule_ahead / reference, 64 rows x 256 tokens", ahead / tps,
+                   f"({ahead:.0f} tok/s served)")
+
+    def scheduled_ahead() -> None:
+        r32 = runner_for(short, torch.float32)
+        n, t = (32, 32) if not small else (4, 6)
+        for label, kw in (("greedy", {}), ("seeded sampling (T=0.8)", {"seed_base": 1000, "temperature": 0.8})):
+            plain, _, _ = engine_run(r32, n, t, **kw)
+            # every other stream ends on a token of its own answer: rows end mid-run, as on EOS
+            ends = {i: plain[i][len(plain[i]) // 2] for i in range(1, n, 2)}
+            off, _, _ = engine_run(r32, n, t, ends=ends, **kw)
+            on, _, _ = engine_run(r32, n, t, ends=ends, ahead=True, **kw)
+            record("ahead", f"schedule_ahead on == off, same GPU runner, {label}", sum(on[i] == off[i] for i in range(n)),
+                   f"of {n} rows identical (odd rows end on an end token, at {sum(len(off[i]) for i in ends) / len(ends):.1f} tokens)")
+        compare_engines("ahead", " (schedule_ahead)", r32, ahead=True)
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+        r = runner_for(full, dtype)
+        engine_run(r, 4, 4)  # captures the small buckets' graphs, compiles the kernel
+        for streams, tokens in (((1, 256), (64, 256)) if on_gpu else ((1, 4), (4, 4))):
+            engine_run(r, streams, 8)
+            tps = {}
+            for on in (False, True, False, True):  # alternated: drift on the device hits both alike
+                util = UtilizationSampler(dev) if on_gpu and streams == 64 else None
+                _, rate, _ = engine_run(r, streams, tokens, ahead=on)
+                busy = util.stop() if util else float("nan")
+                record("ahead", f"engine {dtype} graphs, schedule_ahead {'on' if on else 'off'}: "
+                       f"{streams} streams x {tokens} tokens", rate, "tok/s" + (f"; GPU busy {busy:.0f}%" if util else ""))
+                tps.setdefault(on, []).append(rate)
+            best_on, best_off = max(tps[True]), max(tps[False])
+            record("ahead", f"schedule_ahead on / off, {streams} streams (best of 2 each)", best_on / best_off, "")
+            if streams == 64:
+                ROWS.append({"section": "ahead", "check": "_engine64_ahead", "value": best_on, "extra": ""})
 
     def draft() -> None:
         from tritonlm.engine.speculative import DraftModelDrafter
@@ -403,6 +442,7 @@ def main() -> int:
     section("1. kernel", kernel)
     section("2. graphs on vs off", graphs)
     section("3. exactness vs the CPU engine", exactness)
+    section("10. schedule ahead", scheduled_ahead)  # early: the issue's open question
     section("5. engine throughput and GPU busy", engine_speed)
     section("4. decode step time", step_time)
     section("7. speculative decoding on the GPU", draft)

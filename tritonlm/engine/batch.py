@@ -44,6 +44,18 @@ class StepBatch:
     # None: every layer reads the main tables
     window_block_table: torch.Tensor | None = None
     window_slot_table: torch.Tensor | None = None
+    # scheduled ahead (Engine's schedule_ahead) on a GPU: (rows [k] int64, tokens [k] int64),
+    # both on the device: row rows[i] of a width-1 batch feeds tokens[i], a token the last
+    # step sampled there and the host has not seen, in place of input_ids[rows[i], 0] (a
+    # placeholder). The runner writes them in on the device (apply_fed); None: input_ids is whole
+    fed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def apply_fed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] (input_ids, moved to the device) with the fed tokens written into column 0."""
+        if self.fed is not None:
+            rows, tokens = self.fed
+            ids.select(1, 0).index_copy_(0, rows, tokens)
+        return ids
 
     @property
     def batch_size(self) -> int:

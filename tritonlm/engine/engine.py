@@ -18,14 +18,14 @@ import time
 from tritonlm.engine.client_io import CancellationPoller, EventDispatcher
 from tritonlm.engine.compute_thread import ComputeThread
 from tritonlm.engine.cpu_cores import ThreadGovernor
-from tritonlm.engine.executor import ModelExecutor
+from tritonlm.engine.executor import PENDING_TOKEN, AheadTokens, ModelExecutor
 from tritonlm.engine.guided import GuideCompiler
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.lora.registry import PendingAdapter
 from tritonlm.engine.output import Deferred, EngineObserver, EngineStats, OutputProcessor
 from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError, check_priority
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
-from tritonlm.engine.sequence import Sequence
+from tritonlm.engine.sequence import Sequence, SeqState
 from tritonlm.engine.speculative import Drafter
 from tritonlm.engine.threads import ENGINE_THREAD, named_thread
 from tritonlm.engine.token_bytes import token_bytes
@@ -57,11 +57,15 @@ class Engine:
         drafter: Drafter | None = None,
         num_draft_tokens: int = 4,
         overlap: bool | None = None,
+        schedule_ahead: bool = False,
     ):
         """The scheduler takes ownership of `cache`; `drafter` turns on speculative
         decoding with drafts of up to num_draft_tokens tokens. overlap: a step's text and
         events are made while the next step's forward pass runs (OutputProcessor.append /
-        complete); None: where the forward pass runs asynchronously, on a GPU."""
+        complete); None: where the forward pass runs asynchronously, on a GPU.
+        schedule_ahead: the next step is scheduled and launched before this step's tokens
+        reach the host, its rows feeding them on the device (step()); where it cannot run
+        (speculation, no KV cache, a runner that takes no tokens on its device) it stays off."""
         self.runner = runner
         self.tokenizer = tokenizer
         token_bytes(tokenizer)  # the detokenizer's table, made now rather than for the first request
@@ -80,6 +84,12 @@ class Engine:
             overlap = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
         self.overlap = overlap
         self._deferred: list[Deferred] = []  # the last step's rows whose text and events are due
+        self.schedule_ahead = schedule_ahead and self._ahead_possible(runner, use_kv_cache)
+        self._ahead: AheadTokens | None = None  # the last step's tokens, still on the device
+        # that step's plan, its rows' cached positions after its passes, and when it began:
+        # the step-time model learns from it once its tokens are read
+        self._ahead_step: tuple[list, list[int], float] = ([], [], 0.0)
+        self._resolved_at = 0.0  # when the last such step's tokens were read
         self._inbox: list[Sequence] = []
         # requests whose LoRA adapter is being loaded (lora.registry.PendingAdapter), by request
         # id: they join the queue when it is ready, so a cold load never holds up a step
@@ -109,6 +119,18 @@ class Engine:
         self._longest_step_s = 0.0
         self._steps_done = 0
         self._stall_file = os.environ.get(STALL_FILE_ENV) or None
+
+    def _ahead_possible(self, runner, use_kv_cache: bool) -> bool:
+        """schedule_ahead can run with this engine (else it is logged and left off)."""
+        device = getattr(getattr(runner, "device", None), "type", "cpu")
+        why = ("speculative decoding verifies on the host" if self.drafter is not None else
+               "the KV cache is off" if not use_kv_cache else
+               "a length-dependent RoPE runs sequences again" if self.scheduler.rope_recompute_at is not None else
+               f"{type(runner).__name__} takes no tokens on {device}"
+               if device != "cpu" and not getattr(runner, "feeds_device_tokens", False) else None)
+        if why:
+            log.warning("schedule_ahead: off, %s", why)
+        return why is None
 
     @property
     def cache(self) -> KVCacheManager:
@@ -298,6 +320,7 @@ class Engine:
             self.runner.close()
 
     def _fail_pending(self) -> None:
+        self._resolve_ahead()
         self._complete_deferred()
         with self._cond:
             loading = list(self._loading.values()) + [seq for seq, _ in self._load_failures]
@@ -356,31 +379,86 @@ class Engine:
         """One iteration: intake, then schedule -> forward -> sample/verify -> outputs.
 
         With overlap the previous step's text and events are made between launching this
-        step's forward pass and reading its logits: on a GPU, while the pass runs."""
+        step's forward pass and reading its logits: on a GPU, while the pass runs.
+
+        With schedule_ahead a step whose rows can all choose their tokens on the device
+        (executor.sample_ahead) does not wait for them: each row's history holds a
+        placeholder, and the next step is scheduled and launched at once, its rows feeding
+        those tokens on the device. Only then does the host wait for them (the one copy) and
+        append them, finish the rows that an end token or max_tokens ends (their row in the
+        step just launched is dropped), and make their text and events, while that step
+        runs. Tokens, text, events and finish reasons are the plain loop's."""
         started = time.monotonic()
         self._intake()
         plan = self.scheduler.schedule()
         if not plan:
+            self._resolve_ahead()
             self._complete_deferred()
             return
         self._step_tokens = sum(n for _, n in plan)
         if self._stall_file is not None:
             _stall_while(self._stall_file)
+        ahead = None
         try:
-            fwd = self.executor.forward(plan)
+            fwd = self.executor.forward(plan, self._ahead)
+            if self.schedule_ahead:
+                try:
+                    ahead = self.executor.sample_ahead(fwd)
+                except Exception:  # noqa: BLE001 - sample() decides it, failing only a faulty row
+                    log.exception("sampling on the device failed; the step is sampled on the host")
+            self._resolve_ahead()
             self._complete_deferred()
-            outputs = self.executor.sample(fwd)
+            outputs = None if ahead is not None else self.executor.sample(fwd)
         except Exception as e:  # a failed pass fails its sequences, not the server
             log.exception("forward pass failed")
+            self._resolve_ahead()
             self._complete_deferred()
             for seq, _ in plan:
                 self.output.fail(seq, f"internal error in the forward pass: {e}")
             return
+        if ahead is not None:
+            self._ahead_step = (plan, [seq.num_computed for seq, _ in plan], started)
+            self._place(ahead)
+            return  # the step-time model learns from it when its tokens are read
         if self.overlap and all(len(out.tokens) == 1 or out.error is not None for out in outputs.rows):
             self._deferred = self.output.append(outputs)
         else:  # speculative rows (several tokens, of which a stop string may cut some): at once
             self.output.process(outputs)
         self.scheduler.step_done(plan, time.monotonic() - started)
+
+    def _place(self, ahead: AheadTokens) -> None:
+        """Each row still running holds a placeholder for its token until _resolve_ahead;
+        a row whose token is its last (max_tokens, the context) runs no more steps."""
+        placed = 0
+        for seq in ahead.seqs:
+            if seq.state is not SeqState.FINISHED:  # a stop string ended it meanwhile: its token is dropped
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.last_token_pending = self.output.full(seq)
+                placed += 1
+        self._ahead = ahead
+        if not placed:  # no step follows to wait behind: the step is counted now
+            self._resolve_ahead()
+
+    def _resolve_ahead(self) -> None:
+        """The last step's tokens, waited for, in place of their placeholders; their text and
+        events are due (_complete_deferred). Where that fails, the rows fail."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        try:
+            self._deferred += self.output.append(ahead.result(), placed=True)
+        except Exception as e:  # noqa: BLE001 - those rows fail, the server serves on
+            log.exception("reading the sampled tokens failed")
+            for seq in ahead.seqs:
+                if seq.state is not SeqState.FINISHED and seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
+                    seq.token_ids.pop()
+                self.output.fail(seq, f"internal error while sampling: {e}")
+        # its time: from its start, or from when the step before it was read, whichever is
+        # later (the steps overlap; in a run of them, the time between their tokens)
+        plan, computed, started = self._ahead_step
+        now = time.monotonic()
+        self.scheduler.step_done(plan, now - max(started, self._resolved_at), computed)
+        self._resolved_at = now
 
     def _complete_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
@@ -410,6 +488,7 @@ class Engine:
         for seq in cancelled_loading:
             self.output.finish(seq, "cancelled")
         if cancel:  # a cancelled row's last token is reported before its final event
+            self._resolve_ahead()
             self._complete_deferred()
         for rid in cancel:
             seq = self.scheduler.get(rid)

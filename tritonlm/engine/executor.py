@@ -23,7 +23,10 @@ import torch
 
 from tritonlm.engine.guided import GuideViolation
 from tritonlm.engine.scheduler import ScheduledBatch, Scheduler
-from tritonlm.engine.sampler import greedy_tokens, plain_greedy, sample_row, sample_rows, token_log_probs
+from tritonlm.engine.sampler import (
+    NO_FINITE_LOGIT, decided_on_device, draw_rows, greedy_tokens, plain_greedy, sample_row, sample_rows, to_device,
+    token_log_probs,
+)
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.speculative import AdaptiveK, Drafter, Proposal, verify_row
 
@@ -74,6 +77,36 @@ class StepOutput:
     seconds: float
 
 
+# the history entry of a token sampled on the device and not yet seen on the host (AheadTokens)
+PENDING_TOKEN = -1
+
+
+@dataclass
+class AheadTokens:
+    """A step's next tokens, chosen on the device and not yet waited for (Engine's
+    schedule_ahead): each row that got one holds PENDING_TOKEN at the end of its history
+    meanwhile, so the next step is scheduled and its forward pass launched, the rows feeding
+    these tokens on the device (ModelExecutor.forward), before the host reads them (result)."""
+
+    seqs: list[Sequence]  # the rows that got a token, in order
+    slot: dict[int, int]  # seq id -> its index in tokens
+    tokens: torch.Tensor  # [n] int64 on the logits' device
+    batch_size: int
+    num_tokens: int
+    seconds: float
+    host: torch.Tensor  # [2, n] int64 on the host: the tokens and which rows had no finite logit
+    copied: torch.cuda.Event | None = None  # recorded after the copy into `host` (a GPU's)
+
+    def result(self) -> StepOutput:
+        """Wait for the tokens (a GPU's copy only; the forward pass launched after them runs on)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        tokens, failed = self.host.tolist()
+        rows = [RowOutput(seq, error=f"internal error while sampling: {NO_FINITE_LOGIT}") if bad else
+                RowOutput(seq, [(token, 0.0)]) for seq, token, bad in zip(self.seqs, tokens, failed)]
+        return StepOutput(rows, self.batch_size, self.num_tokens, self.seconds)
+
+
 PREFILL_PADDING = 0.25  # padded attention a shared prefill pass may add, as a share of the useful attention
 ATTENTION_SLACK = 256  # and padded (query, key) pairs per useful token on top
 
@@ -112,10 +145,14 @@ class ModelExecutor:
         self.scheduler = scheduler
         self.drafter = drafter
         self.pool = scheduler.cache.pool
+        self._ahead: AheadTokens | None = None  # the tokens the pass being built may feed (forward's)
 
     # ---- forward ------------------------------------------------------------------------
-    def forward(self, plan: ScheduledBatch) -> ForwardResult:
+    def forward(self, plan: ScheduledBatch, ahead: AheadTokens | None = None) -> ForwardResult:
+        """The plan's passes; rows whose last token is still on the device (`ahead`, not
+        yet resolved) feed it from there."""
         t0 = time.perf_counter()
+        self._ahead = ahead
         ks = self._speculation(plan)
         proposals: dict[int, Proposal] = {}
         if ks:
@@ -178,12 +215,64 @@ class ModelExecutor:
     def _pass(self, rows: list[tuple[Sequence, list[int]]], all_logits: bool) -> torch.Tensor:
         """One forward pass -> logits [B, V], or [B, T, V] with all_logits (row i is rows[i])."""
         batch = self.scheduler.batch(rows, [seq.num_computed for seq, _ in rows], all_logits)
+        if self._ahead is not None:
+            self._feed(batch, rows, self._ahead)
         logits = self.runner.forward(batch, self.pool)
         for seq, toks in rows:
             self.scheduler.advance(seq, len(toks))
         return logits
 
+    @staticmethod
+    def _feed(batch, rows: list[tuple[Sequence, list[int]]], ahead: AheadTokens) -> None:
+        """The rows whose pending token is ahead's feed it in column 0 (their only new token):
+        written into input_ids here on the host's own device, by the runner on a GPU."""
+        fed = [(b, ahead.slot[seq.id]) for b, (seq, _) in enumerate(rows) if seq.id in ahead.slot]
+        if not fed:
+            return
+        if batch.width != 1:
+            raise AssertionError("a token still on the device can only feed a one-token row")
+        at, src = (list(x) for x in zip(*fed))
+        device = ahead.tokens.device
+        if device.type == "cpu":
+            batch.input_ids[at, 0] = ahead.tokens[src]
+        else:
+            batch.fed = (to_device(at, torch.int64, device), ahead.tokens[to_device(src, torch.int64, device)])
+
     # ---- next tokens ----------------------------------------------------------------------
+    def sample_ahead(self, fwd: ForwardResult) -> AheadTokens | None:
+        """The next tokens chosen on the device without waiting for them, where every row
+        that gets one can be (sampler.decided_on_device; no speculation, no logits kept for
+        every position); None: sample() decides this step. The copy of the tokens to the host
+        is queued behind them, so the host waits for them, and only them, in result()."""
+        if fwd.proposals or self.scheduler.recompute or any(logits.dim() != 2 for _, logits in fwd.passes):
+            return None
+        rows = fwd.rows
+        ready = [i for i, (seq, _) in enumerate(rows) if seq.num_computed >= len(seq.token_ids)]
+        if not ready or not all(decided_on_device(rows[i][0].sampling) for i in ready):
+            return None
+        parts, at = [], 0
+        for first, logits in fwd.passes:  # the ready rows' logits, pass by pass, in row order
+            picked = []
+            while at < len(ready) and ready[at] < first + len(logits):
+                picked.append(ready[at] - first)
+                at += 1
+            if picked:
+                parts.append(logits if len(picked) == len(logits) else logits[to_device(picked, torch.int64, logits.device)])
+        stacked = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, V]
+        seqs = [rows[i][0] for i in ready]
+        tokens, _, no_finite = draw_rows(stacked, [seq.sampling for seq in seqs])
+        both = torch.stack([tokens, no_finite.to(torch.int64)])  # [2, n]
+        copied = None
+        if both.device.type == "cuda":
+            host = torch.empty(both.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(both.device))  # the tensors' device, not the current one
+        else:
+            host = both
+        return AheadTokens(seqs, {seq.id: i for i, seq in enumerate(seqs)}, tokens, len(fwd.plan),
+                           sum(len(fed) for _, fed in rows), fwd.seconds, host, copied)
+
     def sample(self, fwd: ForwardResult) -> StepOutput:
         """A RowOutput for every row that has a next token; a row whose sampling fails gets
         an error and leaves the others alone."""

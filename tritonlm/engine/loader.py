@@ -234,6 +234,7 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
         observer=observer,
         drafter=build_drafter(settings, runner, cache, tokenizer, max_context),
         num_draft_tokens=settings.num_draft_tokens,
+        schedule_ahead=settings.schedule_ahead,
     )
 
 

@@ -100,12 +100,16 @@ class OutputProcessor:
         self._flush()  # after the metrics: a client that saw its response finds it counted
 
     # ---- overlapped: the step's bookkeeping now, its text and events while the next step runs
-    def append(self, step: StepOutput) -> list[Deferred]:
+    def append(self, step: StepOutput, placed: bool = False) -> list[Deferred]:
         """The first half of process() for a step whose rows got one token each, right after
         sampling: histories, EOS and stop token ids, max_tokens and the context, so the next
         step is scheduled from them. Rows that end now are finished now (their text first);
         the others' detokenizing, stop strings and stream events are returned, for complete()
-        while the next step's forward pass runs on the GPU."""
+        while the next step's forward pass runs on the GPU.
+
+        placed: each row's history already ends with a placeholder for its token (a step
+        scheduled ahead, executor.AheadTokens), which the token replaces (an end token
+        removes it, as it never enters a history)."""
         self.stats.steps += 1
         self.stats.max_batch_size = max(self.stats.max_batch_size, step.batch_size)
         self.stats.max_kv_used_bytes = max(self.stats.max_kv_used_bytes, self.scheduler.cache.used_bytes)
@@ -117,6 +121,8 @@ class OutputProcessor:
             if seq.state is SeqState.FINISHED:  # ended by a stop string while this step ran
                 continue
             if out.error is not None:
+                if placed:
+                    seq.token_ids.pop()
                 self._fail(seq, out.error)
                 continue
             (token, logprob), = out.tokens
@@ -127,11 +133,16 @@ class OutputProcessor:
                 self._observe("on_first_token", now - seq.request.arrival)
             seq.last_token_time = now
             if seq.sampling.ends_on(token):
+                if placed:
+                    seq.token_ids.pop()
                 self._finish(seq, "stop")
                 continue
-            seq.token_ids.append(token)
+            if placed:
+                seq.token_ids[-1] = token
+            else:
+                seq.token_ids.append(token)
             self.stats.tokens_generated += 1
-            if len(seq.token_ids) >= min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.max_context):
+            if self.full(seq):
                 self._complete_row(Deferred(seq, token, logprob, top, rank), ends="length")
                 continue
             deferred.append(Deferred(seq, token, logprob, top, rank))
@@ -139,6 +150,10 @@ class OutputProcessor:
                       self.stats.tokens_generated - generated_before)
         self._flush()
         return deferred
+
+    def full(self, seq: Sequence) -> bool:
+        """The sequence's history is as long as it may get: max_tokens, or the context."""
+        return len(seq.token_ids) >= min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.max_context)
 
     def complete(self, deferred: list[Deferred]) -> None:
         """The second half: each row's text, stop strings and stream event (in step order)."""

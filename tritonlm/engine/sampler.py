@@ -288,9 +288,34 @@ def sample_rows(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, f
     Works on the logits' device and waits for it once, for all tokens and log-probabilities
     together. Raises ValueError when a row's logits hold no finite value: the caller then
     samples row by row (sample_row gives the same tokens) so that only that row fails."""
-    n = len(rows)
-    if n == 0:
+    if not rows:
         return []
+    tokens, logprobs, no_finite = draw_rows(logits, rows)
+    # the one host sync: tokens, log-probabilities and the failed rows in one transfer
+    packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64), no_finite.to(torch.float64)], dim=-1)
+    out: list[tuple[int, float]] = []
+    for token, logprob, failed in packed.tolist():
+        if failed:
+            raise ValueError(NO_FINITE_LOGIT)
+        out.append((int(token), logprob))
+    return out
+
+
+def decided_on_device(row: RowState) -> bool:
+    """The row's next token can be chosen before its last one is known on the host: nothing
+    in its choice reads the values of its history (penalties, a bad word's prefix, a guide)
+    and it asks for no log-probabilities. Its seeded draws need only the history's length."""
+    p = row.params
+    return (row.guide is None and not p.return_log_probs and not p.top_log_probs and p.repetition_penalty == 1.0
+            and not p.frequency_penalty and not p.presence_penalty and all(len(w) <= 1 for w in p.bad_words))
+
+
+def draw_rows(logits: torch.Tensor, rows: list[RowState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sample_rows without the wait: [n, V] raw logits -> the tokens [n] int64, their raw
+    log-probabilities [n] float32 (0 unless asked for) and which rows have no finite logit
+    [n] bool, all on the logits' device. Rows with a guide or penalties read their history
+    on the host here; decided_on_device rows read only its length."""
+    n = len(rows)
     device = logits.device
     processed = torch.nan_to_num(logits.to(torch.float32), nan=float("-inf"), posinf=FLOAT32_MAX)  # [n, V]
     own = [owns_logits(row) for row in rows]
@@ -355,14 +380,7 @@ def sample_rows(logits: torch.Tensor, rows: list[RowState]) -> list[tuple[int, f
         chosen = raw_log_probs(logits).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
         logprobs = torch.where(table[:, 6] > 0, chosen, logprobs)
 
-    # the one host sync: tokens, log-probabilities and the failed rows in one transfer
-    packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64), no_finite.to(torch.float64)], dim=-1)
-    out: list[tuple[int, float]] = []
-    for token, logprob, failed in packed.tolist():
-        if failed:
-            raise ValueError(NO_FINITE_LOGIT)
-        out.append((int(token), logprob))
-    return out
+    return tokens, logprobs, no_finite
 
 
 def sample_row(logits: torch.Tensor, row: RowState) -> tuple[int, float]:

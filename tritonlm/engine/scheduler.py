@@ -140,6 +140,8 @@ class Scheduler:
         for seq in self.running:
             if seq.in_prefill and not self.recompute:
                 prefilling.append(seq)
+            elif seq.last_token_pending:  # it finishes when its token is read: nothing to run
+                continue
             else:
                 n = seq.num_pending
                 plan.append((seq, n))
@@ -177,18 +179,22 @@ class Scheduler:
             seq.state = SeqState.WAITING
             self.waiting.appendleft(seq)
 
-    def step_done(self, plan: ScheduledBatch, seconds: float) -> None:
+    def step_done(self, plan: ScheduledBatch, seconds: float, computed: list[int] | None = None) -> None:
         """The engine ran `plan` in `seconds` (its outputs processed): the step-time model
-        learns from it and the ledger takes each row's gap since its previous token."""
+        learns from it and the ledger takes each row's gap since its previous token.
+        computed: each row's cached positions right after the step's passes (a step whose
+        tokens were read a step later, when later passes have moved them); None: as now."""
         self.ledger.step_done([seq for seq, _ in plan if seq.state is not SeqState.FINISHED])
         if self.slo is not None:
+            if computed is None:
+                computed = [seq.num_computed for seq, _ in plan]
             # a row that started the pass past its prompt decodes (a speculative verify row
             # counts as one, its guesses as prompt tokens: they run like a chunk's); each
             # row's cached positions after the pass are what its attention read
-            decoding = [seq for seq, n in plan if seq.num_computed - n >= seq.num_prompt_tokens]
+            decoding = [c for (seq, n), c in zip(plan, computed) if c - n >= seq.num_prompt_tokens]
             tokens = sum(n for _, n in plan)
-            self.slo.observe_step(tokens - len(decoding), len(decoding), sum(seq.num_computed for seq, _ in plan), seconds,
-                                  decode_context=sum(seq.num_computed for seq in decoding))
+            self.slo.observe_step(tokens - len(decoding), len(decoding), sum(computed), seconds,
+                                  decode_context=sum(decoding))
 
     def _admit(self) -> None:
         """Move waiting sequences to running, in queue order (priority, then arrival), while

@@ -50,6 +50,9 @@ class Sequence:
     prompt_log_probs: list[float | None] | None = None
     prompt_top_log_probs: list[list[tuple[int, float]]] | None = None
     prompt_log_probs_sent: bool = False
+    # scheduled ahead (Engine's schedule_ahead): the token still on the device is its last
+    # (max_tokens or the context), so it runs no more steps; it finishes once the token is read
+    last_token_pending: bool = False
     draft_tokens: int = 0  # speculative decoding: guesses proposed / accepted so far
     accepted_draft_tokens: int = 0
     # the request's id and prompt length, read many times per row in every step: plain

@@ -104,6 +104,8 @@ class EngineSettings:
     cuda_graphs: str = "auto"
     # torch runtime on a GPU: decode steps through torch.compile before capture (a slower load)
     compile_decode: bool = True
+    # the next step scheduled and launched before this step's tokens reach the host (engine.py)
+    schedule_ahead: bool = False
     # speculative decoding
     draft_model: Path | None = None
     speculative: str = "off"  # "off" | "draft" | "prompt_lookup"
@@ -255,6 +257,7 @@ class EngineSettings:
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
             compile_decode=get_bool("compile_decode", True),
+            schedule_ahead=get_bool("schedule_ahead", False),
             draft_model=get_path("draft_model", None),
             speculative=speculative,
             num_draft_tokens=get_int("num_draft_tokens", 4, 1),
@@ -519,6 +522,13 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
        "`torch.compile` (inductor fuses the norms, RoPE, residual adds and SwiGLU) before it is captured. "
        "Compiling and capturing every bucket happens at load (it can take minutes); where "
        "compiling fails the model loads uncompiled (logged). `false`: no compilation. No effect on the CPU"),
+    _P("schedule_ahead", "false",
+       "`true`: while a step's forward pass runs on a GPU, its tokens are chosen there and the next step is "
+       "scheduled and launched before the host reads them; the host appends them, ends the requests an end token "
+       "or `max_tokens` ends and makes their text while that step runs. Each request's outputs are the plain "
+       "loop's. Stays off with speculative decoding, without a KV cache, with a length-dependent RoPE, and on a "
+       "runtime that cannot take tokens on its device (ONNX); on the CPU it only delays each token by a step "
+       "([architecture.md](architecture.md#the-kv-cache-and-the-copy-arithmetic))"),
     _P("draft_model", None,
        "speculative decoding: the draft model's Hugging Face folder, relative to the model folder (exports "
        "write `../NAME_draft/1/hf`); must share the tokenizer"),

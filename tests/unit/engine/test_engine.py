@@ -171,7 +171,8 @@ def _finished_thread():
 # ---- overlap: a step's text and events made while the next step runs ----------------------
 
 
-def overlap_engine(overlap: bool, **sched):
+def overlap_engine(overlap: bool, schedule_ahead: bool = False, prefix_caching: bool = False,
+                   use_kv_cache: bool = True, **sched):
     from tritonlm.engine.engine import Engine
     from tritonlm.engine.kv_cache import KVCacheManager
     from tritonlm.engine.runners.torch_runner import TorchRunner
@@ -179,8 +180,10 @@ def overlap_engine(overlap: bool, **sched):
 
     model, tok = tiny()
     runner = TorchRunner(model)
-    cache = KVCacheManager(runner.spec, 12 * 272 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv)
-    return Engine(runner, tok, cache, SchedulerConfig(**sched), max_context=96, overlap=overlap)
+    cache = KVCacheManager(runner.spec, 12 * 272 * runner.spec.bytes_per_token, 16, allocate_kv=runner.allocate_kv,
+                           prefix_caching=prefix_caching)
+    return Engine(runner, tok, cache, SchedulerConfig(**sched), max_context=96, overlap=overlap,
+                  schedule_ahead=schedule_ahead, use_kv_cache=use_kv_cache)
 
 
 def events_of(col: Collector, rid: int) -> list[tuple]:
@@ -202,8 +205,8 @@ def test_overlap_gives_the_same_tokens_text_and_events_as_without():
     assert stop.strip() and stop in text0
 
     results = []
-    for overlap in (False, True):
-        engine = overlap_engine(overlap, max_num_batched_tokens=16)
+    for overlap, ahead in ((False, False), (True, False), (True, True)):
+        engine = overlap_engine(overlap, ahead, max_num_batched_tokens=16)
         col = Collector()
         rids = [
             col.request(engine, MIXED_PROMPTS[0], max_tokens=30, stop_words=(stop,)),
@@ -220,11 +223,130 @@ def test_overlap_gives_the_same_tokens_text_and_events_as_without():
             if not (engine.has_work() or engine._inbox):
                 break
             engine.step()
-        assert engine.cache.used_bytes == 0 and not engine._deferred
-        results.append(([events_of(col, r) for r in rids], engine.stats.tokens_generated, engine.stats.finished))
+        assert engine.cache.used_bytes == 0 and not engine._deferred and engine._ahead is None
+        results.append(([events_of(col, r) for r in rids], engine.stats.tokens_generated, engine.stats.finished, engine.stats.steps))
         reasons = [col.final(r).finish_reason for r in rids]
         assert reasons[:6] == ["stop", "stop", "cancelled", "length", "length", "length"], reasons
+    assert results[0] == results[1] == results[2]
+
+
+def test_schedule_ahead_gives_the_plain_loops_outputs_feeding_tokens_it_has_not_read():
+    """Scheduled ahead, each step is launched before the host has read the last step's
+    tokens: its rows feed them from the sampler's tensor, their histories holding a
+    placeholder. Every way a request ends, greedy and seeded rows, a prefix-cache hit,
+    requests joining mid-run, and a row that must be sampled on the host (penalties) joining
+    and leaving: the same events as the plain loop, and most steps ran ahead."""
+    from tritonlm.engine.executor import PENDING_TOKEN
+
+    probe = overlap_engine(False)
+    col = Collector()
+    ids = {p: col.request(probe, p, max_tokens=30) for p in MIXED_PROMPTS[:3]}
+    drain(probe)
+    text0, ids1 = col.text(ids[MIXED_PROMPTS[0]]), col.ids(ids[MIXED_PROMPTS[1]])
+    stop = text0[len(text0) // 3 : len(text0) // 3 + 3]
+    end_id = next(t for i, t in enumerate(ids1) if i >= 2 and t not in ids1[:i])
+    assert stop.strip() and stop in text0
+
+    results, fed = [], []
+    for ahead in (False, True):
+        engine = overlap_engine(True, ahead, prefix_caching=True, max_num_batched_tokens=12)
+        if ahead:  # count the steps whose rows fed a token the host had not read
+            forward = engine.executor.forward
+
+            def counting(plan, pending=None, forward=forward):
+                if pending is not None and any(seq.token_ids[-1] == PENDING_TOKEN for seq, _ in plan):
+                    fed.append(len(plan))
+                return forward(plan, pending)
+
+            engine.executor.forward = counting
+        col = Collector()
+        first = [
+            col.request(engine, MIXED_PROMPTS[0], max_tokens=30, stop_words=(stop,)),
+            col.request(engine, MIXED_PROMPTS[1], max_tokens=30, end_id=end_id),
+            col.request(engine, MIXED_PROMPTS[2], max_tokens=17, temperature=0.8, seed=11, top_k=20),
+            col.request(engine, MIXED_PROMPTS[3], max_tokens=9, stream=False, temperature=1.3, seed=3, top_p=0.9),
+            col.request(engine, MIXED_PROMPTS[1], max_tokens=22, min_tokens=8, end_id=end_id, seed=5, temperature=0.7),
+        ]
+        late = []
+        for step in range(1000):
+            if step == 4:  # joins mid-run; its prompt's first block is cached by now
+                late.append(col.request(engine, MIXED_PROMPTS[0] + " and more", max_tokens=14))
+            if step == 9:  # sampled on the host while it runs
+                late.append(col.request(engine, MIXED_PROMPTS[4], max_tokens=12, repetition_penalty=20.0))
+            if step == 12:
+                late.append(col.request(engine, MIXED_PROMPTS[5], max_tokens=40))
+            if step == 15:
+                engine.cancel(late[-1])
+            if step > 15 and not (engine.has_work() or engine._inbox):
+                break
+            engine.step()
+        assert engine.cache.used_bytes == 0 and not engine._deferred and engine._ahead is None
+        rids = first + late
+        results.append(([events_of(col, r) for r in rids], engine.stats.tokens_generated, engine.stats.finished, engine.stats.steps))
+        reasons = [col.final(r).finish_reason for r in rids]
+        assert reasons[:4] + reasons[5:] == ["stop", "stop", "length", "length", "length", "length", "cancelled"], reasons
     assert results[0] == results[1]
+    assert len(fed) >= 15, fed
+
+
+def test_schedule_ahead_fails_a_row_without_finite_logits_and_ends_the_rest_at_shutdown_as_the_plain_loop():
+    """A row whose logits turn NaN fails alone, once its token is read; a shutdown with
+    tokens still unread ends every request with the same events as the plain loop."""
+    import torch
+
+    results = []
+    for ahead in (False, True):
+        engine = overlap_engine(True, ahead, max_num_batched_tokens=32)
+        forward, passes = engine.runner.forward, []
+
+        def poisoned(batch, pool, forward=forward, passes=passes):
+            logits = forward(batch, pool)
+            passes.append(batch.batch_size)
+            if len(passes) == 6:  # a decode pass: its first row's logits are not a number
+                logits = logits.clone()
+                logits[0] = float("nan")
+            return logits
+
+        engine.runner.forward = poisoned
+        col = Collector()
+        rids = [col.request(engine, p, max_tokens=40, seed=i, temperature=0.0 if i % 2 else 0.9)
+                for i, p in enumerate(MIXED_PROMPTS[:4])]
+        for _ in range(12):
+            engine.step()
+        engine.shutdown("the model is being unloaded")
+        results.append([events_of(col, r) for r in rids])
+        errors = [col.final(r).error for r in rids]
+        assert sum("no finite value" in (e or "") for e in errors) == 1, errors
+        assert sum(e == "the model is being unloaded" for e in errors) == 3, errors
+        assert len(passes) >= 6
+    assert results[0] == results[1]
+
+
+def test_only_rows_whose_choice_reads_no_token_values_are_decided_ahead():
+    """A row is sampled ahead only where its next token depends on its history's length
+    alone (seeded draws, min_tokens), never on the tokens in it (penalties, a bad word's
+    prefix), and where no log-probability is asked."""
+    from tritonlm.engine.request import SamplingParams
+    from tritonlm.engine.sampler import RowState, decided_on_device
+
+    def ahead(**params) -> bool:
+        return decided_on_device(RowState.make(SamplingParams(**params), [1, 2, 3], eos_id=0))
+
+    assert ahead()
+    assert ahead(temperature=0.8, seed=3, top_k=5, top_p=0.9, min_p=0.1)
+    assert ahead(min_tokens=4, logit_bias=((7, 2.0),), bad_words=((9,),))
+    assert not ahead(repetition_penalty=1.1)
+    assert not ahead(frequency_penalty=0.5)
+    assert not ahead(presence_penalty=0.5)
+    assert not ahead(bad_words=((3, 9),))
+    assert not ahead(return_log_probs=True)
+    assert not ahead(top_log_probs=2)
+
+
+def test_schedule_ahead_stays_off_where_it_cannot_run():
+    engine = overlap_engine(True, True)
+    assert engine.schedule_ahead
+    assert not overlap_engine(True, True, use_kv_cache=False).schedule_ahead
 
 
 def test_overlap_defaults_on_only_where_the_forward_pass_is_asynchronous():

@@ -171,7 +171,7 @@ def _plan_tables(batch: StepBatch, device: torch.device, max_positions: int | No
         return t.to(device, non_blocking=True)
 
     return ForwardBatch(
-        input_ids=dev(ids),
+        input_ids=batch.apply_fed(dev(ids)),
         positions=dev(positions),
         valid=dev(valid),
         write_slots=dev(write_slots),
@@ -210,6 +210,7 @@ def _device_plan(
     parts = [ids, positions, valid.to(torch.int64), past_len, num_new, total] + ([packed] if packed is not None else [])
     moved = stage(parts, device)
     d_ids, d_pos, d_valid, d_past, d_new, d_total = moved[:6]
+    batch.apply_fed(d_ids)
     table = batch.block_table.to(device)  # [B, M] int32
     write_slots = torch.where(d_valid.bool(), position_slots(table, d_pos, batch.block_size), SCRATCH_SLOT)  # [B, T]
     return ForwardBatch(

@@ -173,8 +173,10 @@ class DecodeGraphs:
         self._indices.copy_(staged, non_blocking=True)
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
         if self._staged is not None:
-            self._staged.record()
+            self._staged.record(torch.cuda.current_stream(self.device))  # this runner's device's stream
         self.inputs[:, :rows].copy_(self._indices[:2, :rows])
+        if batch.fed is not None:  # width 1: token b is row b's
+            self.inputs[0].index_copy_(0, *batch.fed)
         # columns past max_blocks are zeros: no accepted row has blocks there
         cols = min(batch.block_table.shape[1], self.max_blocks)
         table = batch.block_table[:, :cols]

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 class TorchRunner:
     """forward(batch, pool) -> float32 logits; see runners.base for the contract."""
 
+    feeds_device_tokens = True  # StepBatch.fed: written in on the device (plan_step, DecodeGraphs)
+
     def __init__(
         self, model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, int8: bool = False,
         attention: str = "auto", int8_keep_float: Callable[[str], bool] | None = None,
@@ -122,6 +124,9 @@ class TorchRunner:
         check_pool(self.spec, self.device, pool)
         lean = (self.lean_decode and batch.width == 1 and not batch.all_logits and batch.block_table is not None
                 and batch.window_block_table is None and self.transformer.decode_step_ready)
+        if lean and batch.fed is not None:  # the C++ decode step (a CPU's) reads input_ids itself
+            batch.apply_fed(batch.input_ids)
+            batch.fed = None
         if batch.adapters is not None and any(a is not None for a in batch.adapters):
             if lean and not any(a is not None and (a.embed is not None or a.head is not None) for a in batch.adapters):
                 from tritonlm.engine.lora.apply import decode_batch

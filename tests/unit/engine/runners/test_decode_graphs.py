@@ -73,6 +73,43 @@ def test_padded_kernel_steps_equal_the_general_path(interpret, model: str):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("path", ["general", "padded kernel steps", "C++ decode step"])
+def test_tokens_fed_on_the_device_take_their_placeholders_place(interpret, path: str):
+    """StepBatch.fed (a step scheduled ahead: rows whose token the last step chose on the
+    device): each runner path writes those tokens into its input ids before the embedding,
+    so the logits are those of the batch with the tokens in place."""
+    hf = tiny_llama()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    logits = []
+    for fed in (False, True):
+        if path == "general":
+            runner = TorchRunner(hf, attention="gather")
+        elif path == "padded kernel steps":
+            runner = kernel_runner(hf)
+        else:
+            runner = TorchRunner(hf)
+            assert runner.transformer.decode_step_ready
+        cache = KVCacheManager(runner.spec, runner.spec.bytes_per_token * 4 * 80, 4, allocate_kv=runner.allocate_kv,
+                               device_tables=path != "general")
+        ids = [0, 1, 2]
+        for sid in ids:
+            cache.allocate(sid, 40)
+
+        def batch(feeds, pasts):
+            if path != "general":
+                return StepBatch.from_block_table(feeds, pasts, cache.device_table.gather(ids), 4)
+            return StepBatch.from_slot_table(feeds, pasts, cache.slot_table(ids, [p + len(f) for p, f in zip(pasts, feeds)]))
+
+        runner.forward(batch(prompts, [0] * 3), cache.pool)
+        step = batch([[-1], [21], [-1]] if fed else [[30], [21], [40]], [len(p) for p in prompts])
+        if fed:
+            step.fed = (torch.tensor([2, 0]), torch.tensor([40, 30]))
+        logits.append(runner.forward(step, cache.pool))
+    if path == "padded kernel steps":
+        assert runner.decode_graphs is not None
+    assert torch.equal(logits[0], logits[1])
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_windowed_and_softcapped_kernel_steps_equal_the_general_path(interpret, family: str):
     """The Triton kernel takes each layer's sliding window (Mistral's on every layer, Gemma
