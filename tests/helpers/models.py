@@ -337,7 +337,7 @@ def make_prefix_caching_engine(prefix_caching: bool, kv_blocks: int = 120, block
     return Engine(runner, tok, cache, SchedulerConfig(**sched), max_context=256)
 
 
-def make_speculative_engine(drafter_kind: str, k: int = 4) -> Engine:
+def make_speculative_engine(drafter_kind: str, k: int = 4, **engine) -> Engine:
     """tiny-gpt2 with a drafter: "self" (the target drafting for itself: every guess right),
     "random" (tiny-gpt2-draft: nearly every guess wrong) or prompt lookup (any other kind)."""
     from tritonlm.engine.speculative import DraftModelDrafter, PromptLookupDrafter
@@ -351,7 +351,8 @@ def make_speculative_engine(drafter_kind: str, k: int = 4) -> Engine:
         drafter = DraftModelDrafter(TorchRunner(tiny("tiny-gpt2-draft")[0]), cache)
     else:
         drafter = PromptLookupDrafter(3)
-    return Engine(runner, tok, cache, SchedulerConfig(max_num_batched_tokens=16), max_context=256, drafter=drafter, num_draft_tokens=k)
+    return Engine(runner, tok, cache, SchedulerConfig(max_num_batched_tokens=16), max_context=256, drafter=drafter,
+                  num_draft_tokens=k, **engine)
 
 
 class Collector:

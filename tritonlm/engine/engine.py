@@ -26,6 +26,7 @@ from tritonlm.engine.output import Deferred, EngineObserver, EngineStats, Output
 from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError, check_priority
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence, SeqState
+from tritonlm.engine.speculation_governor import SpeculationGovernor
 from tritonlm.engine.speculative import Drafter
 from tritonlm.engine.threads import ENGINE_THREAD, named_thread
 from tritonlm.engine.token_bytes import token_bytes
@@ -58,6 +59,7 @@ class Engine:
         num_draft_tokens: int = 4,
         overlap: bool | None = None,
         schedule_ahead: bool = False,
+        adaptive_speculation: bool = False,
     ):
         """The scheduler takes ownership of `cache`; `drafter` turns on speculative
         decoding with drafts of up to num_draft_tokens tokens. overlap: a step's text and
@@ -65,7 +67,10 @@ class Engine:
         complete); None: where the forward pass runs asynchronously, on a GPU.
         schedule_ahead: the next step is scheduled and launched before this step's tokens
         reach the host, its rows feeding them on the device (step()); where it cannot run
-        (speculation, no KV cache, a runner that takes no tokens on its device) it stays off."""
+        (speculation, no KV cache, a runner that takes no tokens on its device) it stays off.
+        adaptive_speculation: with a drafter, decode steps are timed with and without
+        speculation and rows whose output cannot change with it speculate only where that is
+        faster (speculation_governor.py)."""
         self.runner = runner
         self.tokenizer = tokenizer
         token_bytes(tokenizer)  # the detokenizer's table, made now rather than for the first request
@@ -79,6 +84,8 @@ class Engine:
         self.scheduler.rope_key = getattr(runner, "rope_key", None)
         self.scheduler.rope_recompute_at = getattr(runner, "rope_recompute_at", None)
         self.executor = ModelExecutor(runner, self.scheduler, drafter)
+        if drafter is not None and adaptive_speculation and self.num_draft_tokens > 0:
+            self.executor.governor = SpeculationGovernor()
         self.output = OutputProcessor(self.scheduler, max_context, observer, stream_interval)
         if overlap is None:
             overlap = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
@@ -399,6 +406,7 @@ class Engine:
         if self._stall_file is not None:
             _stall_while(self._stall_file)
         ahead = None
+        decoding_only = not any(seq.in_prefill for seq, _ in plan)  # a step the governor may time
         try:
             fwd = self.executor.forward(plan, self._ahead)
             if self.schedule_ahead:
@@ -424,7 +432,20 @@ class Engine:
             self._deferred = self.output.append(outputs)
         else:  # speculative rows (several tokens, of which a stop string may cut some): at once
             self.output.process(outputs)
-        self.scheduler.step_done(plan, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        if self.executor.governor is not None and decoding_only:
+            self._time_speculation(plan, fwd, outputs, seconds)
+        self.scheduler.step_done(plan, seconds)
+
+    def _time_speculation(self, plan, fwd, outputs, seconds: float) -> None:
+        """A decode step's whole time (its passes, sampling or verifying, outputs) per token
+        it made, for the way it ran: one whose rows did not run as the governor said (nothing
+        to guess, or only seeded rows guessing) is not timed."""
+        speculated = self.executor.speculating
+        if bool(fwd.proposals) != speculated:  # nothing to guess, or only seeded rows guessed
+            return
+        tokens = sum(len(out.tokens) for out in outputs.rows)
+        self.executor.governor.observe(len(plan), speculated, seconds, tokens)
 
     def _place(self, ahead: AheadTokens) -> None:
         """Each row still running holds a placeholder for its token until _resolve_ahead;

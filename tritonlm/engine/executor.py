@@ -146,6 +146,10 @@ class ModelExecutor:
         self.drafter = drafter
         self.pool = scheduler.cache.pool
         self._ahead: AheadTokens | None = None  # the tokens the pass being built may feed (forward's)
+        # speculation_governor.SpeculationGovernor (Engine's adaptive_speculation): whether
+        # this host decodes faster speculating; None: speculation as configured
+        self.governor = None
+        self.speculating = True  # the governor's word for the last step's switchable rows
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, plan: ScheduledBatch, ahead: AheadTokens | None = None) -> ForwardResult:
@@ -196,12 +200,17 @@ class ModelExecutor:
         result.rows += rows
 
     def _speculation(self, plan: ScheduledBatch) -> dict[int, int]:
-        """seq id -> K for the decoding sequences that speculate this step."""
+        """seq id -> K for the decoding sequences that speculate this step: with a governor
+        that finds plain decoding faster here, only the seeded sampled ones (whose tokens
+        depend on it, speculation_governor.py)."""
         if self.drafter is None:
             return {}
+        self.speculating = self.governor is None or self.governor.speculate(len(plan))
         out = {}
         for seq, _ in plan:
             if seq.in_prefill or seq.spec_k <= 0 or seq.num_pending != 1:
+                continue
+            if not self.speculating and (seq.sampling.params.greedy or seq.request.params.seed is None):
                 continue
             room = min(
                 seq.request.params.max_tokens - seq.num_output_tokens - 1,  # no guesses past max_tokens

@@ -235,6 +235,7 @@ def _build_engine(settings: EngineSettings, observer: EngineObserver | None, run
         drafter=build_drafter(settings, runner, cache, tokenizer, max_context),
         num_draft_tokens=settings.num_draft_tokens,
         schedule_ahead=settings.schedule_ahead,
+        adaptive_speculation=settings.adaptive_speculation,
     )
 
 

@@ -110,6 +110,8 @@ class EngineSettings:
     draft_model: Path | None = None
     speculative: str = "off"  # "off" | "draft" | "prompt_lookup"
     num_draft_tokens: int = 4  # maximum K
+    # speculate only where this host's decode steps are measured faster with it (speculation_governor.py)
+    adaptive_speculation: bool = True
     prompt_lookup_ngram: int = 3
     # model parallelism (tritonlm/engine/parallel): one model split over worker processes
     tensor_parallel_size: int = 1  # split heads / MLP columns over N ranks (Megatron style)
@@ -261,6 +263,7 @@ class EngineSettings:
             draft_model=get_path("draft_model", None),
             speculative=speculative,
             num_draft_tokens=get_int("num_draft_tokens", 4, 1),
+            adaptive_speculation=get_bool("adaptive_speculation", True),
             prompt_lookup_ngram=get_int("prompt_lookup_ngram", 3, 1),
             tensor_parallel_size=get_int("tensor_parallel_size", 1, 1),
             pipeline_parallel_size=get_int("pipeline_parallel_size", 1, 1),
@@ -537,6 +540,11 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
        "output)", "`draft` with a `draft_model`, else `off`"),
     _P("num_draft_tokens", "4",
        "speculative decoding: most tokens guessed per step (a request's `num_draft_tokens` may ask fewer)"),
+    _P("adaptive_speculation", "true",
+       "speculative decoding: decode steps are timed with and without it (seconds per token made, per batch "
+       "size) and greedy and unseeded sampled rows speculate only while that is faster on this host; seeded "
+       "sampled rows always speculate (their tokens depend on it). `false`: every row speculates "
+       "([architecture.md](architecture.md#the-kv-cache-and-the-copy-arithmetic))"),
     _P("prompt_lookup_ngram", "3", "prompt lookup: the longest n-gram matched against earlier text"),
     _P("tensor_parallel_size", "1",
        "N > 1: split every layer's heads and MLP columns over N processes; must divide the attention and "

@@ -127,3 +127,12 @@ def test_auto_threads_split_the_cores_over_the_model_s_instances(repo, monkeypat
     assert loader.compute_threads(dataclasses.replace(s, cpu_share=2, tensor_parallel_size=2)) == (
         2, "auto: cgroup CPU quota 8 cores (affinity allows 64), split over 2 instances x 2 ranks each")
     assert loader.compute_threads(dataclasses.replace(s, num_threads=5, cpu_share=3)) == (5, "num_threads")
+
+
+def test_the_step_loops_switches_parse_as_booleans(repo):
+    default = EngineSettings.from_params({}, repo / "gen")
+    assert default.schedule_ahead is False and default.adaptive_speculation is True
+    s = EngineSettings.from_params({"schedule_ahead": "true", "adaptive_speculation": "off"}, repo / "gen")
+    assert s.schedule_ahead is True and s.adaptive_speculation is False
+    with pytest.raises(SettingsError, match="schedule_ahead"):
+        EngineSettings.from_params({"schedule_ahead": "sometimes"}, repo / "gen")
