@@ -21,7 +21,8 @@ the others, and skipped when the time budget runs out:
                (perf/tritonlm_bench/static_decode.py) at 64 rows: the served/reference ratio
  7. draft      speculative decoding on the GPU with a 4-layer draft of the same shape
                (random weights: acceptance is near zero, so this measures its cost) and
-               with the target as its own draft (every guess right: its ceiling)
+               with the target as its own draft (every guess right: its ceiling), each
+               also with adaptive_speculation (speculation only where it is faster)
  8. compiled   decode steps through torch.compile before capture (`compile_decode`):
                step time and logits against the graph alone, served tok/s, GPU busy
  9. compiled exactness  greedy and seeded tokens of the compiled GPU engine (fp32) against
@@ -245,13 +246,13 @@ def main() -> int:
     # ---- engines
     def engine_run(runner, streams: int, tokens: int, prompt_len: int = 16, seed_base: int | None = None,
                    temperature: float | None = None, drafter=None, k: int = 4,
-                   ahead: bool = False, ends: dict[int, int] | None = None,
+                   ahead: bool = False, ends: dict[int, int] | None = None, adaptive: bool = False,
                    ) -> tuple[dict[int, list[int]], float, Engine]:
         cache = KVCacheManager(runner.spec, (streams + 2) * (prompt_len + tokens + 32) * runner.spec.bytes_per_token, 16,
                                allocate_kv=runner.allocate_kv)
         sched = SchedulerConfig(max_num_seqs=max(streams, 1), max_num_batched_tokens=max(512, streams * 2))
         engine = Engine(runner, tok, cache, sched, max_context=1024, drafter=drafter(cache) if drafter else None,
-                        num_draft_tokens=k, schedule_ahead=ahead)
+                        num_draft_tokens=k, schedule_ahead=ahead, adaptive_speculation=adaptive)
         out: dict[int, list[int]] = {}
         gen = torch.Generator().manual_seed(123)
         for i in range(streams):
@@ -400,6 +401,10 @@ def main() -> int:
             engine_run(r, n, 8, drafter=lambda cache, d=d: DraftModelDrafter(d, cache))
             _, tps, eng = engine_run(r, n, t, drafter=lambda cache, d=d: DraftModelDrafter(d, cache))
             record("draft", f"1 stream, speculative K=4, {label}", tps, f"tok/s = {tps / base:.2f}x no speculation")
+            # adaptive_speculation (served models' default): its first timings are part of the run
+            _, tps, eng = engine_run(r, n, t, drafter=lambda cache, d=d: DraftModelDrafter(d, cache), adaptive=True)
+            record("draft", f"1 stream, speculative K=4, {label}, adaptive_speculation", tps,
+                   f"tok/s = {tps / base:.2f}x no speculation; governor {eng.executor.governor.state()}")
 
     def compiled() -> None:
         dtype = torch.bfloat16 if on_gpu else torch.float16
