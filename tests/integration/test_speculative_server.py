@@ -1,5 +1,8 @@
 """Speculative decoding through the real server: the output is the target's alone,
-token for token, for single and concurrent mixed requests, streaming and not."""
+token for token, for single and concurrent mixed requests, streaming and not. The models
+speculate on every step (`adaptive_speculation` off), so what they guess is the same on any
+host; spec_adaptive keeps the default, whose guesses follow the host's timing: only its
+text is checked."""
 
 from __future__ import annotations
 
@@ -24,14 +27,16 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def triton_repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("specrepo")
-    add_generation_model(repo, "spec_self", draft_model="1/hf", num_draft_tokens=4)  # acceptance 100%
-    folder = add_generation_model(repo, "spec_random", num_draft_tokens=3)
+    always = {"adaptive_speculation": "false"}
+    add_generation_model(repo, "spec_self", draft_model="1/hf", num_draft_tokens=4, **always)  # acceptance 100%
+    add_generation_model(repo, "spec_adaptive", draft_model="1/hf", num_draft_tokens=4)
+    folder = add_generation_model(repo, "spec_random", num_draft_tokens=3, **always)
     model, tok = tiny("tiny-gpt2-draft")
     model.save_pretrained(folder / "1" / "draft_hf")
     tok.save_pretrained(folder / "1" / "draft_hf")
     text = (folder / "config.pbtxt").read_text()
     (folder / "config.pbtxt").write_text(text + 'parameters { key: "draft_model" value: { string_value: "1/draft_hf" } }\n')
-    add_generation_model(repo, "spec_lookup", speculative="prompt_lookup", num_draft_tokens=4)
+    add_generation_model(repo, "spec_lookup", speculative="prompt_lookup", num_draft_tokens=4, **always)
     return repo
 
 
@@ -54,6 +59,13 @@ def test_greedy_speculation_equals_the_target_alone(triton_server, model):
         assert rate == 1.0 and result.extra["total_accepted_draft_tokens"] == proposed
     if model == "spec_random":
         assert rate < 0.3
+
+
+def test_adaptive_speculation_serves_the_targets_text(triton_server):
+    for prompt in PROMPTS:
+        for stream in (False, True):
+            result = run(triton_server, "spec_adaptive", prompt, max_tokens=24, stream=stream)
+            assert result.text == tiny()[1].decode(hf_greedy_text(prompt, 24)), (prompt, stream)
 
 
 def test_concurrent_mixed_requests_with_speculation(triton_server):

@@ -433,17 +433,18 @@ class Engine:
         else:  # speculative rows (several tokens, of which a stop string may cut some): at once
             self.output.process(outputs)
         seconds = time.monotonic() - started
-        if self.executor.governor is not None and decoding_only:
-            self._time_speculation(plan, fwd, outputs, seconds)
+        if self.executor.governor is not None:
+            self._time_speculation(plan, fwd, outputs, seconds if decoding_only else None)
         self.scheduler.step_done(plan, seconds)
 
-    def _time_speculation(self, plan, fwd, outputs, seconds: float) -> None:
+    def _time_speculation(self, plan, fwd, outputs, seconds: float | None) -> None:
         """A decode step's whole time (its passes, sampling or verifying, outputs) per token
-        it made, for the way it ran: one whose rows did not run as the governor said (nothing
-        to guess, or only seeded rows guessing) is not timed."""
+        it made, for the way the governor gave it. Counted without a time: a step with a
+        prompt chunk (seconds None), or whose rows did not run that way (nothing to guess,
+        or seeded rows guessing while the others did not)."""
         speculated = self.executor.speculating
-        if bool(fwd.proposals) != speculated:  # nothing to guess, or only seeded rows guessed
-            return
+        if bool(fwd.proposals) != speculated:
+            seconds = None
         tokens = sum(len(out.tokens) for out in outputs.rows)
         self.executor.governor.observe(len(plan), speculated, seconds, tokens)
 

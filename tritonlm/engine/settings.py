@@ -543,7 +543,7 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("adaptive_speculation", "true",
        "speculative decoding: decode steps are timed with and without it (seconds per token made, per batch "
        "size) and greedy and unseeded sampled rows speculate only while that is faster on this host; seeded "
-       "sampled rows always speculate (their tokens depend on it). `false`: every row speculates "
+       "sampled rows always speculate (their tokens depend on it). `false`: every row speculates as configured "
        "([architecture.md](architecture.md#the-kv-cache-and-the-copy-arithmetic))"),
     _P("prompt_lookup_ngram", "3", "prompt lookup: the longest n-gram matched against earlier text"),
     _P("tensor_parallel_size", "1",

@@ -12,7 +12,11 @@ up to date (the text changes: a quote in the prompt makes prompt lookup pay for 
 after PROBE_EVERY steps times how many times dearer the other way was, so that timing it
 costs about the same share of the time however much dearer it is (a GPU's speculation can
 cost tens of plain steps a step). A bucket starts speculating, as configured, and first
-tries the other way after FIRST_PROBE steps.
+tries the other way after FIRST_PROBE steps. A timing's first step is not timed: it pays for
+what the other way left undone (a draft model catching up on the tokens it did not see).
+Steps that ran the governor's way but whose time is not that way's alone (a prompt chunk in
+them, rows that speculate whatever it says, nothing to guess) count toward these schedules
+without a figure; a timing that got no figure decides nothing.
 
 It switches only rows whose output cannot change with it: greedy rows (speculation verifies
 against the target's own argmax) and sampled rows without a seed (not reproducible anyway).
@@ -39,7 +43,9 @@ class _Bucket:
     cost: dict[bool, float] = field(default_factory=dict)  # speculating? -> running seconds per token
     way: bool = True  # speculating, unless measured slower
     steps: int = 0  # steps of `way` since the last timing of the other
-    probing: int = 0  # steps of the other way still to time
+    probing: int = 0  # steps of the other way still to run (the first of them untimed)
+    timed: int = 0  # of those, the steps that got a figure
+    probed: bool = False  # the other way has been tried once
 
 
 class SpeculationGovernor:
@@ -60,28 +66,44 @@ class SpeculationGovernor:
         b = self._bucket(rows)
         return b.way if b.probing == 0 else not b.way
 
-    def observe(self, rows: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """A decode step of `rows` rows ran as speculate() said, in `seconds`, making `tokens`."""
-        if tokens <= 0 or seconds <= 0:
-            return
+    def observe(self, rows: int, speculated: bool, seconds: float | None, tokens: int) -> None:
+        """A step of `rows` rows ran the way speculate() said (`speculated`), in `seconds`,
+        making `tokens`; seconds None: its time is not that way's alone, so it only counts."""
         b = self._bucket(rows)
-        per_token = seconds / tokens
-        before = b.cost.get(speculated)
-        b.cost[speculated] = per_token if before is None else before + SMOOTHING * (per_token - before)
-        if b.probing and speculated != b.way:
+        timed = seconds is not None and seconds > 0 and tokens > 0
+        if b.probing:
+            if speculated == b.way:  # not the way speculate() gave
+                return
+            if timed and b.probing <= PROBE_STEPS:  # a timing's first step is not timed
+                self._record(b, speculated, seconds / tokens)
+                b.timed += 1
             b.probing -= 1
-            if b.probing == 0:
+            if b.probing == 0 and b.timed:
                 self._decide(b, rows)
-        elif speculated == b.way:
-            b.steps += 1
-            due = FIRST_PROBE if len(b.cost) < 2 else PROBE_EVERY * max(1.0, b.cost[not b.way] / b.cost[b.way])
-            if b.steps >= due:
-                b.steps, b.probing = 0, PROBE_STEPS
+            return
+        if speculated != b.way:
+            return
+        if timed:
+            self._record(b, speculated, seconds / tokens)
+        b.steps += 1
+        if not b.probed:
+            due = FIRST_PROBE
+        elif len(b.cost) < 2:  # a way not timed yet: its steps were never the governor's alone
+            due = PROBE_EVERY
+        else:
+            due = PROBE_EVERY * max(1.0, b.cost[not b.way] / b.cost[b.way])
+        if b.steps >= due:
+            b.steps, b.probing, b.timed, b.probed = 0, PROBE_STEPS + 1, 0, True
+
+    @staticmethod
+    def _record(b: _Bucket, way: bool, per_token: float) -> None:
+        before = b.cost.get(way)
+        b.cost[way] = per_token if before is None else before + SMOOTHING * (per_token - before)
 
     @staticmethod
     def _decide(b: _Bucket, rows: int) -> None:
         other = not b.way
-        if b.cost[other] < HYSTERESIS * b.cost[b.way]:
+        if b.way in b.cost and b.cost[other] < HYSTERESIS * b.cost[b.way]:
             log.info("speculation %s for steps of %d+ rows: %.3f ms a token with it, %.3f ms without",
                      "on" if other else "off", 1 << (SpeculationGovernor.bucket_of(rows) - 1),
                      b.cost[True] * 1e3, b.cost[False] * 1e3)
