@@ -31,6 +31,8 @@ BYTES_PER_TOKEN = 2 * 2 * 64 * 4  # tiny-gpt2: 2 layers x 64 wide x fp32
 def triton_repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("genrepo")
     add_generation_model(repo, "tiny", max_num_batched_tokens=64)
+    # the next step launched before the host reads this one's tokens (engine.py, step)
+    add_generation_model(repo, "tiny_ahead", max_num_batched_tokens=64, schedule_ahead="true")
     # a budget that fits only two full-context (256-token) sequences
     add_generation_model(repo, "tiny_small_kv", kv_cache_bytes=2 * (256 + 16) * BYTES_PER_TOKEN + 16 * BYTES_PER_TOKEN)
     # the same engine over the exported ONNX decoder (ONNX Runtime runner)
@@ -50,11 +52,12 @@ def text_of(ids):
     return tiny()[1].decode(ids)
 
 
-def test_greedy_over_grpc_equals_hf_generate(triton_server):
+@pytest.mark.parametrize("model", ["tiny", "tiny_ahead"])
+def test_greedy_over_grpc_equals_hf_generate(triton_server, model):
     for prompt in PROMPTS:
         ref = hf_greedy_text(prompt, 20)
         for stream in (False, True):
-            result = gen(triton_server, prompt, max_tokens=20, stream=stream)
+            result = gen(triton_server, prompt, model=model, max_tokens=20, stream=stream)
             assert result.text == text_of(ref), (prompt, stream)
             assert result.finish_reason == "length"
             assert result.num_output_tokens == 20
@@ -112,15 +115,18 @@ def test_priority_input_is_taken_and_leaves_the_greedy_answer_alone(triton_serve
     assert gen(triton_server, prompt, max_tokens=12, priority=-7).text == text_of(hf_greedy_text(prompt, 12))
 
 
-def test_sixteen_concurrent_mixed_requests_get_their_solo_answers(triton_server):
+@pytest.mark.parametrize("model", ["tiny", "tiny_ahead"])
+def test_sixteen_concurrent_mixed_requests_get_their_solo_answers(triton_server, model):
     prompts = [PROMPTS[i % len(PROMPTS)] + "!" * (i // len(PROMPTS)) for i in range(16)]
     lengths = [8 + 3 * i for i in range(16)]
     expected = [text_of(hf_greedy_text(p, n)) for p, n in zip(prompts, lengths)]
     with cf.ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(gen, triton_server, p, max_tokens=n, stream=bool(i % 2)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        futures = [pool.submit(gen, triton_server, p, model=model, max_tokens=n, stream=bool(i % 2))
+                   for i, (p, n) in enumerate(zip(prompts, lengths))]
         results = [f.result(timeout=300) for f in futures]
     assert [r.text for r in results] == expected
-    assert histogram_peak(triton_server, "tritonlm_batch_size_bucket", model="tiny") > 1
+    assert [r.num_output_tokens for r in results] == lengths
+    assert histogram_peak(triton_server, "tritonlm_batch_size_bucket", model=model) > 1
 
 
 def test_kv_budget_of_two_sequences_serves_twelve_concurrent_requests(triton_server):
