@@ -61,6 +61,22 @@ class ForwardResult:
     # the greedy argmax that most rows need (docs/performance-notes.md)
     passes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
+    def picked_logits(self, picked: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+        """The logits of rows `picked` (ascending row indices), a part per pass that holds
+        some: (those rows, their logits [n, V], or [n, T, V] from a pass that kept every
+        position), in row order. One index per pass, not a view per row."""
+        parts, at = [], 0
+        for first, logits in self.passes:  # rows first .. first + B - 1
+            rows = []
+            while at < len(picked) and picked[at] < first + len(logits):
+                rows.append(picked[at])
+                at += 1
+            if rows:
+                index = [i - first for i in rows]
+                chosen = logits if len(rows) == len(logits) else logits[to_device(index, torch.int64, logits.device)]
+                parts.append((rows, chosen))
+        return parts
+
     def logits(self, i: int) -> torch.Tensor:
         """Row i's logits: [V], or [T, V] from a pass that kept every position's."""
         for first, logits in reversed(self.passes):
@@ -259,14 +275,7 @@ class ModelExecutor:
         ready = [i for i, (seq, _) in enumerate(rows) if seq.num_computed >= len(seq.token_ids)]
         if not ready or not all(decided_on_device(rows[i][0].sampling) for i in ready):
             return None
-        parts, at = [], 0
-        for first, logits in fwd.passes:  # the ready rows' logits, pass by pass, in row order
-            picked = []
-            while at < len(ready) and ready[at] < first + len(logits):
-                picked.append(ready[at] - first)
-                at += 1
-            if picked:
-                parts.append(logits if len(picked) == len(logits) else logits[to_device(picked, torch.int64, logits.device)])
+        parts = [logits for _, logits in fwd.picked_logits(ready)]
         stacked = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, V]
         seqs = [rows[i][0] for i in ready]
         tokens, _, no_finite = draw_rows(stacked, [seq.sampling for seq in seqs])
@@ -395,18 +404,9 @@ class ModelExecutor:
         which masks NaN and clips +inf as sample_row does alone."""
         out: dict[int, int] = {}
         rows = fwd.rows
-        candidates = [i for i in ready if plain_greedy(rows[i][0].sampling)]
-        at = 0
-        for first, logits in fwd.passes:  # rows first .. first + B - 1
-            end = first + len(logits)
-            picked = []
-            while at < len(candidates) and candidates[at] < end:
-                picked.append(candidates[at])
-                at += 1
-            if not picked or logits.dim() != 2:  # a pass that kept every position is not plain
-                continue
-            chosen = logits if len(picked) == len(logits) else logits[torch.tensor(picked) - first]  # [n, V]
-            out.update((i, t) for i, t in zip(picked, greedy_tokens(chosen)) if t is not None)
+        for picked, chosen in fwd.picked_logits([i for i in ready if plain_greedy(rows[i][0].sampling)]):
+            if chosen.dim() == 2:  # a pass that kept every position is not plain
+                out.update((i, t) for i, t in zip(picked, greedy_tokens(chosen)) if t is not None)
         return out
 
     def _verify(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor, len_before: int) -> RowOutput:

@@ -151,9 +151,12 @@ class OutputProcessor:
         self._flush()
         return deferred
 
+    def length_at(self, seq: Sequence) -> int:
+        """The history's length at which the sequence ends: max_tokens, or the context."""
+        return min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.max_context)
+
     def full(self, seq: Sequence) -> bool:
-        """The sequence's history is as long as it may get: max_tokens, or the context."""
-        return len(seq.token_ids) >= min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.max_context)
+        return len(seq.token_ids) >= self.length_at(seq)
 
     def complete(self, deferred: list[Deferred]) -> None:
         """The second half: each row's text, stop strings and stream event (in step order)."""
@@ -190,7 +193,7 @@ class OutputProcessor:
             return 0, None
         history, detok, params, sampling = seq.token_ids, seq.detok, seq.request.params, seq.sampling
         # max_tokens reached or the context full, as one history length (this runs per token)
-        length_at = min(seq.num_prompt_tokens + params.max_tokens, self.max_context)
+        length_at = self.length_at(seq)
         if seq.first_token_time is None:
             seq.first_token_time = now
             self._observe("on_first_token", now - seq.request.arrival)

@@ -10,8 +10,8 @@ they made, with and without speculation, per bucket of batch sizes (1, 2-3, 4-7,
 cheaper way runs, and now and then the other way runs PROBE_STEPS steps to bring its figure
 up to date (the text changes: a quote in the prompt makes prompt lookup pay for a while):
 after PROBE_EVERY steps times how many times dearer the other way was, so that timing it
-costs about the same share of the time however much dearer it is (a GPU's speculation can
-cost tens of plain steps a step). A bucket starts speculating, as configured, and first
+costs about the same share of the time however much dearer it is (a speculating step can
+cost many plain ones, as on a GPU whose small steps are bound by their launches). A bucket starts speculating, as configured, and first
 tries the other way after FIRST_PROBE steps. A timing's first step is not timed: it pays for
 what the other way left undone (a draft model catching up on the tokens it did not see).
 Steps that ran the governor's way but whose time is not that way's alone (a prompt chunk in
