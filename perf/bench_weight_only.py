@@ -6,7 +6,10 @@ runs minutes apart would read as a difference between them):
     decode_b1_ms   median decode step, 1 sequence at context 192 (one stream's time per token)
     decode_b8_ms   the same with 8 sequences
     prefill_ms     one prefill chunk of --prefill tokens (a long prompt's cost per chunk)
-The medians over --rounds rounds, and each dtype's ratio to int8's and float32's.
+The medians over --rounds rounds, and each dtype's ratio to int8's and float32's. Where int8's
+kernel has an AMX path (an Intel Sapphire Rapids or later host), which it runs for prefill-sized
+calls only, a fourth runner, `int8 (<path>)`, runs every call on the best vector path instead:
+the prefill column's gap between the two is AMX's.
 
     .venv/bin/python perf/bench_weight_only.py [--rounds 3] [--prefill 512]
 Prints the CPU it ran on; writes results/bench_weight_only/bench_weight_only.csv.
@@ -19,8 +22,12 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
+from tritonlm.engine.kernels import kernels_available
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.runners.layers import Int8Linear
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.report import add_out_arg, table, write_csv
@@ -50,7 +57,14 @@ def main() -> int:
     print(f"CPU: {cpu}", flush=True)
     model, _, _ = load_model("smollm2-135m", progress=lambda *a, **k: None)
     runners = {name: TorchRunner(model, **kwargs) for name, kwargs in DTYPES.items()}
-    times: dict[str, dict[str, list[float]]] = {n: {"decode_b1_ms": [], "decode_b8_ms": [], "prefill_ms": []} for n in DTYPES}
+    paths = torch.ops.tritonlm.i8_isas() if kernels_available()[0] else []
+    if paths[:1] == ["amx"]:
+        vector = TorchRunner(model, int8=True)
+        for proj in vector.transformer.projections():
+            if isinstance(proj, Int8Linear) and proj.act8 is not None:
+                proj.act8.isa = paths[1]  # before the first step: a decoder stack takes it when built
+        runners[f"int8 ({paths[1]})"] = vector
+    times: dict[str, dict[str, list[float]]] = {n: {"decode_b1_ms": [], "decode_b8_ms": [], "prefill_ms": []} for n in runners}
     for rnd in range(args.rounds):
         for name, runner in runners.items():
             times[name]["decode_b1_ms"].append(decode_step_ms(runner, 1, 192, 20))

@@ -107,15 +107,13 @@ def run(args) -> int:
 
 def int8_kernel_row(kernels_ok: bool) -> tuple[str, bool, str]:
     """Which kernel `dtype: int8` runs here (TRITONLM_INT8_KERNEL) and with how many activation bits."""
-    from tritonlm.engine.runners.layers import INT8_KERNEL_ENV, INT8_VNNI, int8_kernel, int8_reduce_range
+    from tritonlm.engine.runners.layers import INT8_KERNEL_ENV, INT8_VNNI, i8_path, int8_kernel, int8_reduce_range
 
     name = "int8 kernel (dtype: int8)"
     try:
         kernel = int8_kernel() if kernels_ok else "fbgemm"
         if kernel == "tritonlm":
-            import torch
-
-            return name, True, (f"tritonlm's i8_linear, {torch.ops.tritonlm.i8_isas()[0]} path: 8-bit activations, "
+            return name, True, (f"tritonlm's i8_linear, {i8_path()} path: 8-bit activations, "
                                 "the same bits on every x86 CPU (fbgemm's with attention_backend: gather)")
         bits = 7 if int8_reduce_range() else 8
         why = "" if kernels_ok else " (no C++ kernels)"

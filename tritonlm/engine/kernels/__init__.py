@@ -21,8 +21,9 @@
         PanelLinear; AVX-512 and AVX2 builds) (float_panel.cpp)
     torch.ops.tritonlm.i8_linear(x, panel, wscale, bias, out, isa), .i8_isas()
         int8 weights x int8 activations with all 8 bits on every level (no int16 saturation
-        without VNNI), the same bits on every path; Int8Linear's kernel unless TRITONLM_INT8_KERNEL
-        picks fbgemm's (int8_act8.cpp)
+        without VNNI; AMX tiles for calls of several rows where the CPU and Linux allow them),
+        the same bits on every path; Int8Linear's kernel unless TRITONLM_INT8_KERNEL picks
+        fbgemm's (int8_act8.cpp)
     torch.classes.tritonlm.DecoderStack, torch.ops.tritonlm.decoder_stack(stack, x, ...)
         a decode step's layers (Llama family, GPT-2), those ops in one call (decoder_stack.cpp)
 

@@ -6,7 +6,8 @@
 //       [-127, 127]; y[j] = fma(sum_k q[k] w[j, k], s * wscale[j], bias[j]), where
 //       panel[p, k / 4, j', k % 4] = w[16 p + j', k], codes in [-127, 127] (a -128 could saturate a
 //       pair: Int8Linear.use_act8 clamps it), zero beyond `in` (in4 = ceil(in / 4)) and beyond `out`.
-//   i8_isas() -> the paths i8_linear can run here, best first ("avx512_vnni", "avx512", "avx2", "scalar")
+//   i8_isas() -> the paths i8_linear can run here, best first ("amx", "avx512_vnni", "avx512", "avx2",
+//       "scalar"); "auto" takes amx for calls of at least kAmxMinRows rows, the best of the others below
 //
 // Why not fbgemm's u8 x s8 (decode_ops.cpp's int8_linear): without VNNI its AVX2 kernel adds
 // pairs of u8 x s8 products in int16 (vpmaddubsw), which 8-bit codes can saturate, so
@@ -20,6 +21,14 @@
 // The int32 sums are exact on every path (scalar, AVX2, AVX-512BW, VNNI), so every path
 // gives the same integers, and the epilogue's one explicit fma rounds the same everywhere:
 // the same bits on every CPU, and a row's bits do not depend on its batch.
+// AMX (Intel Sapphire Rapids and later) multiplies s8 x s8 tiles into int32 (tdpbssd): no
+// sign trick at all, and the panel's layout is already a B tile's (16 consecutive quads of
+// a panel are 16 rows of 64 bytes), so its weights are read in place. Its sums are the same
+// exact integers, so its bits are the others'. It is compiled into the AVX-512 VNNI build
+// with a target attribute and runs only where CPUID shows amx_int8 and Linux grants this
+// process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), so that build still runs on every
+// CPU of its level. A tile holds 16 rows however few a call has, so a call of one or two
+// rows (one stream's decode step) stays on the vector paths.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,6 +37,14 @@
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__x86_64__) && \
+    defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#define TRITONLM_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -45,10 +62,31 @@ namespace {
 constexpr int64_t kLanes = 16;            // output channels in a panel
 constexpr int64_t kGrainWeights = 65536;  // int8 weights per task: below this, one thread
 
-enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Vnni };
+enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Vnni, kAmx };
 
+#if defined(TRITONLM_AMX)
+// CPUID.(7,0):EDX bit 24 (AMX-TILE) and 25 (AMX-INT8), and Linux's permission for the tile
+// data (XFEATURE_XTILEDATA, 18), which it grants per process and only when asked
+bool amx_granted() {
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+#endif
+
+// the path runs here: compiled into this build and, for AMX, allowed on this CPU and kernel
 bool compiled(Isa isa) {
   switch (isa) {
+    case Isa::kAmx:
+#if defined(TRITONLM_AMX)
+      return amx_granted();
+#else
+      return false;
+#endif
     case Isa::kAvx512Vnni:
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
       return true;
@@ -72,10 +110,13 @@ bool compiled(Isa isa) {
   }
 }
 
-constexpr Isa kAll[] = {Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2, Isa::kScalar};
+constexpr Isa kAll[] = {Isa::kAmx, Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2, Isa::kScalar};
+constexpr int64_t kAmxMinRows = 4;  // "auto" below this: the vector paths, where a tile padded from one
+                                    // or two rows to 16 costs about what it saves (perf/bench_int8_gemm.py)
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAmx: return "amx";
     case Isa::kAvx512Vnni: return "avx512_vnni";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
@@ -83,19 +124,21 @@ const char* isa_name(Isa isa) {
   }
 }
 
-Isa pick_isa(std::string_view asked) {
+// the path for a call of `rows` rows: the one asked, or for "auto" the best that runs here
+// (AMX only from kAmxMinRows rows)
+Isa pick_isa(std::string_view asked, int64_t rows) {
   if (asked == "auto") {
     for (Isa isa : kAll)
-      if (compiled(isa)) return isa;
+      if (compiled(isa) && (isa != Isa::kAmx || rows >= kAmxMinRows)) return isa;
   }
   for (Isa isa : kAll) {
     if (asked == isa_name(isa)) {
-      TORCH_CHECK(compiled(isa), "i8_linear: isa '", asked, "' is not in this build; it runs ",
-                  isa_name(pick_isa("auto")), " (see i8_isas())");
+      TORCH_CHECK(compiled(isa), "i8_linear: isa '", asked, "' is not in this build or not allowed on this CPU; ",
+                  "it runs ", isa_name(pick_isa("auto", kAmxMinRows)), " (see i8_isas())");
       return isa;
     }
   }
-  TORCH_CHECK(false, "i8_linear: isa '", asked, "' is not one of auto, avx512_vnni, avx512, avx2, scalar");
+  TORCH_CHECK(false, "i8_linear: isa '", asked, "' is not one of auto, amx, avx512_vnni, avx512, avx2, scalar");
 }
 
 // acc[16] += sum over k4 groups of q[4 k4 + t] * w[k4][j][t], for one panel (in4 x 16 x 4 bytes)
@@ -284,6 +327,121 @@ RowsKernel kernel_for(Isa isa) {
   }
 }
 
+// y [rows, out] from the int32 sums of rows [r0, r0 + n) and channels [c0, c0 + lanes):
+// acc[r - r0][j] (`ld` apart), every path's one epilogue
+// (lanes <= 16). The vector loop rounds as the scalar one: one product s * ws, then one fma.
+void rescale(const int32_t* acc, int64_t ld, int64_t r0, int64_t n, int64_t c0, int64_t lanes, const float* s,
+             const float* ws, const float* bias, int64_t out, float* y) {
+#if defined(__AVX512F__)
+  const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1);
+  const __m512 wv = _mm512_maskz_loadu_ps(keep, ws + c0);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + c0) : _mm512_setzero_ps();
+  for (int64_t r = r0; r < r0 + n; ++r) {
+    const __m512 sum = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(keep, acc + (r - r0) * ld));
+    const __m512 sw = _mm512_mul_ps(_mm512_set1_ps(s[r]), wv);
+    _mm512_mask_storeu_ps(y + r * out + c0, keep, _mm512_fmadd_ps(sum, sw, bv));
+  }
+#else
+  for (int64_t r = r0; r < r0 + n; ++r) {
+    const int32_t* ar = acc + (r - r0) * ld;
+    for (int64_t j = 0; j < lanes; ++j) {
+      const float sw = s[r] * ws[c0 + j];
+      y[r * out + c0 + j] = std::fma(static_cast<float>(ar[j]), sw, bias ? bias[c0 + j] : 0.f);
+    }
+  }
+#endif
+}
+
+#if defined(TRITONLM_AMX)
+constexpr int64_t kTileQuads = 16;  // quads of a tile's K: 64 codes, a row of 64 bytes
+
+struct alignas(64) TileConfig {  // ldtilecfg's palette 1 layout
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// c [16 kRowTiles][16 kPanels] int32 = sum over the K steps of a [16 kRowTiles rows, lda
+// bytes apart] x each panel's B tiles. Tiles: C 0-3 (2 b + j: row tile b, panel j), A 4-5, B 6-7.
+// b[j] holds `full` whole tiles (1024 bytes each); tail[j], where not null, one more (the
+// panel's last quads, zero-padded); a has zeros past `in` in every row.
+template <int kRowTiles, int kPanels>
+__attribute__((target("amx-tile,amx-int8"))) void amx_block(const int8_t* a, int64_t lda, const int8_t* const* b,
+                                                          const int8_t* const* tail, int64_t full, int32_t* c) {
+  constexpr int64_t kTileBytes = kTileQuads * kLanes * 4, ldc = 4 * kLanes * kPanels;
+  _tile_zero(0);
+  if constexpr (kPanels == 2) _tile_zero(1);
+  if constexpr (kRowTiles == 2) _tile_zero(2);
+  if constexpr (kRowTiles == 2 && kPanels == 2) _tile_zero(3);
+  const auto step = [&](const int8_t* ak, const int8_t* b0, const int8_t* b1) {
+    _tile_loadd(4, ak, lda);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbssd(0, 4, 6);
+    if constexpr (kPanels == 2) {
+      _tile_loadd(7, b1, 64);
+      _tile_dpbssd(1, 4, 7);
+    }
+    if constexpr (kRowTiles == 2) {
+      _tile_loadd(5, ak + 16 * lda, lda);
+      _tile_dpbssd(2, 5, 6);
+      if constexpr (kPanels == 2) _tile_dpbssd(3, 5, 7);
+    }
+  };
+  for (int64_t k = 0; k < full; ++k)
+    step(a + 4 * kTileQuads * k, b[0] + k * kTileBytes, kPanels == 2 ? b[1] + k * kTileBytes : nullptr);
+  if (tail[0]) step(a + 4 * kTileQuads * full, tail[0], kPanels == 2 ? tail[1] : nullptr);
+  _tile_stored(0, c, ldc);
+  if constexpr (kPanels == 2) _tile_stored(1, c + kLanes, ldc);
+  if constexpr (kRowTiles == 2) _tile_stored(2, c + 16 * kLanes * kPanels, ldc);
+  if constexpr (kRowTiles == 2 && kPanels == 2) _tile_stored(3, c + 16 * kLanes * kPanels + kLanes, ldc);
+}
+
+// y for panel pairs [lo, hi): each pair's weights stay in cache while every 32-row block of
+// the codes q ([rows rounded up to 16, lda] int8, zero-padded) passes over them
+__attribute__((target("amx-tile,amx-int8"))) void amx_pairs(const int8_t* q, int64_t lda, int64_t rows,
+                                                          const int8_t* wp, int64_t P, int64_t in4, int64_t lo,
+                                                          int64_t hi, const float* s, const float* ws,
+                                                          const float* bias, int64_t out, float* y) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  const int64_t full = in4 / kTileQuads, left = in4 % kTileQuads;
+  alignas(64) int8_t tails[2][kTileQuads * kLanes * 4];
+  alignas(64) int32_t c[32 * 2 * kLanes];
+  for (int64_t pair = lo; pair < hi; ++pair) {
+    const int64_t p0 = 2 * pair, panels = std::min<int64_t>(2, P - p0);
+    const int8_t* b[2] = {wp + p0 * in4 * kLanes * 4, wp + (p0 + panels - 1) * in4 * kLanes * 4};
+    const int8_t* tail[2] = {nullptr, nullptr};
+    if (left) {  // the panels' last quads, zero-padded to a whole tile: a read past them could leave the tensor
+      for (int64_t j = 0; j < panels; ++j) {
+        std::memset(tails[j], 0, sizeof(tails[j]));
+        std::memcpy(tails[j], b[j] + full * kTileQuads * kLanes * 4, left * kLanes * 4);
+        tail[j] = tails[j];
+      }
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+      const int8_t* a = q + r0 * lda;
+      const bool two_rows = rows - r0 > 16;
+      if (panels == 2) {
+        two_rows ? amx_block<2, 2>(a, lda, b, tail, full, c) : amx_block<1, 2>(a, lda, b, tail, full, c);
+      } else {
+        two_rows ? amx_block<2, 1>(a, lda, b, tail, full, c) : amx_block<1, 1>(a, lda, b, tail, full, c);
+      }
+      const int64_t n = std::min<int64_t>(32, rows - r0);
+      for (int64_t j = 0; j < panels; ++j) {
+        const int64_t c0 = (p0 + j) * kLanes;
+        rescale(c + j * kLanes, kLanes * panels, r0, n, c0, std::min(kLanes, out - c0), s, ws, bias, out, y);
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // max |x[i]|: exact in any order, so the vector and scalar loops agree
 float max_abs(const float* x, int64_t n) {
   int64_t i = 0;
@@ -330,7 +488,6 @@ void check_cpu_tensor(const at::Tensor& t, at::ScalarType type, const char* name
 
 at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Tensor& wscale,
                      const std::optional<at::Tensor>& bias, int64_t out, std::string_view isa) {
-  const RowsKernel kernel = kernel_for(pick_isa(isa));
   check_cpu_tensor(x, at::kFloat, "x", "[..., in]");
   check_cpu_tensor(panel, at::kChar, "panel", "[P, in4, 16, 4]");
   check_cpu_tensor(wscale, at::kFloat, "wscale", "[P * 16]");
@@ -349,22 +506,47 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     bp = bias->data_ptr<float>();
   }
   const int64_t rows = in ? x.numel() / in : 0;
-  // each row quantized alone: q [rows, 4 in4] (zero-padded), |q| and sign masks alike, s [rows]
-  std::vector<int8_t> q(rows * 4 * in4, 0), neg_mask(rows * 4 * in4, 0);
-  std::vector<uint8_t> aq(rows * 4 * in4, 0), biased(rows * 4 * in4, 0x80);
-  std::vector<int32_t> neg_sum(rows, 0);
+  const Isa path = pick_isa(isa, rows);
+  const bool tiles = path == Isa::kAmx;
+  // each row quantized alone: q [rows, stride] (zero-padded), s [rows]; for AMX, rows rounded
+  // up to a whole tile and a stride of whole tiles, all zero past the codes
+  const int64_t stride = tiles ? (in4 + 15) / 16 * 64 : 4 * in4, padded = tiles ? (rows + 15) / 16 * 16 : rows;
+  std::vector<int8_t> q(padded * stride, 0);
   std::vector<float> s(rows);
   const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(in, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* xr = xp + r * in;
+      const float m = max_abs(xr, in);
+      s[r] = m > 0.f ? m / 127.f : 1.f;
+      quantize(xr, in, 1.f / s[r], q.data() + r * stride);
+    }
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = panel.data_ptr<int8_t>();
+  const float* ws = wscale.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(in4 * 4 * kLanes, 1));
+#if defined(TRITONLM_AMX)
+  if (tiles) {
+    at::parallel_for(0, (P + 1) / 2, (grain + 1) / 2, [&](int64_t lo, int64_t hi) {
+      amx_pairs(q.data(), stride, rows, wp, P, in4, lo, hi, s.data(), ws, bp, out, yp);
+    });
+    return y;
+  }
+#endif
+  // the vector paths' operands besides q: |q|, the sign masks (0xff where q < 0), q + 128,
+  // and per row the sum of |q| over its negative codes
+  std::vector<int8_t> neg_mask(rows * stride, 0);
+  std::vector<uint8_t> aq(rows * stride, 0), biased(rows * stride, 0x80);
+  std::vector<int32_t> neg_sum(rows, 0);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xp + r * in;
-    const float m = max_abs(xr, in);
-    const float scale = m > 0.f ? m / 127.f : 1.f;
-    const float inv = 1.f / scale;
-    int8_t* qr = q.data() + r * 4 * in4;
-    uint8_t* ar = aq.data() + r * 4 * in4;
-    int8_t* mr = neg_mask.data() + r * 4 * in4;
-    uint8_t* br = biased.data() + r * 4 * in4;
-    quantize(xr, in, inv, qr);
+    const int8_t* qr = q.data() + r * stride;
+    uint8_t* ar = aq.data() + r * stride;
+    int8_t* mr = neg_mask.data() + r * stride;
+    uint8_t* br = biased.data() + r * stride;
     int32_t negative = 0;  // separate loops: each one vectorizes
     for (int64_t i = 0; i < in; ++i) {
       const int8_t code = qr[i];
@@ -374,16 +556,9 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     }
     for (int64_t i = 0; i < in; ++i) negative += ar[i] & static_cast<uint8_t>(mr[i]);
     neg_sum[r] = negative;
-    s[r] = scale;
   }
-  const Codes codes{q.data(), biased.data(), aq.data(), neg_mask.data(), neg_sum.data(), 4 * in4};
-  auto sizes = x.sizes().vec();
-  sizes.back() = out;
-  at::Tensor y = at::empty(sizes, x.options());
-  float* yp = y.data_ptr<float>();
-  const int8_t* wp = panel.data_ptr<int8_t>();
-  const float* ws = wscale.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(in4 * 4 * kLanes, 1));
+  const Codes codes{q.data(), biased.data(), aq.data(), neg_mask.data(), neg_sum.data(), stride};
+  const RowsKernel kernel = kernel_for(path);
   at::parallel_for(0, P, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
       const int8_t* w = wp + p * in4 * kLanes * 4;
@@ -393,13 +568,7 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
         const int64_t tile = std::min(kTileRows, rows - r0);
         alignas(64) int32_t acc[kTileRows * kLanes] = {};
         kernel(codes, r0, tile, w, in4, acc, comp);
-        for (int64_t r = r0; r < r0 + tile; ++r) {
-          const int32_t* ar = acc + (r - r0) * kLanes;
-          for (int64_t j = 0; j < lanes; ++j) {
-            const float sw = s[r] * ws[n + j];
-            yp[r * out + n + j] = std::fma(static_cast<float>(ar[j]), sw, bp ? bp[n + j] : 0.f);
-          }
-        }
+        rescale(acc, kLanes, r0, tile, n, lanes, s.data(), ws, bp, out, yp);
       }
     }
   });

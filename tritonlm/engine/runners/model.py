@@ -72,6 +72,7 @@ from tritonlm.engine.runners.layers import (
     activation,
     blocked_rows,
     decode_attention,
+    i8_path,
     int8_kernel,
     paged_attention,
     panels_available,
@@ -448,8 +449,7 @@ class Transformer:
             return None
         a = ps[0].act8
         if a is not None:
-            path = torch.ops.tritonlm.i8_isas()[0] if a.isa == "auto" else a.isa
-            return f"tritonlm's i8_linear, {path} path, 8-bit activations"
+            return f"tritonlm's i8_linear, {i8_path(a.isa)} path, 8-bit activations"
         return f"fbgemm, {7 if ps[0].reduce_range else 8}-bit activations"
 
     def fast_paths(self) -> FastPaths:

@@ -52,8 +52,9 @@ def test_i8_linear_equals_the_integer_matmul_on_every_path(ops, out_features, in
     padded_scale[:out] = wscale
     bias = torch.randn(out, generator=g)
     isas = ops.i8_isas()
-    assert isas[-1] == "scalar" and set(isas) <= {"avx512_vnni", "avx512", "avx2", "scalar"}
-    for rows in (1, 2, 5, 7, 13, 65):  # every remainder of the AVX2 path's 4-row tiles
+    assert isas[-1] == "scalar" and set(isas) <= {"amx", "avx512_vnni", "avx512", "avx2", "scalar"}
+    # every remainder of the AVX2 path's 4-row tiles; AMX's 16-row tiles: one, two, and a pair plus one
+    for rows in (1, 2, 5, 7, 13, 16, 33, 65):
         # heavy-tailed activations (a few large values per row), one exact zero
         x = torch.randn(rows, in_features, generator=g) * torch.exp(torch.randn(rows, in_features, generator=g))
         x[0, 0] = 0.0
@@ -106,10 +107,10 @@ def test_i8_linear_quantizes_each_row_as_torch_rounds_it(ops, in_features):
 def test_i8_linear_refuses_bad_inputs_naming_them(ops):
     panel, out = pack(torch.zeros(8, 16, dtype=torch.int8))
     x, scale = torch.ones(2, 16), torch.ones(16)
-    with pytest.raises(RuntimeError, match="isa 'neon' is not one of auto, avx512_vnni, avx512, avx2, scalar"):
+    with pytest.raises(RuntimeError, match="isa 'neon' is not one of auto, amx, avx512_vnni, avx512, avx2, scalar"):
         ops.i8_linear(x, panel, scale, None, out, "neon")
-    for isa in {"avx512_vnni", "avx512", "avx2"} - set(ops.i8_isas()):
-        with pytest.raises(RuntimeError, match=f"isa '{isa}' is not in this build"):
+    for isa in {"amx", "avx512_vnni", "avx512", "avx2"} - set(ops.i8_isas()):
+        with pytest.raises(RuntimeError, match=f"isa '{isa}' is not in this build or not allowed on this CPU"):
             ops.i8_linear(x, panel, scale, None, out, isa)
     with pytest.raises(RuntimeError, match="x's rows have 12 values; the panel takes 16"):
         ops.i8_linear(torch.ones(2, 12), panel, scale, None, out, "auto")
@@ -121,3 +122,16 @@ def test_i8_linear_refuses_bad_inputs_naming_them(ops):
         ops.i8_linear(x, panel, torch.ones(8), None, out, "auto")
     with pytest.raises(RuntimeError, match="bias has 5 values; out is 8"):
         ops.i8_linear(x, panel, scale, torch.ones(5), out, "auto")
+
+
+def test_i8_linear_offers_amx_exactly_where_the_cpu_and_the_build_have_it(ops):
+    """The AMX path ships inside the AVX-512 VNNI build and runs where CPUID shows amx_int8 and
+    Linux grants the tile state: an AMX CPU on that build must get it, any other never."""
+    from tritonlm.engine.kernels import isa, loaded_build
+
+    level = loaded_build().level
+    has = "amx_int8" in isa.cpu_flags() and "amx_tile" in isa.cpu_flags()
+    if level in ("avx512_vnni", "native") and has:
+        assert ops.i8_isas()[0] == "amx", ops.i8_isas()
+    elif not has or level in ("avx512", "avx2", "portable"):
+        assert "amx" not in ops.i8_isas(), (level, ops.i8_isas())

@@ -124,7 +124,10 @@ def test_int8_path_names_the_kernel_the_projections_run(monkeypatch):
     monkeypatch.delenv("TRITONLM_INT8_KERNEL", raising=False)
     path = TorchRunner(model, int8=True).transformer.int8_path()
     assert path.startswith("tritonlm's i8_linear, ") and path.endswith(" path, 8-bit activations")
-    assert path.split(", ")[1].removesuffix(" path") == torch.ops.tritonlm.i8_isas()[0]
+    best = torch.ops.tritonlm.i8_isas()
+    assert path.split(", ", 1)[1].startswith(f"{best[0]} ")
+    if best[0] == "amx":  # AMX runs calls of several rows: one stream's vector path is named too
+        assert f"{best[1]} for one or two rows path" in path
     monkeypatch.setenv("TRITONLM_INT8_KERNEL", "fbgemm")
     monkeypatch.setenv("TRITONLM_INT8_REDUCE_RANGE", "1")
     assert TorchRunner(model, int8=True).transformer.int8_path() == "fbgemm, 7-bit activations"
