@@ -7,9 +7,9 @@ runs minutes apart would read as a difference between them):
     decode_b8_ms   the same with 8 sequences
     prefill_ms     one prefill chunk of --prefill tokens (a long prompt's cost per chunk)
 The medians over --rounds rounds, and each dtype's ratio to int8's and float32's. Where int8's
-kernel has an AMX path (an Intel Sapphire Rapids or later host), which it runs for prefill-sized
-calls only, a fourth runner, `int8 (<path>)`, runs every call on the best vector path instead:
-the prefill column's gap between the two is AMX's.
+kernel has an AMX path (an Intel Sapphire Rapids or later host), which it runs for calls of
+several rows (prefill chunks, batched decode steps), a fourth runner, `int8 (<path>)`, runs
+every call on the best vector path instead: the gaps between the two are AMX's.
 
     .venv/bin/python perf/bench_weight_only.py [--rounds 3] [--prefill 512]
 Prints the CPU it ran on; writes results/bench_weight_only/bench_weight_only.csv.
@@ -27,6 +27,7 @@ import torch
 from tritonlm.engine.kernels import kernels_available
 from tritonlm.engine.batch import StepBatch
 from tritonlm.engine.kv_cache import KVCacheManager
+from tritonlm.engine.runners.decoder_stack import build_decoder_stack
 from tritonlm.engine.runners.layers import Int8Linear
 from tritonlm.engine.runners.torch_runner import TorchRunner
 from tritonlm.perf.machine import describe_cpu
@@ -62,7 +63,9 @@ def main() -> int:
         vector = TorchRunner(model, int8=True)
         for proj in vector.transformer.projections():
             if isinstance(proj, Int8Linear) and proj.act8 is not None:
-                proj.act8.isa = paths[1]  # before the first step: a decoder stack takes it when built
+                proj.act8.isa = paths[1]
+        if vector.transformer.decoder_stack is not None:  # built at load, with the path then set
+            vector.transformer.decoder_stack = build_decoder_stack(vector.transformer)
         runners[f"int8 ({paths[1]})"] = vector
     times: dict[str, dict[str, list[float]]] = {n: {"decode_b1_ms": [], "decode_b8_ms": [], "prefill_ms": []} for n in runners}
     for rnd in range(args.rounds):

@@ -27,8 +27,9 @@
 // exact integers, so its bits are the others'. It is compiled into the AVX-512 VNNI build
 // with a target attribute and runs only where CPUID shows amx_int8 and Linux grants this
 // process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), so that build still runs on every
-// CPU of its level. A tile holds 16 rows however few a call has, so a call of one or two
-// rows (one stream's decode step) stays on the vector paths.
+// CPU of its level (and in a -march=native build on such a CPU). A tile holds 16 rows however
+// few a call has, so a call of fewer than kAmxMinRows rows (one stream's decode step) stays on
+// the vector paths.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -40,7 +41,7 @@
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__x86_64__) && \
-    defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+    defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define TRITONLM_AMX 1
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -111,8 +112,8 @@ bool compiled(Isa isa) {
 }
 
 constexpr Isa kAll[] = {Isa::kAmx, Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2, Isa::kScalar};
-constexpr int64_t kAmxMinRows = 4;  // "auto" below this: the vector paths, where a tile padded from one
-                                    // or two rows to 16 costs about what it saves (perf/bench_int8_gemm.py)
+constexpr int64_t kAmxMinRows = 4;  // "auto" below this: the vector paths, where a tile padded from a
+                                    // few rows to 16 costs about what it saves (perf/bench_int8_gemm.py)
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -362,39 +363,51 @@ struct alignas(64) TileConfig {  // ldtilecfg's palette 1 layout
   uint8_t rows[16] = {};
 };
 
+// One K step: C tiles += the A tile(s) at ak x the B tile(s) at b0 (and b1). Tiles: C 0-3
+// (2 r + j: row tile r, panel j), A 4-5, B 6-7. A free function rather than a lambda: a
+// lambda does not take its enclosing function's target attribute (clang's builtins need it).
+template <int kRowTiles, int kPanels>
+__attribute__((target("amx-tile,amx-int8"), always_inline)) inline void amx_step(const int8_t* ak, int64_t lda,
+                                                                               const int8_t* b0, const int8_t* b1) {
+  _tile_loadd(4, ak, lda);
+  _tile_loadd(6, b0, 64);
+  _tile_dpbssd(0, 4, 6);
+  if constexpr (kPanels == 2) {
+    _tile_loadd(7, b1, 64);
+    _tile_dpbssd(1, 4, 7);
+  }
+  if constexpr (kRowTiles == 2) {
+    _tile_loadd(5, ak + 16 * lda, lda);
+    _tile_dpbssd(2, 5, 6);
+    if constexpr (kPanels == 2) _tile_dpbssd(3, 5, 7);
+  }
+}
+
 // c [16 kRowTiles][16 kPanels] int32 = sum over the K steps of a [16 kRowTiles rows, lda
-// bytes apart] x each panel's B tiles. Tiles: C 0-3 (2 b + j: row tile b, panel j), A 4-5, B 6-7.
-// b[j] holds `full` whole tiles (1024 bytes each); tail[j], where not null, one more (the
-// panel's last quads, zero-padded); a has zeros past `in` in every row.
+// bytes apart] x each panel's B tiles. b[j] holds `full` whole tiles (1024 bytes each);
+// tail[j], where not null, one more (the panel's last quads, zero-padded); a has zeros past
+// `in` in every row.
 template <int kRowTiles, int kPanels>
 __attribute__((target("amx-tile,amx-int8"))) void amx_block(const int8_t* a, int64_t lda, const int8_t* const* b,
                                                           const int8_t* const* tail, int64_t full, int32_t* c) {
   constexpr int64_t kTileBytes = kTileQuads * kLanes * 4, ldc = 4 * kLanes * kPanels;
+  // GCC's tile loads and stores are asm that names no memory: without this barrier the
+  // compiler could drop or delay the stores that fill `tail`, or read `c` before the tiles
+  // are stored into it
+  asm volatile("" ::: "memory");
   _tile_zero(0);
   if constexpr (kPanels == 2) _tile_zero(1);
   if constexpr (kRowTiles == 2) _tile_zero(2);
   if constexpr (kRowTiles == 2 && kPanels == 2) _tile_zero(3);
-  const auto step = [&](const int8_t* ak, const int8_t* b0, const int8_t* b1) {
-    _tile_loadd(4, ak, lda);
-    _tile_loadd(6, b0, 64);
-    _tile_dpbssd(0, 4, 6);
-    if constexpr (kPanels == 2) {
-      _tile_loadd(7, b1, 64);
-      _tile_dpbssd(1, 4, 7);
-    }
-    if constexpr (kRowTiles == 2) {
-      _tile_loadd(5, ak + 16 * lda, lda);
-      _tile_dpbssd(2, 5, 6);
-      if constexpr (kPanels == 2) _tile_dpbssd(3, 5, 7);
-    }
-  };
   for (int64_t k = 0; k < full; ++k)
-    step(a + 4 * kTileQuads * k, b[0] + k * kTileBytes, kPanels == 2 ? b[1] + k * kTileBytes : nullptr);
-  if (tail[0]) step(a + 4 * kTileQuads * full, tail[0], kPanels == 2 ? tail[1] : nullptr);
+    amx_step<kRowTiles, kPanels>(a + 4 * kTileQuads * k, lda, b[0] + k * kTileBytes,
+                                 kPanels == 2 ? b[1] + k * kTileBytes : nullptr);
+  if (tail[0]) amx_step<kRowTiles, kPanels>(a + 4 * kTileQuads * full, lda, tail[0], kPanels == 2 ? tail[1] : nullptr);
   _tile_stored(0, c, ldc);
   if constexpr (kPanels == 2) _tile_stored(1, c + kLanes, ldc);
   if constexpr (kRowTiles == 2) _tile_stored(2, c + 16 * kLanes * kPanels, ldc);
   if constexpr (kRowTiles == 2 && kPanels == 2) _tile_stored(3, c + 16 * kLanes * kPanels + kLanes, ldc);
+  asm volatile("" ::: "memory");
 }
 
 // y for panel pairs [lo, hi): each pair's weights stay in cache while every 32-row block of

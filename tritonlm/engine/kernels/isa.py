@@ -13,9 +13,10 @@ never runs on a CPU that lacks its instructions (SIGILL).
                                  name where the flags lack it
     forced_level() -> str | None TRITONLM_KERNEL_ISA, checked against the level names
 
-No level is built for AMX: the avx512_vnni build carries int8's AMX path (int8_act8.cpp),
-compiled by a function attribute and taken at run time only where CPUID shows amx_int8 and
-Linux grants the tile state, so an AMX CPU runs the avx512_vnni build and its tiles.
+No level is built for AMX: the avx512_vnni build (and a -march=native one on such a CPU)
+carries int8's AMX path (int8_act8.cpp), compiled by a function attribute and taken at run
+time only where CPUID shows amx_int8 and Linux grants the tile state, so an AMX CPU runs the
+avx512_vnni build and its tiles.
 """
 
 from __future__ import annotations

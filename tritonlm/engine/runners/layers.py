@@ -102,11 +102,11 @@ def i8_path(isa: str = "auto") -> str:
     """Which i8_linear path a projection of Act8Panels.isa runs, for logs and `tritonlm doctor`:
     the one named, or for "auto" the best this build has here; with AMX, "auto" runs it for
     calls of several rows (prefill chunks, batched decode steps) and the best vector path for
-    one or two rows (one stream's decode step), so both are named."""
+    a few (one stream's decode step), so both are named."""
     if isa != "auto":
         return isa
     paths = torch.ops.tritonlm.i8_isas()
-    return f"amx for batches and prefill, {paths[1]} for one or two rows" if paths[0] == "amx" else paths[0]
+    return f"amx (batches, prefill) and {paths[1]} (a few rows)" if paths[0] == "amx" else paths[0]
 
 
 BLOCKED_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's prepacked linear runs on any x86 CPU

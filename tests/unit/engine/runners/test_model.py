@@ -127,7 +127,7 @@ def test_int8_path_names_the_kernel_the_projections_run(monkeypatch):
     best = torch.ops.tritonlm.i8_isas()
     assert path.split(", ", 1)[1].startswith(f"{best[0]} ")
     if best[0] == "amx":  # AMX runs calls of several rows: one stream's vector path is named too
-        assert f"{best[1]} for one or two rows path" in path
+        assert f"and {best[1]} (a few rows) path" in path
     monkeypatch.setenv("TRITONLM_INT8_KERNEL", "fbgemm")
     monkeypatch.setenv("TRITONLM_INT8_REDUCE_RANGE", "1")
     assert TorchRunner(model, int8=True).transformer.int8_path() == "fbgemm, 7-bit activations"
