@@ -61,7 +61,7 @@
 namespace {
 
 constexpr int64_t kLanes = 16;            // output channels in a panel
-constexpr int64_t kGrainWeights = 65536;  // int8 weights per task: below this, one thread
+constexpr int64_t kGrainWeights = 65536;  // int8 weights x row tiles per task: below this, one thread
 
 enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Vnni, kAmx };
 
@@ -541,7 +541,11 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
   float* yp = y.data_ptr<float>();
   const int8_t* wp = panel.data_ptr<int8_t>();
   const float* ws = wscale.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(in4 * 4 * kLanes, 1));
+  // panels per task: a task's work is its weights times the row tiles that pass over them, so
+  // a call of many rows (a prefill chunk) splits into as many tasks as a many-core CPU has
+  const int64_t row_tiles = tiles ? padded / 16 : (rows + kTileRows - 1) / kTileRows;
+  const int64_t grain =
+      std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(in4 * 4 * kLanes * std::max<int64_t>(row_tiles, 1), 1));
 #if defined(TRITONLM_AMX)
   if (tiles) {
     at::parallel_for(0, (P + 1) / 2, (grain + 1) / 2, [&](int64_t lo, int64_t hi) {
