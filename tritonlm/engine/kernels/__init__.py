@@ -19,7 +19,7 @@
     torch.ops.tritonlm.panel_linear(x, panel, bias, out), .panel_supported()
         a float32 projection over weights in 16-wide output panels (runners/layers.py's
         PanelLinear; AVX-512 and AVX2 builds) (float_panel.cpp)
-    torch.ops.tritonlm.i8_linear(x, panel, wscale, bias, out, isa), .i8_isas()
+    torch.ops.tritonlm.i8_linear(x, panel, wscale, bias, out, isa), .i8_isas(), .i8_amx_refusal()
         int8 weights x int8 activations with all 8 bits on every level (no int16 saturation
         without VNNI; AMX tiles for calls of several rows where the CPU and Linux allow them),
         the same bits on every path; Int8Linear's kernel unless TRITONLM_INT8_KERNEL picks

@@ -8,6 +8,7 @@
 //       pair: Int8Linear.use_act8 clamps it), zero beyond `in` (in4 = ceil(in / 4)) and beyond `out`.
 //   i8_isas() -> the paths i8_linear can run here, best first ("amx", "avx512_vnni", "avx512", "avx2",
 //       "scalar"); "auto" takes amx for calls of at least kAmxMinRows rows, the best of the others below
+//   i8_amx_refusal() -> why the amx path does not run here (the build, the CPU, Linux), "" where it does
 //
 // Why not fbgemm's u8 x s8 (decode_ops.cpp's int8_linear): without VNNI its AVX2 kernel adds
 // pairs of u8 x s8 products in int16 (vpmaddubsw), which 8-bit codes can saturate, so
@@ -52,6 +53,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -65,29 +67,34 @@ constexpr int64_t kGrainWeights = 65536;  // int8 weights x row tiles per task: 
 
 enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Vnni, kAmx };
 
+// Why the AMX path does not run here, or "" where it does: the build, then CPUID.(7,0):EDX
+// bit 24 (AMX-TILE) and 25 (AMX-INT8), then Linux's permission for the tile data
+// (XFEATURE_XTILEDATA, 18), which it grants per process and only when asked
+const std::string& amx_refusal() {
+  static const std::string why = []() -> std::string {
 #if defined(TRITONLM_AMX)
-// CPUID.(7,0):EDX bit 24 (AMX-TILE) and 25 (AMX-INT8), and Linux's permission for the tile
-// data (XFEATURE_XTILEDATA, 18), which it grants per process and only when asked
-bool amx_granted() {
-  static const bool granted = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1))
+      return "this CPU has no AMX-INT8";
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0)
+      return std::string("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: ") +
+             std::strerror(errno) + ")";
+    return "";
+#else
+    return "this build has no AMX path (only a build for AVX-512 VNNI carries it)";
 #endif
+  }();
+  return why;
+}
+
+bool amx_granted() { return amx_refusal().empty(); }
 
 // the path runs here: compiled into this build and, for AMX, allowed on this CPU and kernel
 bool compiled(Isa isa) {
   switch (isa) {
     case Isa::kAmx:
-#if defined(TRITONLM_AMX)
       return amx_granted();
-#else
-      return false;
-#endif
     case Isa::kAvx512Vnni:
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
       return true;
@@ -592,6 +599,8 @@ at::Tensor i8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
   return y;
 }
 
+std::string i8_amx_refusal() { return amx_refusal(); }
+
 std::vector<std::string> i8_isas() {
   std::vector<std::string> out;
   for (Isa isa : kAll)
@@ -604,8 +613,12 @@ std::vector<std::string> i8_isas() {
 TORCH_LIBRARY_FRAGMENT(tritonlm, m) {
   m.def("i8_linear(Tensor x, Tensor panel, Tensor wscale, Tensor? bias, int out, str isa) -> Tensor");
   m.def("i8_isas() -> str[]");
+  m.def("i8_amx_refusal() -> str");
 }
 
 TORCH_LIBRARY_IMPL(tritonlm, CPU, m) { m.impl("i8_linear", &i8_linear); }
 
-TORCH_LIBRARY_IMPL(tritonlm, CompositeExplicitAutograd, m) { m.impl("i8_isas", &i8_isas); }
+TORCH_LIBRARY_IMPL(tritonlm, CompositeExplicitAutograd, m) {
+  m.impl("i8_isas", &i8_isas);
+  m.impl("i8_amx_refusal", &i8_amx_refusal);
+}

@@ -102,11 +102,18 @@ def i8_path(isa: str = "auto") -> str:
     """Which i8_linear path a projection of Act8Panels.isa runs, for logs and `tritonlm doctor`:
     the one named, or for "auto" the best this build has here; with AMX, "auto" runs it for
     calls of several rows (prefill chunks, batched decode steps) and the best vector path for
-    a few (one stream's decode step), so both are named."""
+    a few (one stream's decode step), so both are named. A CPU with AMX whose tiles go
+    unused (a lower build, Linux refusing the tile state) is told why."""
     if isa != "auto":
         return isa
     paths = torch.ops.tritonlm.i8_isas()
-    return f"amx (batches, prefill) and {paths[1]} (a few rows)" if paths[0] == "amx" else paths[0]
+    if paths[0] == "amx":
+        return f"amx (batches, prefill) and {paths[1]} (a few rows)"
+    from tritonlm.engine.kernels.isa import cpu_flags
+
+    if {"amx_tile", "amx_int8"} <= cpu_flags():
+        return f"{paths[0]} (this CPU's AMX unused: {torch.ops.tritonlm.i8_amx_refusal()})"
+    return paths[0]
 
 
 BLOCKED_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's prepacked linear runs on any x86 CPU

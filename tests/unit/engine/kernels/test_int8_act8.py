@@ -152,8 +152,30 @@ def test_i8_linear_offers_amx_exactly_where_the_cpu_the_build_and_linux_allow_it
     level = loaded_build().level
     flags = isa.cpu_flags()
     cpu = "amx_int8" in flags and "amx_tile" in flags
+    refusal = ops.i8_amx_refusal()
+    assert ("amx" in paths) == (refusal == ""), (paths, refusal)  # it runs exactly where nothing refuses it
     if cpu and level in ("avx512_vnni", "native"):
-        assert ("amx" in paths) == linux_granted_amx_tiles(), paths
+        assert ("amx" in paths) == linux_granted_amx_tiles(), (paths, refusal)
         assert "amx" not in paths or paths[0] == "amx", paths
+        if level == "avx512_vnni":  # a native build by an older compiler may lack the path
+            assert "amx" in paths or refusal.startswith("Linux refused this process the AMX tile state"), refusal
     else:
         assert "amx" not in paths, (level, paths)
+        assert refusal in ("this CPU has no AMX-INT8", "this build has no AMX path (only a build for AVX-512 VNNI "
+                                                       "carries it)"), refusal
+
+
+def test_the_int8_path_line_says_why_this_cpus_amx_goes_unused(ops):
+    """i8_path() (the startup log's and `tritonlm doctor`'s words): both paths where AMX runs;
+    where the CPU has AMX but this build or Linux leaves it unused (every lower level forced on
+    an AMX CPU), the reason; elsewhere the one path."""
+    from tritonlm.engine.kernels import isa
+    from tritonlm.engine.runners.layers import i8_path
+
+    paths, text = ops.i8_isas(), i8_path()
+    if paths[0] == "amx":
+        assert text == f"amx (batches, prefill) and {paths[1]} (a few rows)"
+    elif {"amx_tile", "amx_int8"} <= isa.cpu_flags():
+        assert ops.i8_amx_refusal() and text == f"{paths[0]} (this CPU's AMX unused: {ops.i8_amx_refusal()})"
+    else:
+        assert text == paths[0]
