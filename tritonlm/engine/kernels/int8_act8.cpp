@@ -77,12 +77,14 @@ const std::string& amx_refusal() {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1))
       return "this CPU has no AMX-INT8";
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0)
-      return std::string("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: ") +
-             std::strerror(errno) + ")";
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0) {
+      const int err = errno;  // before anything else can set it
+      return "Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: errno " +
+             std::to_string(err) + ")";
+    }
     return "";
 #else
-    return "this build has no AMX path (only a build for AVX-512 VNNI carries it)";
+    return "this build has no AMX path (an AVX-512 VNNI build by GCC 11+ or clang 12+ carries it)";
 #endif
   }();
   return why;
