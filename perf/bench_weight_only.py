@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from tritonlm.engine.kernels import kernels_available
 from tritonlm.engine.batch import StepBatch
+from tritonlm.engine.kernels import kernels_available
 from tritonlm.engine.kv_cache import KVCacheManager
 from tritonlm.engine.runners.decoder_stack import build_decoder_stack
 from tritonlm.engine.runners.layers import Int8Linear

@@ -25,12 +25,12 @@
 // AMX (Intel Sapphire Rapids and later) multiplies s8 x s8 tiles into int32 (tdpbssd): no
 // sign trick at all, and the panel's layout is already a B tile's (16 consecutive quads of
 // a panel are 16 rows of 64 bytes), so its weights are read in place. Its sums are the same
-// exact integers, so its bits are the others'. It is compiled into the AVX-512 VNNI build
-// with a target attribute and runs only where CPUID shows amx_int8 and Linux grants this
-// process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), so that build still runs on every
-// CPU of its level (and in a -march=native build on such a CPU). A tile holds 16 rows however
-// few a call has, so a call of fewer than kAmxMinRows rows (one stream's decode step) stays on
-// the vector paths.
+// exact integers, so its bits are the others'. It is compiled, with a target attribute, into
+// every build for AVX-512 VNNI (the avx512_vnni level, a -march=native build on such a CPU)
+// and runs only where CPUID shows amx_int8 and Linux grants this process the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM), so that build still runs on every CPU of its level. A tile
+// holds 16 rows however few a call has, so a call of fewer than kAmxMinRows rows (one stream's
+// decode step) stays on the vector paths.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -50,10 +50,10 @@
 #endif
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cerrno>
 #include <cstring>
 #include <optional>
 #include <string>
