@@ -138,14 +138,15 @@ class HealthBoard:
 
     def explain(self, model: str, since_epoch: int) -> str | None:
         """Why a request to `model` that began at since_epoch (epoch()) lost its connection:
-        the model is down now, or it went down and came back while the request ran."""
-        reason = self.unavailable(model)
-        if reason is not None:
-            return reason
+        the model is down now, or it went down and came back while the request ran. A
+        restart the request lived through is named even while the model still loads after
+        it: "not ready yet" alone would hide the fault that ended the request."""
         with self._lock:
-            if self._epoch != since_epoch and model in self._models:
+            health = self._models.get(model)
+            if (self._epoch != since_epoch and health is not None and self._gave_up is None
+                    and health.state in (READY, LOADING)):
                 return f"model {model} was restarted while this request ran ({self._last_cause}); retry"
-        return None
+        return self.unavailable(model)
 
     def status(self) -> dict:
         with self._lock:

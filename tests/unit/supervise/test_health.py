@@ -102,6 +102,11 @@ def test_a_request_that_lived_through_a_restart_is_told_why():
     assert board.explain("a", began) is None
     board.recovering("a", "model a: its process (pid 9) died", "died")
     assert board.explain("a", began).startswith("model a is restarting (model a: its process (pid 9) died)")
+    # the server is back but the model's process is still starting: the fault is still named
+    board.follow({"a": ModelView("a", (), (), 1)})
+    assert board.unavailable("a").startswith("model a is not ready yet")
+    assert board.explain("a", began) == ("model a was restarted while this request ran "
+                                         "(model a: its process (pid 9) died); retry")
     board.set_models(["a"])
     assert board.explain("a", began) == ("model a was restarted while this request ran "
                                          "(model a: its process (pid 9) died); retry")
