@@ -26,7 +26,7 @@ on the default configuration (its median TTFT x --ttft-factor, TPOT x --tpot-fac
 user of this host could ask for, set before any load. Reported per configuration and load:
 goodput (requests within both targets per second, vLLM's definition: tritonlm/perf/goodput.py),
 SLO attainment, shed, p99 TTFT and TPOT, and goodput / the default's at the same load.
-CSV and PNG under results/bench_goodput/.
+CSV (per point, and per request) and PNG under results/bench_goodput/.
 
     .venv/bin/python perf/bench_goodput.py [--model smollm2-135m] [--arrivals azure-conv]
         [--loads 0.5,1,1.5,2] [--count 40] [--prompt-tokens 128] [--output-tokens 32]
@@ -41,7 +41,7 @@ import os
 import sys
 from pathlib import Path
 
-from tritonlm.perf.goodput import Slo, parse_rates, summarize_run
+from tritonlm.perf.goodput import Slo, parse_rates, request_rows, summarize_run
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.openloop import GrpcTarget, OpenAITarget, PromptMaker, run_schedule, warm_up
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, style_axes, table, write_csv
@@ -64,9 +64,11 @@ def parse_grid(text: str) -> list[tuple[int, int]]:
 
 
 async def measure(args, server: TritonServer, control: Target, repo: GoodputRepo, configs: dict[str, dict[str, str]],
-                  loads: list[float], schedule_at, prompts: PromptMaker, rows: list[dict]) -> tuple[Slo, float]:
-    """The lone requests, the saturation run, then every configuration at every load (rows
-    appended as they come); (the SLO, the saturation rate)."""
+                  loads: list[float], schedule_at, prompts: PromptMaker, rows: list[dict],
+                  per_request: list[dict]) -> tuple[Slo, float]:
+    """The lone requests, the saturation run, then every configuration at every load (rows,
+    and per_request's one row per request, appended as they come); (the SLO, the saturation
+    rate)."""
     target = GrpcTarget(server.grpc_url, "default", timeout_s=600)
     ttft0, tpot0 = await lone_request(target, schedule_at(1.0), prompts)
     slo = Slo(args.slo_ttft_ms or round(ttft0 * args.ttft_factor, 1), args.slo_tpot_ms or round(tpot0 * args.tpot_factor, 1))
@@ -82,7 +84,9 @@ async def measure(args, server: TritonServer, control: Target, repo: GoodputRepo
             records = await run_schedule(target, schedule_at(rate, rep), prompts)
             row = {"config": name, "load": load, "rep": rep, **summarize_run(records, rate, slo)}
             rows.append(row)
+            per_request.extend({"config": name, "load": load, "rep": rep, **r} for r in request_rows(records, rate, slo))
             write_csv(Path(args.out) / "bench_goodput.csv", rows)  # so far: a run cut short keeps its points
+            write_csv(Path(args.out) / "bench_goodput_requests.csv", per_request)
             print(f"[{name}] rep {rep} load {load:g} ({rate:.3f}/s): goodput {row['goodput_rps']:.3f}/s, attainment "
                   f"{row['attainment_pct']:g}%, shed {row['shed']}, errors {row['errors']}", flush=True)
 
@@ -189,8 +193,10 @@ def main() -> int:
         return 1
     server, control = served
     rows: list[dict] = []
+    per_request: list[dict] = []  # one row per request sent
     try:
-        slo, saturation = asyncio.run(measure(args, server, control, repo, configs, loads, schedule_at, prompts, rows))
+        slo, saturation = asyncio.run(measure(args, server, control, repo, configs, loads, schedule_at, prompts, rows,
+                                                  per_request))
     finally:
         control.close()
         server.stop()

@@ -59,6 +59,10 @@ class Scheduler:
         self.cache = cache
         self.recompute = recompute
         self.clock: Callable[[], float] = time.monotonic  # the clock of requests' arrival times
+        # the step in flight, with an SLO: (when it was scheduled, by clock; its predicted
+        # seconds); None between steps. A request that arrives during it joins the next one
+        # (read off the engine thread by check_slo)
+        self.step_in_flight: tuple[float, float] | None = None
         if recompute:
             cache.prefix_caching = False  # recomputing rewrites every block: nothing may be shared
         # priority order, arrival order among equals (add keeps it sorted, stably)
@@ -92,14 +96,17 @@ class Scheduler:
         `queued` (accepted, not yet in it); the controller counts only those that will run
         before it (its priority decides). Called off the engine thread: the lists are
         copied; read while a step runs, the sequences' counts are those before it, so the
-        plan counts that step's work as still to come. The time since its arrival counts
-        too (a request judged after it waited)."""
+        plan counts that step's work as still to come, less the part of it already run, and
+        the request joins the step after it. The time since its arrival counts too (a
+        request judged after it waited)."""
         if self.slo is None:
             return
-        gone = max(0.0, self.clock() - seq.request.arrival)
+        now, in_flight = self.clock(), self.step_in_flight
+        gone = max(0.0, now - seq.request.arrival)
+        left = None if in_flight is None else max(0.0, in_flight[1] - (now - in_flight[0]))
         try:
             self.slo.admit(seq.num_prompt_tokens, list(self.running), list(self.waiting) + list(queued),
-                           priority=seq.request.priority, elapsed_s=gone)
+                           priority=seq.request.priority, elapsed_s=gone, step_left_s=left)
         except SloShedError:
             self.ledger.shed += 1
             raise
@@ -158,6 +165,8 @@ class Scheduler:
         if not plan and prefilling:  # budget smaller than one decode round: still make progress
             seq = prefilling[0]
             plan.append((seq, min(seq.num_pending, self.config.max_num_batched_tokens)))
+        if self.slo is not None:
+            self.step_in_flight = (self.clock(), self.slo.plan_s(plan)) if plan else None
         return plan
 
     def rotate_again(self) -> None:
@@ -184,6 +193,7 @@ class Scheduler:
         learns from it and the ledger takes each row's gap since its previous token.
         computed: each row's cached positions right after the step's passes (a step whose
         tokens were read a step later, when later passes have moved them); None: as now."""
+        self.step_in_flight = None
         self.ledger.step_done([seq for seq, _ in plan if seq.state is not SeqState.FINISHED])
         if self.slo is not None:
             if computed is None:

@@ -12,6 +12,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -72,10 +73,13 @@ class GenerateHandler:
                                    progress=self.engine.progress).start()
 
     def execute(self, requests):
+        # a request's time to first token counts from here, before its prompt is parsed and
+        # tokenized, as its client's does (vLLM stamps arrival at its API server likewise)
+        arrival = time.monotonic()
         for request in requests:
             sender = request.get_response_sender()
             try:
-                self._submit(request, sender)
+                self._submit(request, sender, arrival)
             except (InvalidRequestError, ServerBusyError) as e:
                 if isinstance(e, SloShedError):  # counted before the client hears of it, as a finish is
                     self.metrics.publish()
@@ -85,7 +89,7 @@ class GenerateHandler:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}")), flags=FINAL)
         return None
 
-    def _submit(self, request, sender) -> None:
+    def _submit(self, request, sender, arrival: float) -> None:
         inputs = {t.name(): t.as_numpy() for t in request.inputs()}
         parsed = parse_request(inputs, self.settings.default_max_tokens, self.vocab_size, self.limits)
         params = parsed.params
@@ -121,6 +125,7 @@ class GenerateHandler:
                     is_cancelled=link.is_cancelled,
                     lora=lora,
                     priority=parsed.priority,
+                    arrival=arrival,
                 )
             )
         except InvalidRequestError as e:  # name the field as the request did (a sampling_parameters key)

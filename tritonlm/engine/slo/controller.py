@@ -149,6 +149,13 @@ class SloController:
         self.step_s = cost.predict(max(0, step_budget - rows), rows, int(context + per_row))
         return Decision(step_budget, self.cap, self.step_s)
 
+    def plan_s(self, plan) -> float:
+        """The predicted seconds of a scheduled step: [(sequence, tokens it runs)], the counts
+        those before it (a row past its prompt decodes; the rest are prompt tokens)."""
+        rows = sum(1 for seq, _ in plan if not seq.in_prefill)
+        context = sum(seq.num_computed + n for seq, n in plan)
+        return self.model.predict(sum(n for _, n in plan) - rows, rows, context)
+
     @staticmethod
     def _chunk_tokens(room_s: float, cost) -> float:
         """Prompt tokens that fit in `room_s` seconds of a step (no limit where they are free)."""
@@ -237,17 +244,25 @@ class SloController:
         return int(min(tokens, self.max_tokens))
 
     # ---- admission ------------------------------------------------------------------------------
-    def predict_ttft(self, prompt_tokens: int, running, waiting) -> float:
+    def predict_ttft(self, prompt_tokens: int, running, waiting, step_left_s: float | None = None) -> float:
         """Seconds from now to a new request's first token, behind `waiting` (the queued
-        requests that start before it) and with `running` holding their slots: its prefill
-        waits for the prefill work ahead and for a running slot, then takes its own chunks.
+        requests that start before it) and with `running` holding their slots, with no
+        margin: the sooner of the two predictions of _ttft_plans."""
+        return min(self._ttft_plans(prompt_tokens, running, waiting, step_left_s))
+
+    def _ttft_plans(self, prompt_tokens: int, running, waiting, step_left_s: float | None) -> tuple[float, float]:
+        """(steady, planned): seconds to a new request's first token. Its prefill waits for
+        the prefill work ahead and for a running slot, then takes its own chunks; steady
+        takes every step at the steady budget, after the rest of the step in flight.
+        step_left_s: the predicted rest of the step in flight (None: none is; the request
+        can join the next step at once); `running` counts are those before it, so its work
+        is still to come, and no queued prompt, nor this one, is in it.
 
         Where a slot is free for it and a TPOT target is set, the steps to its first token
         are also planned as decide() will size them (planned_prefill_s): the steady budget
-        and the slack the streams can spend, the work queued ahead taking its share first;
-        the plan, divided by the margin for the step model's error, is taken where it is
-        sooner. Where it must wait for a slot, every step is taken at the steady budget: the
-        running streams' slack then goes to steps that cannot be foreseen."""
+        and the slack the streams can spend, the work queued ahead taking its share first.
+        Where it must wait for a slot, planned is inf: the running streams' slack then goes
+        to steps that cannot be foreseen."""
         # while it waits, those ahead of it decode too: the prefill share of a step shrinks
         decoding = min(self.cap, len(running) + len(waiting))
         per_step = max(1, self.budget - decoding)
@@ -258,23 +273,26 @@ class SloController:
         slot_steps = self._slot_wait_steps(running, waiting, per_step)
         own_steps = max(1, math.ceil(prompt_tokens / per_step))
         steady = (max(prefill_steps, slot_steps) + own_steps) * step_s
+        if step_left_s is not None:
+            steady += step_left_s
         if slot_steps or self.targets.tpot_s is None:
-            return steady
-        # a plan of a few long steps is as close as one step's prediction: it keeps a margin for that
-        return min(steady, self.planned_prefill_s(prompt_tokens, running, waiting) / self.ttft_margin())
+            return steady, math.inf
+        return steady, self.planned_prefill_s(prompt_tokens, running, waiting, step_left_s)
 
     def ttft_margin(self) -> float:
         """The share of a first-token deadline a plan of long steps may fill: a step's time
         errs by about the model's relative error, and 99% of first tokens are to fall inside (SLO_Z)."""
         return max(MIN_TTFT_MARGIN, min(HEADROOM, 1.0 - SLO_Z * self.model.relative_error))
 
-    def planned_prefill_s(self, prompt_tokens: int, running, waiting) -> float:
+    def planned_prefill_s(self, prompt_tokens: int, running, waiting, step_left_s: float | None = None) -> float:
         """Seconds until the step that runs the last chunk of a new prompt ends, its steps
         planned one by one as decide() sizes them: each carries the steady budget, or more
         where every decoding stream's TPOT slack allows it (_slack_limit). Prompts queued
         ahead (the running ones' rest, then `waiting` in order) take the chunks first, and
         each becomes a decoding stream once its prompt is in, with what its answer may spend.
-        A step of s seconds moves each stream's slack by its planned step time less s."""
+        A step of s seconds moves each stream's slack by its planned step time less s.
+        step_left_s (the predicted rest of a step in flight): the first planned step is that
+        one, which holds only the running prompts, and only its rest is to come."""
         cost = self.model.cost
         tau = self.targets.tpot_s * HEADROOM
         # a decoding stream: [tokens made, seconds since its first token, certain tokens, max_tokens,
@@ -287,7 +305,8 @@ class SloController:
                     for s in waiting]
         prompts.append([prompt_tokens, 0, 0, prompt_tokens])
         elapsed, typical_s = 0.0, self.typical_step_s
-        for _ in range(PLANNED_STEPS):
+        in_flight = sum(1 for s in running if s.in_prefill) if step_left_s is not None else None
+        for step in range(PLANNED_STEPS):
             rows = len(streams)
             context = sum(st[4] for st in streams)
             decode_s = cost.predict(0, rows, context)
@@ -298,7 +317,8 @@ class SloController:
             # step of no decoding rows carries at least one prompt token)
             room = max(0, budget - rows) if rows else max(1, budget)
             chunk, positions, done = 0, 0, []
-            while prompts and chunk < room:
+            held = len(prompts) if step or in_flight is None else in_flight  # the prompts this step can hold
+            while prompts and chunk < room and len(done) < held:
                 take = min(room - chunk, prompts[0][0])
                 prompts[0][0] -= take
                 chunk += take
@@ -306,7 +326,7 @@ class SloController:
                 if prompts[0][0] == 0:
                     done.append(prompts.pop(0))
             step_s = cost.predict(chunk, rows, context + positions)
-            elapsed += step_s
+            elapsed += step_s if step or in_flight is None else step_left_s
             typical_s += TYPICAL_ALPHA * (step_s - typical_s)  # as observe_step will move it
             if not prompts:  # its own prompt was the last in: this step makes its first token
                 return elapsed
@@ -337,13 +357,19 @@ class SloController:
         expected = math.ceil(seq.request.params.max_tokens * self.output_ratio)
         return max(1, expected - seq.num_output_tokens)
 
-    def admit(self, prompt_tokens: int, running, waiting, priority: int = 0, elapsed_s: float = 0.0) -> None:
+    def admit(self, prompt_tokens: int, running, waiting, priority: int = 0, elapsed_s: float = 0.0,
+              step_left_s: float | None = None) -> None:
         """SloShedError when a request of `priority` would miss slo_ttft behind the queue ahead;
-        `elapsed_s`: the part of its time to first token already gone (since its arrival).
+        `elapsed_s`: the part of its time to first token already gone (since its arrival);
+        step_left_s: the predicted rest of the step in flight (None: no step is in flight).
 
         `waiting` (arrival order) holds requests queued before this one; those of worse
         priority will run after it, so only those of better or equal priority count: a
         high-priority arrival is not shed for a low-priority backlog.
+
+        A plan of a few long steps errs as one step's prediction does, so it is judged with
+        ttft_margin() for the step model's error; a steady prediction, of many short steps
+        whose errors partly cancel, with the HEADROOM the TPOT side plans its steps with.
 
         With nothing running and nothing queued ahead the request is admitted whatever the
         prediction: refusing it protects no one, and an idle engine that refused every arrival
@@ -353,7 +379,8 @@ class SloController:
         if self.targets.ttft_s is None or not self.model.ready:
             return
         waiting = ahead_of(priority, waiting)
-        ttft = elapsed_s + self.predict_ttft(prompt_tokens, running, waiting)
+        steady, planned = self._ttft_plans(prompt_tokens, running, waiting, step_left_s)
+        ttft = elapsed_s + min(steady / HEADROOM, planned / self.ttft_margin())
         self.predicted_ttft_s = ttft
         if ttft > self.targets.ttft_s and (running or waiting):
             raise SloShedError(

@@ -100,34 +100,44 @@ def simulate(times: list[float], slo: bool = True, host=None, prompt=(100, 300),
     sched = Scheduler(config, cache)
     run = Run(scheduler=sched)
     pending = sorted(times)
-    now, i = 0.0, 0
-    sched.clock = lambda: now  # the simulated clock, as it stands when the scheduler reads it
+    clock, i = [0.0], 0
+    sched.clock = lambda: clock[0]  # the simulated clock, as it stands when the scheduler reads it
+
+    def arrive(at: float) -> None:
+        """A request arrives at `at` (between steps, or during one: it joins a later step)."""
+        clock[0] = at
+        n = rng.randint(*prompt)
+        req = GenerationRequest([1] * n, SamplingParams(max_tokens=max_tokens), on_event=lambda e: None,
+                                arrival=at, priority=priority(at) if priority else 0)
+        seq = Sequence(request=req, token_ids=[1] * n, sampling=None, detok=None, reserve_tokens=n + max_tokens)
+        try:
+            sched.check_slo(seq, [])
+        except SloShedError:
+            run.shed.append(at)
+            return
+        sched.add(seq)
+        run.admitted.append(seq)
+
     while i < len(pending) or sched.num_running or sched.num_waiting:
+        now = clock[0]
         while i < len(pending) and pending[i] <= now:
-            n = rng.randint(*prompt)
-            req = GenerationRequest([1] * n, SamplingParams(max_tokens=max_tokens), on_event=lambda e: None,
-                                    arrival=pending[i], priority=priority(pending[i]) if priority else 0)
-            seq = Sequence(request=req, token_ids=[1] * n, sampling=None, detok=None, reserve_tokens=n + max_tokens)
-            i += 1
-            try:
-                sched.check_slo(seq, [])
-            except SloShedError:
-                run.shed.append(req.arrival)
-                continue
-            sched.add(seq)
-            run.admitted.append(seq)
+            arrive(pending[i])
+            clock[0], i = now, i + 1
         plan = sched.schedule()
         if not plan:
-            now = pending[i]
+            clock[0] = pending[i]
             continue
         if sched.slo is not None:
             run.decisions.append((now, sched.slo.budget, sched.slo.cap))
         tokens = sum(n for _, n in plan)
         rows = sum(1 for seq, _ in plan if not seq.in_prefill)
+        seconds = host_at(now).step_s(tokens - rows, rows, sum(seq.num_computed + n for seq, n in plan), rng)
+        while i < len(pending) and pending[i] <= now + seconds:  # during the step: its counts are those before it
+            arrive(pending[i])
+            i += 1
+        clock[0] = now = now + seconds
         for seq, n in plan:
             sched.advance(seq, n)
-        seconds = host_at(now).step_s(tokens - rows, rows, sum(seq.num_computed for seq, _ in plan), rng)
-        now += seconds
         for seq, _ in plan:
             if seq.in_prefill:
                 continue
@@ -237,11 +247,14 @@ def test_after_a_load_step_the_decisions_settle_and_the_slo_holds_again():
     run = simulate(times)
     met, judged = run.met(TARGETS, after=35)  # 5 s after the step
     assert met >= 0.99 * judged
-    # no oscillation: in the last 30 s the (budget, cap) pair changes a handful of times at most
-    # (the decode context moves as requests come and go), against ~1,000 steps
+    # no oscillation: in the last 30 s the (budget, cap) pair changes a few times at most,
+    # against ~1,000 steps, and by little (the prefill share and the decode context move as
+    # requests come and go, and as the arrivals shed vary)
     steps = len([d for d in run.decisions if d[0] >= 60])
     assert steps > 500
-    assert _changes(run.decisions, 60, 90) <= 0.01 * steps
+    assert _changes(run.decisions, 60, 90) <= 0.02 * steps
+    caps = sorted(c for t, _, c in run.decisions if 60 <= t < 88)  # before the arrivals stop
+    assert caps[-1] - caps[0] <= 0.5 * caps[len(caps) // 2]  # its range at most half its median
 
 
 def test_a_host_that_slows_down_is_relearned_and_the_slo_holds_again():
@@ -396,14 +409,17 @@ SMALL_TARGETS = SloTargets(0.36, 0.0677)
 
 def _bursts_on_a_small_host(seeds, planned: bool, monkeypatch) -> tuple[int, int, int]:
     """(met, admitted, shed) over bursty arrivals at half the host's capacity, short prompts
-    and answers; planned False: admission predicts every first token at the steady budget."""
+    and answers; planned False: admission predicts every first token at the steady budget.
+    Judged from the first second on: until the step model has seen a few prompts' steps it
+    cannot tell what a prompt costs, and a burst in the engine's first steps (arrivals
+    during one long prefill step) can miss (docs/slo.md, "A cold start")."""
     if not planned:
         monkeypatch.setattr(SloController, "planned_prefill_s", lambda self, *args: math.inf)
     met = admitted = shed = 0
     for seed in seeds:
         times = bursty_arrivals(6.0, 200, cv=2.5, seed=seed)
         run = simulate(times, host=SMALL_HOST, prompt=(6, 128), max_tokens=32, seed=seed, targets=SMALL_TARGETS)
-        good, judged = run.met(SMALL_TARGETS)
+        good, judged = run.met(SMALL_TARGETS, after=1.0)
         met, admitted, shed = met + good, admitted + judged, shed + len(run.shed)
     monkeypatch.undo()
     return met, admitted, shed
@@ -484,3 +500,34 @@ def test_the_running_cap_leaves_the_prefill_share_the_load_brings():
     assert light_cap == pytest.approx((tau * (1 - MIN_PREFILL_SHARE) - A) / per_row, rel=0.15)
     assert heavy_cap == pytest.approx((tau * (1 - heavy_share) - A) / per_row, rel=0.15)
     assert heavy_cap < light_cap
+
+
+def test_a_request_that_arrives_during_a_step_joins_the_next_one():
+    """A step in flight holds only the prompts it was scheduled with: a request that arrives
+    during it waits for the rest of it (by the step's prediction), then takes its own step.
+    Through the scheduler: while a step is in flight it knows the step's predicted time."""
+    ctl = SloController(TARGETS, 64, 512)
+    rng = random.Random(11)
+    host = Host(noise=0)
+    for _ in range(COLD_STEPS + 40):
+        prefill, rows, context = rng.randint(0, 300), rng.randint(1, 32), rng.randint(100, 5000)
+        ctl.observe_step(prefill, rows, context, host.step_s(prefill, rows, context, rng))
+    req = GenerationRequest([1] * 50, SamplingParams(max_tokens=32), on_event=lambda e: None)
+    stream = Sequence(request=req, token_ids=[1] * 50 + [2], sampling=None, detok=None, reserve_tokens=82)
+    stream.num_computed = 50  # its prompt is in: it decodes
+    stream.first_token_time = stream.last_token_time = 0.0
+    between = ctl.predict_ttft(100, [stream], [])
+    in_flight = ctl.plan_s([(stream, 1)])
+    assert in_flight == pytest.approx(host.step_s(0, 1, 51, rng), rel=0.05)
+    assert ctl.predict_ttft(100, [stream], [], step_left_s=in_flight) == pytest.approx(between + in_flight, rel=0.05)
+    assert ctl.predict_ttft(100, [stream], [], step_left_s=0.0) == pytest.approx(between, rel=0.05)
+
+    run = simulate([0.0, 0.1], max_tokens=4)
+    sched = run.scheduler
+    assert sched.step_in_flight is None  # between steps
+    sched.add(Sequence(request=GenerationRequest([1] * 20, SamplingParams(max_tokens=4), on_event=lambda e: None),
+                       token_ids=[1] * 20, sampling=None, detok=None, reserve_tokens=24))
+    plan = sched.schedule()
+    assert sched.step_in_flight == (sched.clock(), sched.slo.plan_s(plan))
+    sched.step_done(plan, 0.01)
+    assert sched.step_in_flight is None
