@@ -423,6 +423,7 @@ class Engine:
             self._complete_deferred()
             for seq, _ in plan:
                 self.output.fail(seq, f"internal error in the forward pass: {e}")
+            self.scheduler.step_ended(plan)
             return
         if ahead is not None:
             self._ahead_step = (plan, [seq.num_computed for seq, _ in plan], started)

@@ -31,7 +31,7 @@ from tritonlm.engine.host_tensors import int64_tensor
 from tritonlm.engine.kv_cache import KVCacheManager, block_digest
 from tritonlm.engine.request import ServerBusyError
 from tritonlm.engine.sequence import Sequence, SeqState
-from tritonlm.engine.slo import LatencyLedger, SloController, SloShedError, SloTargets
+from tritonlm.engine.slo import InFlightStep, LatencyLedger, SloController, SloShedError, SloTargets
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,10 @@ class Scheduler:
         self.cache = cache
         self.recompute = recompute
         self.clock: Callable[[], float] = time.monotonic  # the clock of requests' arrival times
-        # the step in flight, with an SLO: (when it was scheduled, by clock; its predicted
-        # seconds); None between steps. A request that arrives during it joins the next one
-        # (read off the engine thread by check_slo)
-        self.step_in_flight: tuple[float, float] | None = None
+        # the step in flight, with an SLO: (its plan, when it was scheduled by clock, its
+        # predicted seconds, each prompt's cached positions after it); None between steps. A
+        # request that arrives during it joins a later one (read off the engine thread by check_slo)
+        self.step_in_flight: tuple[ScheduledBatch, float, float, dict[int, int]] | None = None
         if recompute:
             cache.prefix_caching = False  # recomputing rewrites every block: nothing may be shared
         # priority order, arrival order among equals (add keeps it sorted, stably)
@@ -101,12 +101,15 @@ class Scheduler:
         request judged after it waited)."""
         if self.slo is None:
             return
-        now, in_flight = self.clock(), self.step_in_flight
+        now, record = self.clock(), self.step_in_flight
         gone = max(0.0, now - seq.request.arrival)
-        left = None if in_flight is None else max(0.0, in_flight[1] - (now - in_flight[0]))
+        in_flight = None
+        if record is not None:
+            _, at, step_s, after = record
+            in_flight = InFlightStep(step_s, max(0.0, step_s - (now - at)), after)
         try:
             self.slo.admit(seq.num_prompt_tokens, list(self.running), list(self.waiting) + list(queued),
-                           priority=seq.request.priority, elapsed_s=gone, step_left_s=left)
+                           priority=seq.request.priority, elapsed_s=gone, in_flight=in_flight, now=now)
         except SloShedError:
             self.ledger.shed += 1
             raise
@@ -165,9 +168,17 @@ class Scheduler:
         if not plan and prefilling:  # budget smaller than one decode round: still make progress
             seq = prefilling[0]
             plan.append((seq, min(seq.num_pending, self.config.max_num_batched_tokens)))
-        if self.slo is not None:
-            self.step_in_flight = (self.clock(), self.slo.plan_s(plan)) if plan else None
+        if self.slo is not None and plan:  # an empty plan leaves a step still on the device in flight
+            after = {seq.id: seq.num_computed + n for seq, n in plan if seq.in_prefill}
+            self.step_in_flight = (plan, self.clock(), self.slo.plan_s(plan), after)
         return plan
+
+    def step_ended(self, plan: ScheduledBatch) -> None:
+        """`plan` has run (or failed): it is no longer the step in flight, unless a later
+        one has taken its place (schedule_ahead launches the next before this one ends)."""
+        record = self.step_in_flight
+        if record is not None and record[0] is plan:
+            self.step_in_flight = None
 
     def rotate_again(self) -> None:
         """Phi-3 with longrope: transformers' generate() drops its cache and runs the whole
@@ -193,7 +204,7 @@ class Scheduler:
         learns from it and the ledger takes each row's gap since its previous token.
         computed: each row's cached positions right after the step's passes (a step whose
         tokens were read a step later, when later passes have moved them); None: as now."""
-        self.step_in_flight = None
+        self.step_ended(plan)
         self.ledger.step_done([seq for seq, _ in plan if seq.state is not SeqState.FINISHED])
         if self.slo is not None:
             if computed is None:

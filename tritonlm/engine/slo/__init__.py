@@ -30,8 +30,8 @@ does not make it oscillate; each change is one log line. Until the model has see
 steps the configured knobs hold and every request is admitted.
 """
 
-from tritonlm.engine.slo.controller import Decision, SloController, SloShedError
+from tritonlm.engine.slo.controller import Decision, InFlightStep, SloController, SloShedError
 from tritonlm.engine.slo.ledger import LatencyLedger, SloTargets
 from tritonlm.engine.slo.step_time import StepTimeModel
 
-__all__ = ["Decision", "LatencyLedger", "SloController", "SloShedError", "SloTargets", "StepTimeModel"]
+__all__ = ["Decision", "InFlightStep", "LatencyLedger", "SloController", "SloShedError", "SloTargets", "StepTimeModel"]

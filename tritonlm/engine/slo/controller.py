@@ -7,6 +7,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 from tritonlm.engine.request import ServerBusyError
@@ -43,6 +44,16 @@ PLANNED_STEPS = 64  # admission plans at most this many steps to a first token
 class SloShedError(ServerBusyError):
     """Refused at arrival: the request's predicted time to first token is past slo_ttft_ms.
     The message starts with "overloaded:" (the OpenAI layer answers 503 + Retry-After)."""
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """The step running when a request arrives (Scheduler.step_in_flight). The sequences'
+    counts may be read before or after its passes move them: prompts_after says where each
+    prompt it carries stands once it is done, either way."""
+    step_s: float  # its predicted seconds
+    left_s: float  # of them, those still to come
+    prompts_after: dict[int, int]  # sequence id -> cached prompt positions after it
 
 
 @dataclass(frozen=True)
@@ -218,20 +229,28 @@ class SloController:
         of a long one. A prompt already past reach (its own chunk alone ends past its
         deadline) does not hold the others back; the steady budget is never cut (a step of
         it keeps every stream's TPOT), nor is the first prompt's chunk."""
+        if self.targets.ttft_s is None or not self.model.ready:
+            return tokens
+        due = [(seq.num_prompt_tokens - seq.num_computed, seq.num_prompt_tokens,
+                seq.request.arrival + self.targets.ttft_s - now) for seq in prefilling]
+        return self._deadline_room(due, tokens, rows, context)
+
+    def _deadline_room(self, prompts, tokens: int, rows: int, context: int) -> int:
+        """deadline_tokens' rule: `prompts` in the order the step fills them, each (tokens
+        left, prompt tokens, seconds from the step's start to its slo_ttft deadline)."""
         steady = max(0, self.budget - rows)
-        if self.targets.ttft_s is None or not self.model.ready or tokens <= steady:
+        if tokens <= steady:
             return tokens
         cost, margin = self.model.cost, self.ttft_margin()
         ends_by, carried = math.inf, 0  # the earliest deadline among the prompts finished so far
-        for seq in prefilling:
-            left = seq.num_prompt_tokens - seq.num_computed
+        for left, prompt_tokens, due in prompts:
             if carried + left > tokens:
                 break  # a partial chunk: no first token in this step
-            context += seq.num_prompt_tokens  # a finished prompt's positions, as step_done counts them
+            context += prompt_tokens  # a finished prompt's positions, as step_done counts them
             step_s = cost.predict(carried + left, rows, context)
             if step_s > ends_by and carried:
                 break  # it would make a prompt before it late
-            due_s = margin * (seq.request.arrival + self.targets.ttft_s - now)  # the fit's error, the host's noise
+            due_s = margin * due  # the fit's error, the host's noise
             if step_s <= due_s:  # else out of reach
                 ends_by = min(ends_by, due_s)
             carried += left
@@ -244,19 +263,21 @@ class SloController:
         return int(min(tokens, self.max_tokens))
 
     # ---- admission ------------------------------------------------------------------------------
-    def predict_ttft(self, prompt_tokens: int, running, waiting, step_left_s: float | None = None) -> float:
+    def predict_ttft(self, prompt_tokens: int, running, waiting, in_flight: InFlightStep | None = None,
+                     now: float | None = None) -> float:
         """Seconds from now to a new request's first token, behind `waiting` (the queued
         requests that start before it) and with `running` holding their slots, with no
         margin: the sooner of the two predictions of _ttft_plans."""
-        return min(self._ttft_plans(prompt_tokens, running, waiting, step_left_s))
+        return min(self._ttft_plans(prompt_tokens, running, waiting, in_flight, now))
 
-    def _ttft_plans(self, prompt_tokens: int, running, waiting, step_left_s: float | None) -> tuple[float, float]:
+    def _ttft_plans(self, prompt_tokens: int, running, waiting, in_flight: InFlightStep | None,
+                    now: float | None) -> tuple[float, float]:
         """(steady, planned): seconds to a new request's first token. Its prefill waits for
         the prefill work ahead and for a running slot, then takes its own chunks; steady
         takes every step at the steady budget, after the rest of the step in flight.
-        step_left_s: the predicted rest of the step in flight (None: none is; the request
-        can join the next step at once); `running` counts are those before it, so its work
-        is still to come, and no queued prompt, nor this one, is in it.
+        in_flight: the step running now (None: none is, and the request can join the next
+        step at once); no queued prompt, nor this one, is in it. now: the clock of the requests'
+        arrivals (None: time.monotonic()).
 
         Where a slot is free for it and a TPOT target is set, the steps to its first token
         are also planned as decide() will size them (planned_prefill_s): the steady budget
@@ -267,46 +288,71 @@ class SloController:
         decoding = min(self.cap, len(running) + len(waiting))
         per_step = max(1, self.budget - decoding)
         step_s = self.model.predict(per_step, decoding, int(decoding * self.row_context))
-        ahead = sum(s.num_prompt_tokens - s.num_computed for s in running if s.in_prefill)
+        after = in_flight.prompts_after if in_flight is not None else {}
+        ahead = sum(_prompt_left(s, after) for s in running if s.in_prefill)
         ahead += sum(s.num_prompt_tokens for s in waiting)
         prefill_steps = math.ceil(ahead / per_step)
         slot_steps = self._slot_wait_steps(running, waiting, per_step)
         own_steps = max(1, math.ceil(prompt_tokens / per_step))
         steady = (max(prefill_steps, slot_steps) + own_steps) * step_s
-        if step_left_s is not None:
-            steady += step_left_s
+        if in_flight is not None:
+            steady += in_flight.left_s
         if slot_steps or self.targets.tpot_s is None:
             return steady, math.inf
-        return steady, self.planned_prefill_s(prompt_tokens, running, waiting, step_left_s)
+        return steady, self.planned_prefill_s(prompt_tokens, running, waiting, in_flight, now)
 
     def ttft_margin(self) -> float:
         """The share of a first-token deadline a plan of long steps may fill: a step's time
         errs by about the model's relative error, and 99% of first tokens are to fall inside (SLO_Z)."""
         return max(MIN_TTFT_MARGIN, min(HEADROOM, 1.0 - SLO_Z * self.model.relative_error))
 
-    def planned_prefill_s(self, prompt_tokens: int, running, waiting, step_left_s: float | None = None) -> float:
+    def planned_prefill_s(self, prompt_tokens: int, running, waiting, in_flight: InFlightStep | None = None,
+                          now: float | None = None) -> float:
         """Seconds until the step that runs the last chunk of a new prompt ends, its steps
         planned one by one as decide() sizes them: each carries the steady budget, or more
         where every decoding stream's TPOT slack allows it (_slack_limit). Prompts queued
         ahead (the running ones' rest, then `waiting` in order) take the chunks first, and
         each becomes a decoding stream once its prompt is in, with what its answer may spend.
         A step of s seconds moves each stream's slack by its planned step time less s.
-        step_left_s (the predicted rest of a step in flight): the first planned step is that
-        one, which holds only the running prompts, and only its rest is to come."""
+        in_flight (the step running now): the plan starts once it is done, the chunks it
+        carries run, and a prompt it finishes decoding. A step that finishes prompts carries
+        no more than keeps their first tokens within slo_ttft, as deadline_tokens holds the
+        scheduler's (`now`: the arrivals' clock, None: time.monotonic())."""
         cost = self.model.cost
         tau = self.targets.tpot_s * HEADROOM
+        after = in_flight.prompts_after if in_flight is not None else {}
         # a decoding stream: [tokens made, seconds since its first token, certain tokens, max_tokens,
-        # cached positions]; a prompt: [tokens left, certain tokens, max_tokens, prompt tokens]
-        streams = [[s.num_output_tokens, _spent_s(s), _certain_tokens(s), s.request.params.max_tokens, s.num_computed + 1]
-                   for s in running if not s.in_prefill]
-        prompts = [[s.num_prompt_tokens - s.num_computed, _certain_tokens(s), s.request.params.max_tokens, s.num_prompt_tokens]
-                   for s in running if s.in_prefill]
-        prompts += [[s.num_prompt_tokens, _certain_tokens(s), s.request.params.max_tokens, s.num_prompt_tokens]
-                    for s in waiting]
-        prompts.append([prompt_tokens, 0, 0, prompt_tokens])
+        # cached positions]; a prompt: [tokens left, certain tokens, max_tokens, prompt tokens,
+        # seconds from now to its slo_ttft deadline]
+        now = time.monotonic() if now is None else now
+        ttft = self.targets.ttft_s if self.targets.ttft_s is not None else math.inf
+        streams, prompts = [], []
+        for s in running:  # each read once: the engine thread moves the counts
+            if s.in_prefill:
+                prompts.append([_prompt_left(s, after), _certain_tokens(s), s.request.params.max_tokens, s.num_prompt_tokens,
+                                s.request.arrival + ttft - now])
+            else:
+                streams.append([s.num_output_tokens, _spent_s(s), _certain_tokens(s), s.request.params.max_tokens,
+                                s.num_computed + 1])
+        prompts += [[s.num_prompt_tokens, _certain_tokens(s), s.request.params.max_tokens, s.num_prompt_tokens,
+                     s.request.arrival + ttft - now] for s in waiting]
+        prompts.append([prompt_tokens, 0, 0, prompt_tokens, ttft])
+
+        def decoded(streams: list, step_s: float, done: list) -> list:
+            """The streams after a step of step_s seconds that finished the prompts `done`."""
+            for stream in streams:
+                stream[1] += step_s if stream[0] else 0.0  # a prompt just in: its first token ends the step
+                stream[0] += 1
+                stream[4] += 1
+            return [st for st in streams if st[0] < st[3]] + [[1, 0.0, certain, max_tokens, n + 1]
+                                                              for _, certain, max_tokens, n, _ in done]
+
         elapsed, typical_s = 0.0, self.typical_step_s
-        in_flight = sum(1 for s in running if s.in_prefill) if step_left_s is not None else None
-        for step in range(PLANNED_STEPS):
+        if in_flight is not None:  # its chunks are counted in the prompts' rest: it takes no more
+            elapsed = in_flight.left_s
+            streams = decoded(streams, in_flight.step_s, [p for p in prompts if p[0] <= 0])
+            prompts = [p for p in prompts if p[0] > 0]
+        for _ in range(PLANNED_STEPS):
             rows = len(streams)
             context = sum(st[4] for st in streams)
             decode_s = cost.predict(0, rows, context)
@@ -316,9 +362,10 @@ class SloController:
             # as the scheduler: the decoding rows first, the rest to the prompts in order (a
             # step of no decoding rows carries at least one prompt token)
             room = max(0, budget - rows) if rows else max(1, budget)
+            if self.targets.ttft_s is not None:  # as the scheduler holds a step to its prompts' deadlines
+                room = self._deadline_room([(p[0], p[3], p[4] - elapsed) for p in prompts], room, rows, context)
             chunk, positions, done = 0, 0, []
-            held = len(prompts) if step or in_flight is None else in_flight  # the prompts this step can hold
-            while prompts and chunk < room and len(done) < held:
+            while prompts and chunk < room:
                 take = min(room - chunk, prompts[0][0])
                 prompts[0][0] -= take
                 chunk += take
@@ -326,16 +373,11 @@ class SloController:
                 if prompts[0][0] == 0:
                     done.append(prompts.pop(0))
             step_s = cost.predict(chunk, rows, context + positions)
-            elapsed += step_s if step or in_flight is None else step_left_s
+            elapsed += step_s
             typical_s += TYPICAL_ALPHA * (step_s - typical_s)  # as observe_step will move it
             if not prompts:  # its own prompt was the last in: this step makes its first token
                 return elapsed
-            for stream in streams:
-                stream[0] += 1
-                stream[1] += step_s
-                stream[4] += 1
-            streams = [st for st in streams if st[0] < st[3]]
-            streams += [[1, 0.0, certain, max_tokens, n + 1] for _, certain, max_tokens, n in done]
+            streams = decoded(streams, step_s, done)
         return math.inf  # not within the steps planned: the steady prediction stands
 
     def _slot_wait_steps(self, running, waiting, per_step: int) -> int:
@@ -358,10 +400,11 @@ class SloController:
         return max(1, expected - seq.num_output_tokens)
 
     def admit(self, prompt_tokens: int, running, waiting, priority: int = 0, elapsed_s: float = 0.0,
-              step_left_s: float | None = None) -> None:
+              in_flight: InFlightStep | None = None, now: float | None = None) -> None:
         """SloShedError when a request of `priority` would miss slo_ttft behind the queue ahead;
         `elapsed_s`: the part of its time to first token already gone (since its arrival);
-        step_left_s: the predicted rest of the step in flight (None: no step is in flight).
+        in_flight: the step running now (None: no step is); now: the clock of the requests'
+        arrivals (None: time.monotonic()).
 
         `waiting` (arrival order) holds requests queued before this one; those of worse
         priority will run after it, so only those of better or equal priority count: a
@@ -379,7 +422,7 @@ class SloController:
         if self.targets.ttft_s is None or not self.model.ready:
             return
         waiting = ahead_of(priority, waiting)
-        steady, planned = self._ttft_plans(prompt_tokens, running, waiting, step_left_s)
+        steady, planned = self._ttft_plans(prompt_tokens, running, waiting, in_flight, now)
         ttft = elapsed_s + min(steady / HEADROOM, planned / self.ttft_margin())
         self.predicted_ttft_s = ttft
         if ttft > self.targets.ttft_s and (running or waiting):
@@ -393,6 +436,12 @@ def ahead_of(priority: int, waiting) -> list:
     """The queued requests that run before a new one of `priority`: better priority (lower),
     or equal and there first (all of `waiting` arrived before it)."""
     return [s for s in waiting if s.request.priority <= priority]
+
+
+def _prompt_left(seq, after: dict[int, int]) -> int:
+    """Prompt tokens of a running sequence still to run once the step in flight is done
+    (`after`: its prompts' positions then)."""
+    return max(0, seq.num_prompt_tokens - max(seq.num_computed, after.get(seq.id, 0)))
 
 
 def _spent_s(seq) -> float:

@@ -132,11 +132,16 @@ def simulate(times: list[float], slo: bool = True, host=None, prompt=(100, 300),
         tokens = sum(n for _, n in plan)
         rows = sum(1 for seq, _ in plan if not seq.in_prefill)
         seconds = host_at(now).step_s(tokens - rows, rows, sum(seq.num_computed + n for seq, n in plan), rng)
-        while i < len(pending) and pending[i] <= now + seconds:  # during the step: its counts are those before it
+        # a request that arrives during the step may read the counts before its passes move
+        # them or after (the executor moves them as each pass ends, a GPU's at its launch)
+        early = rng.random() < 0.5
+        for seq, n in plan if early else ():
+            sched.advance(seq, n)
+        while i < len(pending) and pending[i] <= now + seconds:
             arrive(pending[i])
             i += 1
         clock[0] = now = now + seconds
-        for seq, n in plan:
+        for seq, n in plan if not early else ():
             sched.advance(seq, n)
         for seq, _ in plan:
             if seq.in_prefill:
@@ -335,8 +340,9 @@ def test_tpot_slack_is_spent_on_prefill_so_first_tokens_come_sooner(monkeypatch)
     with_slack = simulate(times, prompt=(300, 600), host=host)
     monkeypatch.setattr(controller, "SLACK_SHARE", 0.0)
     steady = simulate(times, prompt=(300, 600), host=host)
-    met, judged = with_slack.met(TARGETS)
-    assert met == judged == len(with_slack.admitted) > 100
+    assert all(s.first_token_time is not None for s in with_slack.admitted)  # every admitted one answered
+    met, judged = with_slack.met(TARGETS, after=2.0)  # past the cold start (docs/slo.md)
+    assert met == judged > 100
     assert len(with_slack.shed) <= len(steady.shed)
     assert statistics.median(ttfts(with_slack)) < 0.7 * statistics.median(ttfts(steady))
 
@@ -410,7 +416,7 @@ SMALL_TARGETS = SloTargets(0.36, 0.0677)
 def _bursts_on_a_small_host(seeds, planned: bool, monkeypatch) -> tuple[int, int, int]:
     """(met, admitted, shed) over bursty arrivals at half the host's capacity, short prompts
     and answers; planned False: admission predicts every first token at the steady budget.
-    Judged from the first second on: until the step model has seen a few prompts' steps it
+    Judged from the third second on: until the step model has seen a few prompts' steps it
     cannot tell what a prompt costs, and a burst in the engine's first steps (arrivals
     during one long prefill step) can miss (docs/slo.md, "A cold start")."""
     if not planned:
@@ -419,7 +425,7 @@ def _bursts_on_a_small_host(seeds, planned: bool, monkeypatch) -> tuple[int, int
     for seed in seeds:
         times = bursty_arrivals(6.0, 200, cv=2.5, seed=seed)
         run = simulate(times, host=SMALL_HOST, prompt=(6, 128), max_tokens=32, seed=seed, targets=SMALL_TARGETS)
-        good, judged = run.met(SMALL_TARGETS, after=1.0)
+        good, judged = run.met(SMALL_TARGETS, after=2.0)
         met, admitted, shed = met + good, admitted + judged, shed + len(run.shed)
     monkeypatch.undo()
     return met, admitted, shed
@@ -504,30 +510,49 @@ def test_the_running_cap_leaves_the_prefill_share_the_load_brings():
 
 def test_a_request_that_arrives_during_a_step_joins_the_next_one():
     """A step in flight holds only the prompts it was scheduled with: a request that arrives
-    during it waits for the rest of it (by the step's prediction), then takes its own step.
-    Through the scheduler: while a step is in flight it knows the step's predicted time."""
+    during it waits for the rest of it (by the step's prediction), then takes its own step;
+    the prediction is the same whether the counts were read before the step's passes moved
+    them or after. Through the scheduler: while a step is in flight check_slo knows it."""
+    from tritonlm.engine.slo import InFlightStep
+
     ctl = SloController(TARGETS, 64, 512)
     rng = random.Random(11)
     host = Host(noise=0)
     for _ in range(COLD_STEPS + 40):
         prefill, rows, context = rng.randint(0, 300), rng.randint(1, 32), rng.randint(100, 5000)
         ctl.observe_step(prefill, rows, context, host.step_s(prefill, rows, context, rng))
-    req = GenerationRequest([1] * 50, SamplingParams(max_tokens=32), on_event=lambda e: None)
-    stream = Sequence(request=req, token_ids=[1] * 50 + [2], sampling=None, detok=None, reserve_tokens=82)
-    stream.num_computed = 50  # its prompt is in: it decodes
-    stream.first_token_time = stream.last_token_time = 0.0
+
+    def sequence(prompt: int, computed: int, made: int = 0) -> Sequence:
+        req = GenerationRequest([1] * prompt, SamplingParams(max_tokens=32), on_event=lambda e: None)
+        seq = Sequence(request=req, token_ids=[1] * prompt + [2] * made, sampling=None, detok=None,
+                       reserve_tokens=prompt + 32)
+        seq.num_computed = computed
+        if made:
+            seq.first_token_time = seq.last_token_time = 0.0
+        return seq
+
+    stream = sequence(50, 50, made=1)  # its prompt is in: it decodes
     between = ctl.predict_ttft(100, [stream], [])
     in_flight = ctl.plan_s([(stream, 1)])
     assert in_flight == pytest.approx(host.step_s(0, 1, 51, rng), rel=0.05)
-    assert ctl.predict_ttft(100, [stream], [], step_left_s=in_flight) == pytest.approx(between + in_flight, rel=0.05)
-    assert ctl.predict_ttft(100, [stream], [], step_left_s=0.0) == pytest.approx(between, rel=0.05)
+    just_started = ctl.predict_ttft(100, [stream], [], InFlightStep(in_flight, in_flight, {}))
+    assert just_started == pytest.approx(between + in_flight, rel=0.05)
+    assert ctl.predict_ttft(100, [stream], [], InFlightStep(in_flight, 0.0, {})) == pytest.approx(between, rel=0.05)
+
+    # a running prompt of 300 tokens, 100 of them in the step in flight: read before the
+    # step's pass moved its count or after, the same prediction
+    before, moved = sequence(300, 0), sequence(300, 100)
+    moved.id = before.id
+    step = InFlightStep(0.03, 0.02, {before.id: 100})
+    assert ctl.predict_ttft(100, [stream, before], [], step) == pytest.approx(
+        ctl.predict_ttft(100, [stream, moved], [], step))
+    assert ctl.predict_ttft(100, [stream, before], [], step) > ctl.predict_ttft(100, [stream, before], [], None)
 
     run = simulate([0.0, 0.1], max_tokens=4)
     sched = run.scheduler
     assert sched.step_in_flight is None  # between steps
-    sched.add(Sequence(request=GenerationRequest([1] * 20, SamplingParams(max_tokens=4), on_event=lambda e: None),
-                       token_ids=[1] * 20, sampling=None, detok=None, reserve_tokens=24))
+    sched.add(sequence(20, 0))
     plan = sched.schedule()
-    assert sched.step_in_flight == (sched.clock(), sched.slo.plan_s(plan))
+    assert sched.step_in_flight[:3] == (plan, sched.clock(), sched.slo.plan_s(plan))
     sched.step_done(plan, 0.01)
     assert sched.step_in_flight is None
