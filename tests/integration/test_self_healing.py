@@ -126,13 +126,17 @@ def start_streams(serve: Serve, model: str, n: int, openai_client=None) -> tuple
     def openai_stream() -> None:
         try:
             stream = openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=STREAM_TOKENS,
-                                                      extra_body={"min_tokens": STREAM_TOKENS}, stream=True)
-            finish = None
+                                                      extra_body={"min_tokens": STREAM_TOKENS}, stream=True,
+                                                      stream_options={"include_usage": True})
+            finish, tokens = None, None
             for i, chunk in enumerate(stream):
                 if i == 1:  # the role-less first chunk is text already; the second proves generation runs
                     started.release()
-                finish = chunk.choices[0].finish_reason if chunk.choices else finish
-            results["openai"] = ("finished", (finish, None))
+                if chunk.choices:
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            results["openai"] = ("finished", (finish, tokens))
         except openai.APIError as e:
             results["openai"] = ("error", str(e))
 
@@ -160,7 +164,7 @@ def complete(outcome: tuple) -> bool:
     """A stream that ended with all its tokens: a stopped process sends nothing, so its
     last response left before the fault even where its client thread noted it after."""
     kind, detail = outcome
-    return kind == "finished" and detail[0] == "length" and detail[1] in (STREAM_TOKENS, None)
+    return kind == "finished" and detail == ("length", STREAM_TOKENS)
 
 
 def assert_ended_with_errors(results: dict, ended_before: set) -> set:
