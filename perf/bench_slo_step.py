@@ -23,6 +23,8 @@ admitted within both targets, goodput; for each change (step, long), the settlin
 long after the change the admitted requests start meeting both targets for good (from the
 earliest arrival after which at most 1% of the admitted miss, to the phase's end), and how
 often the controller changed its running cap in the phase's second half (oscillation).
+For the controller, the engine's own count of met, missed and shed requests over the run
+(its TTFT starts at the backend, the client's at the send) beside the client's.
 CSVs (the summary, every request, the controller's trace) and a PNG (TTFT and TPOT of every
 request against its arrival, and the trace) under results/bench_slo_step/.
 
@@ -45,7 +47,7 @@ from tritonlm.perf.goodput import Slo, meets_slo, request_metrics, summarize_run
 from tritonlm.perf.machine import describe_cpu
 from tritonlm.perf.openloop import GrpcTarget, PromptMaker, RequestRecord, run_schedule, warm_up
 from tritonlm.perf.report import add_out_arg, optional_figure, save_figure, style_axes, table, write_csv
-from tritonlm.perf.serverstats import metric_sum, read_metrics
+from tritonlm.perf.serverstats import metric_sum, read_metrics, wait_idle
 from tritonlm.perf.target import Target
 from tritonlm.perf.trace import ScheduledRequest, build_schedule, parse_arrivals, with_rate
 from tritonlm.server import TritonServer
@@ -131,6 +133,15 @@ async def run_config(target: GrpcTarget, metrics_url: str, model: str, plan: lis
         stop.set()
         await scraper
     return records, trace
+
+
+def engine_outcomes(metrics_url: str, model: str) -> dict[str, float]:
+    """The engine's own count of the requests it judged against the SLO, by outcome (met,
+    missed, shed): TTFT measured from the backend's arrival, not the client's send."""
+    samples = read_metrics(metrics_url)
+    return {outcome: sum(v for (name, labels), v in samples.items() if name == "tritonlm_slo_requests_total"
+                         and ("model", model) in labels and ("outcome", outcome) in labels)
+            for outcome in ("met", "missed", "shed")}
 
 
 def settle_s(rows: list[dict], start_s: float, end_s: float) -> float:
@@ -232,11 +243,19 @@ async def measure(args, server: TritonServer, control: Target, repo: GoodputRepo
     for config in ("default", "slo"):
         target, loaded = await switch(control, server, target, loaded, config), config
         await warm_up(target, short[:4], prompts)  # the controller's first fit happens here, not in the calm phase
+        before = await asyncio.to_thread(engine_outcomes, server.metrics_url, config)
         records, trace = await run_config(target, server.metrics_url, config, requests, prompts, args.scrape_s)
         rows += request_table(config, records, plan, slo)
         traces[config] = trace
         print(f"[{config}] {len(records)} requests: {sum(r.status == 'shed' for r in records)} shed, "
               f"{sum(r.status == 'error' for r in records)} errors", flush=True)
+        if config == "slo":  # the misses the engine saw itself, against the client's
+            await asyncio.to_thread(wait_idle, server.metrics_url, config)
+            after = await asyncio.to_thread(engine_outcomes, server.metrics_url, config)
+            mine = [r for r in rows if r["config"] == config and r["status"] == "ok"]
+            print(f"[{config}] the engine judged {after['met'] - before['met']:g} met, {after['missed'] - before['missed']:g} "
+                  f"missed, {after['shed'] - before['shed']:g} shed; the client {sum(r['met'] for r in mine)} met, "
+                  f"{sum(not r['met'] for r in mine)} missed", flush=True)
     await target.close()
     return slo, saturation, plan, rows, traces
 
