@@ -130,8 +130,9 @@ class SloController:
         if self.model.ready and self.targets.tpot_s is not None:
             tau = self.targets.tpot_s * HEADROOM
             decode_s = cost.predict(0, rows, context)  # this step without prefill
-            # a prefill chunk reads its own positions too: one row's worth beside the decodes
-            chunk_room = tau - decode_s - cost.position_s * per_row
+            # a prefill chunk runs a pass of its own and reads its own positions too: one row's
+            # worth beside the decodes
+            chunk_room = tau - decode_s - cost.chunk_pass_s(rows) - cost.position_s * per_row
             per_seq = cost.decode_row_s + cost.position_s * per_row
             # TPOT is a mean: a stream's steps average its decode step plus the prefill the
             # admitted load brings (the share of the time prompts took, measured), and at least
@@ -199,7 +200,8 @@ class SloController:
         cost = self.model.cost
         if cost.prefill_token_s <= 0:  # a prompt cost fitted at 0 says nothing of what slack buys
             return self.budget
-        slack_tokens = rows + self._chunk_tokens(limit_s - decode_s - cost.position_s * self.row_context, cost)
+        chunk_s = limit_s - decode_s - cost.chunk_pass_s(rows) - cost.position_s * self.row_context
+        slack_tokens = rows + self._chunk_tokens(chunk_s, cost)
         return max(self.budget, _quantized(int(min(slack_tokens, self.max_tokens)), self.max_tokens))
 
     def _apply(self, budget: int, cap: int) -> None:
@@ -213,9 +215,10 @@ class SloController:
             cost = self.model.cost
             log.info(
                 "SLO controller: token budget %d -> %d, running cap %d -> %d (step model: %.2f ms + %.3f ms/prompt "
-                "token + %.3f ms/decoding row + %.2f us/cached position, steps off by %.0f%%)", self.budget, new_budget,
-                self.cap, new_cap, cost.step_s * 1e3, cost.prefill_token_s * 1e3, cost.decode_row_s * 1e3,
-                cost.position_s * 1e6, 100 * self.model.relative_error)
+                "token + %.3f ms/decoding row + %.2f us/cached position + %.2f ms a chunk's pass beside decodes, steps "
+                "off by %.0f%%, those with prompt tokens by %.0f%%)", self.budget, new_budget, self.cap, new_cap,
+                cost.step_s * 1e3, cost.prefill_token_s * 1e3, cost.decode_row_s * 1e3, cost.position_s * 1e6,
+                cost.pass_s * 1e3, 100 * self.model.relative_error, 100 * self.model.prompt_step_error)
             self.budget, self.cap = new_budget, new_cap
 
     def deadline_tokens(self, prefilling, tokens: int, rows: int, context: int, now: float) -> int:
@@ -259,7 +262,7 @@ class SloController:
     def _tokens_within(self, seconds: float, rows: int, context: int) -> int:
         """Prompt tokens a step of `rows` decoding rows can carry and end within `seconds`."""
         cost = self.model.cost
-        tokens = self._chunk_tokens(seconds - cost.predict(0, rows, context), cost)
+        tokens = self._chunk_tokens(seconds - cost.predict(0, rows, context) - cost.chunk_pass_s(rows), cost)
         return int(min(tokens, self.max_tokens))
 
     # ---- admission ------------------------------------------------------------------------------
@@ -302,9 +305,10 @@ class SloController:
         return steady, self.planned_prefill_s(prompt_tokens, running, waiting, in_flight, now)
 
     def ttft_margin(self) -> float:
-        """The share of a first-token deadline a plan of long steps may fill: a step's time
-        errs by about the model's relative error, and 99% of first tokens are to fall inside (SLO_Z)."""
-        return max(MIN_TTFT_MARGIN, min(HEADROOM, 1.0 - SLO_Z * self.model.relative_error))
+        """The share of a first-token deadline a plan of long steps may fill: a step that runs
+        prompt tokens errs by about the model's relative error over such steps, and 99% of
+        first tokens are to fall inside (SLO_Z)."""
+        return max(MIN_TTFT_MARGIN, min(HEADROOM, 1.0 - SLO_Z * self.model.prompt_step_error))
 
     def planned_prefill_s(self, prompt_tokens: int, running, waiting, in_flight: InFlightStep | None = None,
                           now: float | None = None) -> float:
@@ -350,6 +354,7 @@ class SloController:
         elapsed, typical_s = 0.0, self.typical_step_s
         if in_flight is not None:  # its chunks are counted in the prompts' rest: it takes no more
             elapsed = in_flight.left_s
+            typical_s += TYPICAL_ALPHA * (in_flight.step_s - typical_s)  # as observe_step will move it
             streams = decoded(streams, in_flight.step_s, [p for p in prompts if p[0] <= 0])
             prompts = [p for p in prompts if p[0] > 0]
         for _ in range(PLANNED_STEPS):

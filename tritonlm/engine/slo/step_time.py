@@ -1,13 +1,18 @@
 """How long a step takes, learned while serving:
 
-    step_seconds ~ a + b_prefill * prefill_tokens + b_decode * decode_rows + c * context
+    step_seconds ~ a + p * mixed + b_prefill * prefill_tokens + b_decode * decode_rows + c * context
 
 `prefill_tokens` are the prompt tokens a forward pass runs in chunks (and a speculative verify
 row's guesses, which run like a chunk's), `decode_rows` the rows that each add a token to a
 running answer (a verify row counts as one),
-`context` the KV positions the pass reads (each row's cached length after it, summed). On a
-CPU the pass streams every weight once (a), then pays per token for the projections and
-per cached position for attention (c). A prefill token and a decode row cost different
+`context` the KV positions the pass reads (each row's cached length after it, summed), and
+`mixed` 1 for a step that runs prompt tokens beside decoding rows. On a
+CPU a pass streams every weight once (a), then pays per token for the projections and
+per cached position for attention (c). The executor runs a step's decoding rows in one
+pass (the decode-width kernels) and its prompt chunks in another, so a step with both
+reads the weights twice: it pays a second pass (p). With one fixed cost per step, the fit
+would spread that pass over the prompt tokens and rows and predict such steps short, and
+decode-only steps long. A prefill token and a decode row cost different
 amounts: a decode row also pays for its sampling, its detokenizing and its response to the
 client, while a prefill chunk runs the projections as one wide matrix product but its
 attention over the chunk's own positions, and on the CPU the two take different kernels.
@@ -38,7 +43,7 @@ import numpy as np
 TOKEN_SCALE = 100.0
 CONTEXT_SCALE = 10_000.0
 RIDGE = 1e-6  # keeps the long-run solve defined before every direction has been seen
-FEATURES = 4
+FEATURES = 5  # [1, prefill tokens, decode rows, context, mixed]
 PRIOR_EVERY = 8  # steps between solves of the long-memory fit
 # A prompt token and a decoding row are fitted as one cost unless the steps say otherwise:
 # (b_prefill - b_decode - c * row_context)^2 is penalized with this fraction of the steps'
@@ -61,7 +66,7 @@ def _tied(xtx: np.ndarray, row_context: float) -> np.ndarray:
     weakly, the per-position cost held toward 0, so that where rows' contexts barely vary a
     row's cost is taken as the row's own, not as its positions' (which a row of a longer
     context would then multiply)."""
-    direction = np.array([0.0, 1.0, -1.0, -row_context * TOKEN_SCALE / CONTEXT_SCALE])
+    direction = np.array([0.0, 1.0, -1.0, -row_context * TOKEN_SCALE / CONTEXT_SCALE, 0.0])
     weight = TIE * min(xtx[1, 1], xtx[2, 2])
     positions = np.zeros(FEATURES)
     positions[3] = 1.0
@@ -75,10 +80,15 @@ class StepCost(NamedTuple):
     prefill_token_s: float  # b_prefill: per prompt token in a chunk
     decode_row_s: float  # b_decode: per decoding row
     position_s: float  # c: per cached position read
+    pass_s: float = 0.0  # p: the second pass of a step with prompt tokens and decoding rows
 
     def predict(self, prefill_tokens: float, decode_rows: float, context: float) -> float:
-        return (self.step_s + self.prefill_token_s * prefill_tokens + self.decode_row_s * decode_rows
-                + self.position_s * context)
+        return (self.step_s + self.chunk_pass_s(decode_rows, prefill_tokens) + self.prefill_token_s * prefill_tokens
+                + self.decode_row_s * decode_rows + self.position_s * context)
+
+    def chunk_pass_s(self, decode_rows: float, prefill_tokens: float = 1) -> float:
+        """The pass that prompt tokens add to a step of `decode_rows` decoding rows."""
+        return self.pass_s if decode_rows > 0 and prefill_tokens > 0 else 0.0
 
 
 class StepTimeModel:
@@ -93,21 +103,23 @@ class StepTimeModel:
         self.long_forget = long_forget
         self.prior_weight = prior_weight
         self.min_steps = min_steps
-        # normal equations, x = [1, prefill tokens, decode rows, context] scaled:
-        # sum of w x x^T [4, 4] and w x y [4]
+        # normal equations, x = [1, prefill tokens, decode rows, context, mixed] scaled:
+        # sum of w x x^T [5, 5] and w x y [5]
         self._xtx, self._xty = np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES)
         self._long_xtx, self._long_xty = np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES)
         self._coef = np.zeros(FEATURES)  # in scaled units
         self._prior = np.zeros(FEATURES)  # the long-memory fit, the short one's ridge target
         self.steps = 0
         self.row_context = 0.0  # a decoding row's cached positions (EWMA over steps)
-        # (measured / predicted - 1)^2 of the steps once ready, EWMA; it starts at PRIOR_ERROR's
-        # square, so that a fit just ready is not taken for an exact one
-        self._square_error = PRIOR_ERROR**2
+        # (measured / predicted - 1)^2 of the steps once ready, EWMA, over all steps and over
+        # those with prompt tokens (a first token ends such a step); each starts at
+        # PRIOR_ERROR's square, so that a fit just ready is not taken for an exact one
+        self._square_error = self._prompt_square_error = PRIOR_ERROR**2
 
     @staticmethod
     def _features(prefill_tokens: float, decode_rows: float, context: float) -> np.ndarray:
-        return np.array([1.0, prefill_tokens / TOKEN_SCALE, decode_rows / TOKEN_SCALE, context / CONTEXT_SCALE])
+        mixed = 1.0 if prefill_tokens > 0 and decode_rows > 0 else 0.0
+        return np.array([1.0, prefill_tokens / TOKEN_SCALE, decode_rows / TOKEN_SCALE, context / CONTEXT_SCALE, mixed])
 
     def observe(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float,
                 decode_context: int | None = None) -> None:
@@ -116,8 +128,10 @@ class StepTimeModel:
         x = self._features(prefill_tokens, decode_rows, context)
         predicted = float(x @ self._coef)
         if self.ready and predicted > 0:  # how far the fit was off, before it learns from this step
-            error = seconds / predicted - 1.0
-            self._square_error += ERROR_ALPHA * (error * error - self._square_error)
+            square = (seconds / predicted - 1.0) ** 2
+            self._square_error += ERROR_ALPHA * (square - self._square_error)
+            if prefill_tokens:
+                self._prompt_square_error += ERROR_ALPHA * (square - self._prompt_square_error)
         xx, xy = np.outer(x, x), x * seconds
         self._xtx = self.forget * self._xtx + xx
         self._xty = self.forget * self._xty + xy
@@ -146,9 +160,16 @@ class StepTimeModel:
         return float(np.sqrt(self._square_error))
 
     @property
+    def prompt_step_error(self) -> float:
+        """relative_error over the steps that ran prompt tokens: how far the step that makes
+        a first token lands from its prediction. Decode-only steps, the many, err otherwise
+        (one pass of the decode-width kernels, no chunk)."""
+        return float(np.sqrt(self._prompt_square_error))
+
+    @property
     def cost(self) -> StepCost:
-        a, bp, bd, c = (float(v) for v in self._coef)
-        return StepCost(a, bp / TOKEN_SCALE, bd / TOKEN_SCALE, c / CONTEXT_SCALE)
+        a, bp, bd, c, p = (float(v) for v in self._coef)
+        return StepCost(a, bp / TOKEN_SCALE, bd / TOKEN_SCALE, c / CONTEXT_SCALE, p)
 
     def predict(self, prefill_tokens: int, decode_rows: int, context: int) -> float:
         """Seconds a step of `prefill_tokens` prompt tokens and `decode_rows` decoding rows,
@@ -164,9 +185,14 @@ def _nonnegative_solve(m: np.ndarray, v: np.ndarray) -> np.ndarray:
 
     No cost is negative, and a fit solved freely and then clipped is not the best fit with
     that cost at 0: over too few distinct steps the free fit trades a negative intercept for
-    inflated per-token and per-position costs, which clipping the intercept keeps. With four
-    coefficients every set of free ones (15) is tried; the best feasible one is the optimum."""
+    inflated per-token and per-position costs, which clipping the intercept keeps. Where the
+    free solve is feasible it is the optimum; else every set of free coefficients (31 for
+    five) is tried, and the best feasible one is the optimum. It runs at every step, so the
+    common case takes one solve."""
     n = len(v)
+    free_fit = np.linalg.solve(m, v)
+    if (free_fit >= 0).all():
+        return free_fit
     subsets = _SUBSETS if n == FEATURES else [list(f) for k in range(1, n + 1) for f in combinations(range(n), k)]
     best, best_value = np.zeros(n), 0.0
     for free in subsets:

@@ -24,7 +24,9 @@ from tritonlm.engine.slo.controller import COLD_STEPS, SloController, ahead_of
 SPEC = ModelShape("gpt2", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, vocab_size=100, max_positions=4096)
 TTFT_S, TPOT_S = 1.0, 0.040
 # the simulated host: a step of P prompt tokens and R decoding rows reading X cached positions
-# takes A + B*P + D*R + C*X (a prompt token and a decoding row cost different amounts)
+# takes A + B*P + D*R + C*X (a prompt token and a decoding row cost different amounts), and
+# `p` more where it has both (the executor runs the chunks in a pass of their own; SMALL_HOST's
+# is as long as its fixed cost, as on a CPU)
 A, B, D, C = 0.010, 0.0002, 0.00012, 2e-7
 
 
@@ -35,9 +37,11 @@ class Host:
     d: float = D
     c: float = C
     noise: float = 0.05  # relative, seeded
+    p: float = 0.0
 
     def step_s(self, prefill: int, rows: int, context: int, rng: random.Random) -> float:
-        return (self.a + self.b * prefill + self.d * rows + self.c * context) * (1 + rng.gauss(0, self.noise))
+        fixed = self.a + (self.p if prefill and rows else 0.0)
+        return (fixed + self.b * prefill + self.d * rows + self.c * context) * (1 + rng.gauss(0, self.noise))
 
 
 @dataclass
@@ -282,7 +286,7 @@ def test_the_first_steps_after_load_are_not_taken_for_the_hosts_pace():
     for _ in range(COLD_STEPS - 1):
         ctl.observe_step(0, 1, 201, 0.5)
     for _ in range(40):
-        prefill, rows, context = rng.randint(0, 300), rng.randint(1, 32), rng.randint(100, 5000)
+        prefill, rows, context = rng.choice([0, rng.randint(1, 300)]), rng.randint(1, 32), rng.randint(100, 5000)
         ctl.observe_step(prefill, rows, context, Host().step_s(prefill, rows, context, rng))
     cost = ctl.model.cost
     assert cost.step_s == pytest.approx(A, rel=0.3) and cost.prefill_token_s == pytest.approx(B, rel=0.3)
@@ -409,7 +413,7 @@ def test_an_answer_that_may_end_at_any_token_offers_only_its_banked_slack():
 
 # a host shaped like SmolLM2-135M's on a 2-core CPU (docs/benchmarks.md, "Goodput"), where
 # a prompt token costs about what a decoding row does; the SLO a few times a lone request's
-SMALL_HOST = Host(a=0.018, b=0.0008, d=0.0008, c=1e-7, noise=0.1)
+SMALL_HOST = Host(a=0.018, b=0.0008, d=0.0008, c=1e-7, noise=0.1, p=0.015)
 SMALL_TARGETS = SloTargets(0.36, 0.0677)
 
 
@@ -556,3 +560,50 @@ def test_a_request_that_arrives_during_a_step_joins_the_next_one():
     assert sched.step_in_flight[:3] == (plan, sched.clock(), sched.slo.plan_s(plan))
     sched.step_done(plan, 0.01)
     assert sched.step_in_flight is None
+
+
+def test_a_long_step_in_flight_spends_slack_as_it_will_once_it_has_ended():
+    """A request judged during a long step (a big prompt's chunk beside the streams) gets the
+    prediction it would get just after that step: the step's seconds move the streams' spent
+    time and the typical step's (which the steps after it are planned at) as observe_step
+    will, so the slack the plan offers its chunks is what the controller will offer. On a
+    host whose mixed steps run a second pass."""
+    from tritonlm.engine.slo import InFlightStep
+
+    host = Host(noise=0, p=0.008)
+    ctl = SloController(TARGETS, 64, 512)
+    rng = random.Random(12)
+    for _ in range(COLD_STEPS + 60):
+        prefill, rows, context = rng.choice([0, rng.randint(1, 300)]), rng.randint(1, 32), rng.randint(100, 5000)
+        ctl.observe_step(prefill, rows, context, host.step_s(prefill, rows, context, rng))
+    for _ in range(20):  # a typical step of a few streams decoding
+        ctl.observe_step(0, 6, 6 * 120, host.step_s(0, 6, 6 * 120, rng))
+
+    def sequence(prompt: int, made: int, spent: float) -> Sequence:
+        req = GenerationRequest([1] * prompt, SamplingParams(max_tokens=32), on_event=lambda e: None)
+        seq = Sequence(request=req, token_ids=[1] * prompt + [2] * made, sampling=None, detok=None,
+                       reserve_tokens=prompt + 32)
+        seq.num_computed = prompt + max(0, made - 1)
+        if made:
+            seq.first_token_time, seq.last_token_time = 0.0, spent
+        return seq
+
+    # six streams with little slack left, and a 400-token prompt that the step in flight finishes
+    streams = [sequence(100, 20, 19 * 0.85 * TPOT_S) for _ in range(6)]
+    prompt = sequence(400, 0, 0.0)
+    for _ in range(40):  # the steady budget for these streams
+        ctl.decide(streams)
+    plan = [(s, 1) for s in streams] + [(prompt, 400)]
+    step_s = ctl.plan_s(plan)
+    during = ctl.predict_ttft(300, streams + [prompt], [], InFlightStep(step_s, 0.0, {prompt.id: 400}))
+
+    for seq, n in plan:  # the step ends: its tokens are made and observed
+        seq.num_computed += n
+        seq.token_ids.append(2)
+        seq.last_token_time = (seq.last_token_time or 0.0) + step_s
+        if seq.first_token_time is None:
+            seq.first_token_time = seq.last_token_time = 0.0
+    ctl.observe_step(400, len(streams), sum(s.num_computed for s, _ in plan), step_s)
+    after = ctl.predict_ttft(300, streams + [prompt], [])
+    assert step_s > 3 * ctl.typical_step_s  # long enough to move the typical step
+    assert during == pytest.approx(after, rel=0.02)

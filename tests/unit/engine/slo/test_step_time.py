@@ -1,5 +1,5 @@
 """tritonlm/engine/slo/step_time.py: the online fit of
-step_seconds ~ a + b_prefill*prefill_tokens + b_decode*decode_rows + c*context, on synthetic
+step_seconds ~ a + p*mixed + b_prefill*prefill_tokens + b_decode*decode_rows + c*context, on synthetic
 steps whose true coefficients are known (seeded noise)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 
 from tritonlm.engine.slo.step_time import StepCost, StepTimeModel, _nonnegative_solve
 
-# 12 ms + 0.25 ms per prompt token + 0.15 ms per decoding row + 0.3 us per cached position
-TRUE = StepCost(0.012, 0.00025, 0.00015, 3e-7)
+# 12 ms + 0.25 ms per prompt token + 0.15 ms per decoding row + 0.3 us per cached position,
+# and 10 ms more where a step has both prompt tokens and decoding rows (its second pass)
+TRUE = StepCost(0.012, 0.00025, 0.00015, 3e-7, 0.010)
 SHAPES = [(0, 1, 100), (64, 0, 64), (0, 48, 48 * 1000), (512, 0, 2000), (200, 16, 16 * 800)]
 
 
@@ -161,3 +162,35 @@ def test_rows_of_one_context_do_not_put_the_row_cost_on_the_positions():
                     context = rows * rng.randint(260, 300) + prefill
                 model.observe(prefill, rows, context, truth.predict(prefill, rows, context) * (1 + rng.gauss(0, 0.2)))
         assert model.predict(0, 10, 2800) == pytest.approx(truth.predict(0, 10, 2800), rel=0.25), seed
+
+
+def test_a_step_with_prompt_tokens_and_decoding_rows_pays_a_second_pass():
+    """The executor runs a step's prompt chunks in a pass of their own beside its decoding
+    rows, so such a step costs a fixed pass more (on a CPU about as much as the step's fixed
+    cost: each reads every weight once). The fit tells that pass from the fixed cost and the
+    per-token costs, and predicts decode-only, prompt-only and mixed steps alike; one fixed
+    cost per step would predict the mixed steps short and the decode-only ones long."""
+    truth = StepCost(0.013, 0.0007, 0.0007, 1e-7, 0.015)
+    model = StepTimeModel()
+    for step in steps(random.Random(21), truth, 800, noise=0.05):
+        model.observe(*step)
+    assert model.cost.pass_s == pytest.approx(truth.pass_s, rel=0.15)
+    for shape in ((0, 8, 800), (64, 0, 64), (16, 8, 816), (128, 8, 928)):
+        assert model.predict(*shape) == pytest.approx(truth.predict(*shape), rel=0.05)
+    assert truth.predict(16, 8, 816) - truth.predict(16, 0, 16) - truth.predict(0, 8, 800) == pytest.approx(
+        truth.pass_s - truth.step_s)  # a mixed step: both passes' fixed costs, once the step's
+
+
+def test_the_error_of_steps_with_prompt_tokens_is_their_own():
+    """A first token ends a step that ran prompt tokens, so admission's margin follows how
+    far those steps land from the fit, not the decode-only steps' (the many, and on a CPU
+    the steadier): steps with prompt tokens 20% noisy, decode-only ones (four in five) 2%."""
+    rng, model = random.Random(22), StepTimeModel()
+    for _ in range(3000):
+        rows = rng.randint(1, 48)
+        prefill = rng.choice([16, 64, 200]) if rng.random() < 0.2 else 0
+        context = rows * rng.randint(50, 1500) + prefill
+        noise = 0.2 if prefill else 0.02
+        model.observe(prefill, rows, context, TRUE.predict(prefill, rows, context) * (1 + rng.gauss(0, noise)))
+    assert model.prompt_step_error == pytest.approx(0.2, rel=0.35)
+    assert model.relative_error < 0.8 * model.prompt_step_error
