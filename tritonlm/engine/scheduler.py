@@ -156,9 +156,11 @@ class Scheduler:
                 n = seq.num_pending
                 plan.append((seq, n))
                 budget -= n
-        if prefilling and self.slo is not None and budget > 0:  # no first token pushed past slo_ttft
+        # no first token pushed past slo_ttft, no chunk that pays mostly for its pass
+        if prefilling and self.slo is not None and budget > 0:
             context = sum(seq.num_computed + n for seq, n in plan)  # the decoding rows' positions after the step
             budget = self.slo.deadline_tokens(prefilling, budget, len(plan), context, self.clock())
+            budget = self.slo.pass_tokens(prefilling, budget, len(plan), context)
         for seq in prefilling:  # oldest first
             if budget <= 0:
                 break
@@ -210,8 +212,8 @@ class Scheduler:
             if computed is None:
                 computed = [seq.num_computed for seq, _ in plan]
             # a row that started the pass past its prompt decodes (a speculative verify row
-            # counts as one, its guesses as prompt tokens: they run like a chunk's); each
-            # row's cached positions after the pass are what its attention read
+            # counts as one: its guesses run in the decode pass); each row's cached positions
+            # after the pass are what its attention read
             decoding = [c for (seq, n), c in zip(plan, computed) if c - n >= seq.num_prompt_tokens]
             tokens = sum(n for _, n in plan)
             self.slo.observe_step(tokens - len(decoding), len(decoding), sum(computed), seconds,

@@ -107,8 +107,10 @@ class SloController:
     @property
     def prefill_share(self) -> float:
         """The share of the recent steps' time their prompt tokens took (by the fit), over
-        the steps with decoding rows (a speculative verify row's guesses count as prompt
-        tokens there, as in the step model)."""
+        the steps with decoding rows. The second pass a chunk adds is left out: where every
+        step runs a chunk the fit cannot tell that pass from the step's fixed cost, and a
+        share that counted a pass fitted too long would shrink the cap to one sequence while
+        admitted requests wait for it."""
         return min(MAX_PREFILL_SHARE, self._prompt_s / self._step_s) if self._step_s > 0 else 0.0
 
     def request_finished(self, generated: int, max_tokens: int) -> None:
@@ -220,6 +222,29 @@ class SloController:
                 cost.step_s * 1e3, cost.prefill_token_s * 1e3, cost.decode_row_s * 1e3, cost.position_s * 1e6,
                 cost.pass_s * 1e3, 100 * self.model.relative_error, 100 * self.model.prompt_step_error)
             self.budget, self.cap = new_budget, new_cap
+
+    def pass_tokens(self, prefilling, tokens: int, rows: int, context: int) -> int:
+        """Of the `tokens` prompt tokens a step beside `rows` decoding rows (reading `context`
+        cached positions) may carry, how many it carries: all of them, or none where they
+        would cost less than the second pass they add (cost.pass_s) and finish no prompt
+        (`prefilling`: the prompts in the order the step fills them), and the decodes alone
+        stay within the TPOT target. Such a chunk spends a stream's time mostly on the pass;
+        a step of the decodes alone banks that time, and the slack it banks carries a larger
+        chunk a few steps later, which pays the pass once for more prompt tokens."""
+        if not self.model.ready or self.targets.tpot_s is None or not prefilling:
+            return tokens
+        first = prefilling[0]
+        return self._worth_a_pass(tokens, rows, first.num_prompt_tokens - first.num_computed,
+                                  self.model.predict(0, rows, context))
+
+    def _worth_a_pass(self, tokens: int, rows: int, first_left: int, decode_s: float) -> int:
+        """pass_tokens' rule: `first_left` the first prompt's tokens still to run, `decode_s`
+        the step's predicted seconds without prompt tokens."""
+        cost = self.model.cost
+        small = tokens * cost.prefill_token_s < cost.chunk_pass_s(rows, tokens)
+        if small and tokens < first_left and decode_s < self.targets.tpot_s * HEADROOM:
+            return 0
+        return tokens
 
     def deadline_tokens(self, prefilling, tokens: int, rows: int, context: int, now: float) -> int:
         """Of the `tokens` prompt tokens this step may carry (its budget less its `rows`
@@ -369,6 +394,8 @@ class SloController:
             room = max(0, budget - rows) if rows else max(1, budget)
             if self.targets.ttft_s is not None:  # as the scheduler holds a step to its prompts' deadlines
                 room = self._deadline_room([(p[0], p[3], p[4] - elapsed) for p in prompts], room, rows, context)
+            if rows:  # as the scheduler skips a chunk that would pay mostly for its pass
+                room = self._worth_a_pass(room, rows, prompts[0][0], decode_s)
             chunk, positions, done = 0, 0, []
             while prompts and chunk < room:
                 take = min(room - chunk, prompts[0][0])

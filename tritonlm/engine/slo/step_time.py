@@ -2,9 +2,9 @@
 
     step_seconds ~ a + p * mixed + b_prefill * prefill_tokens + b_decode * decode_rows + c * context
 
-`prefill_tokens` are the prompt tokens a forward pass runs in chunks (and a speculative verify
-row's guesses, which run like a chunk's), `decode_rows` the rows that each add a token to a
-running answer (a verify row counts as one),
+`prefill_tokens` are the prompt tokens a forward pass runs in chunks, `decode_rows` the rows
+that each add a token to a running answer (a speculative verify row counts as one: its
+guesses run in the decode pass, and their positions count in the context),
 `context` the KV positions the pass reads (each row's cached length after it, summed), and
 `mixed` 1 for a step that runs prompt tokens beside decoding rows. On a
 CPU a pass streams every weight once (a), then pays per token for the projections and

@@ -26,7 +26,7 @@ TTFT_S, TPOT_S = 1.0, 0.040
 # the simulated host: a step of P prompt tokens and R decoding rows reading X cached positions
 # takes A + B*P + D*R + C*X (a prompt token and a decoding row cost different amounts), and
 # `p` more where it has both (the executor runs the chunks in a pass of their own; SMALL_HOST's
-# is as long as its fixed cost, as on a CPU)
+# is about as long as its fixed cost, as on a CPU)
 A, B, D, C = 0.010, 0.0002, 0.00012, 2e-7
 
 
@@ -607,3 +607,35 @@ def test_a_long_step_in_flight_spends_slack_as_it_will_once_it_has_ended():
     after = ctl.predict_ttft(300, streams + [prompt], [])
     assert step_s > 3 * ctl.typical_step_s  # long enough to move the typical step
     assert during == pytest.approx(after, rel=0.02)
+
+
+def test_a_chunk_that_would_pay_mostly_for_its_pass_waits_for_slack():
+    """Beside decoding rows a chunk runs a second pass. A chunk whose tokens cost less than
+    that pass, and that finishes no prompt, is not run while the decodes alone keep the TPOT
+    target (they bank the time for a larger chunk); a chunk worth its pass, the last chunk
+    of a prompt, or a step with no decoding rows runs as sized. A chunk's room in a step is
+    what is left after the decodes and the pass."""
+    host = Host(a=0.018, b=0.0008, d=0.0008, c=1e-7, noise=0, p=0.015)
+    ctl = SloController(SMALL_TARGETS, 64, 512)
+    rng = random.Random(14)
+    for _ in range(COLD_STEPS + 60):
+        prefill, rows, context = rng.choice([0, rng.randint(1, 128)]), rng.randint(1, 12), rng.randint(100, 2000)
+        ctl.observe_step(prefill, rows, context, host.step_s(prefill, rows, context, rng))
+    assert ctl.model.cost.pass_s == pytest.approx(host.p, rel=0.1)
+
+    def prompt(tokens: int) -> Sequence:
+        req = GenerationRequest([1] * tokens, SamplingParams(max_tokens=32), on_event=lambda e: None)
+        return Sequence(request=req, token_ids=[1] * tokens, sampling=None, detok=None, reserve_tokens=tokens + 32)
+
+    long_prompt = [prompt(120)]
+    assert ctl.pass_tokens(long_prompt, 10, 4, 400) == 0  # 8 ms of prompt work for a 15 ms pass
+    assert ctl.pass_tokens(long_prompt, 30, 4, 400) == 30  # 24 ms: worth it
+    assert ctl.pass_tokens([prompt(8)], 10, 4, 400) == 10  # it finishes a prompt: a first token
+    assert ctl.pass_tokens(long_prompt, 10, 0, 0) == 10  # no decoding rows: no second pass
+    busy = int((SMALL_TARGETS.tpot_s - host.a) / host.d)  # the decodes alone past the target: no slack to bank
+    assert ctl.pass_tokens(long_prompt, 10, busy, busy * 100) == 10
+
+    cost = ctl.model.cost
+    room_s = 0.060
+    chunk = ctl._tokens_within(room_s, 4, 400)
+    assert chunk == int((room_s - cost.predict(0, 4, 400) - cost.pass_s) / cost.prefill_token_s)
