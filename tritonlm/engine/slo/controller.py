@@ -39,6 +39,10 @@ TYPICAL_ALPHA = 0.1  # weight of each step's seconds in the typical step's
 SLO_Z = 2.33
 MIN_TTFT_MARGIN = 0.5
 PLANNED_STEPS = 64  # admission plans at most this many steps to a first token
+# a chunk too small for its pass waits at most this many steps in a row: the slack those
+# steps bank may not grow (a stream whose future steps are already planned at a decode
+# step's time banks none), and a prompt must not wait for the streams to end
+MAX_DEFERRED = 4
 
 
 class SloShedError(ServerBusyError):
@@ -86,6 +90,7 @@ class SloController:
         self._primed = False
         self.steps_seen = 0  # steps reported, the cold ones included
         self._prompt_s = 0.0  # seconds of a step spent on prompt tokens (EWMA)
+        self.deferred_steps = 0  # steps in a row whose chunk waited for slack (pass_tokens)
         self._step_s = 0.0  # seconds of a step (EWMA)
 
     # ---- what the engine reports -------------------------------------------------------------
@@ -227,24 +232,29 @@ class SloController:
         """Of the `tokens` prompt tokens a step beside `rows` decoding rows (reading `context`
         cached positions) may carry, how many it carries: all of them, or none where they
         would cost less than the second pass they add (cost.pass_s) and finish no prompt
-        (`prefilling`: the prompts in the order the step fills them), and the decodes alone
-        stay within the TPOT target. Such a chunk spends a stream's time mostly on the pass;
-        a step of the decodes alone banks that time, and the slack it banks carries a larger
-        chunk a few steps later, which pays the pass once for more prompt tokens."""
+        (`prefilling`: the prompts in the order the step fills them), the step could carry
+        more (below max_num_batched_tokens), the decodes alone stay within the TPOT target,
+        and fewer than MAX_DEFERRED steps before it waited so. Such a chunk spends a stream's
+        time mostly on the pass; a step of the decodes alone banks that time, and the slack
+        it banks can carry a larger chunk a step or two later, which pays the pass once for
+        more prompt tokens."""
         if not self.model.ready or self.targets.tpot_s is None or not prefilling:
             return tokens
         first = prefilling[0]
-        return self._worth_a_pass(tokens, rows, first.num_prompt_tokens - first.num_computed,
-                                  self.model.predict(0, rows, context))
+        carried = self._worth_a_pass(tokens, rows, first.num_prompt_tokens - first.num_computed,
+                                     self.model.predict(0, rows, context), self.deferred_steps)
+        self.deferred_steps = self.deferred_steps + 1 if tokens and not carried else 0
+        return carried
 
-    def _worth_a_pass(self, tokens: int, rows: int, first_left: int, decode_s: float) -> int:
+    def _worth_a_pass(self, tokens: int, rows: int, first_left: int, decode_s: float, deferred: int) -> int:
         """pass_tokens' rule: `first_left` the first prompt's tokens still to run, `decode_s`
-        the step's predicted seconds without prompt tokens."""
+        the step's predicted seconds without prompt tokens, `deferred` the steps in a row
+        before it that carried none so."""
         cost = self.model.cost
+        if cost.prefill_token_s <= 0 or deferred >= MAX_DEFERRED or tokens >= min(first_left, self.max_tokens - rows):
+            return tokens
         small = tokens * cost.prefill_token_s < cost.chunk_pass_s(rows, tokens)
-        if small and tokens < first_left and decode_s < self.targets.tpot_s * HEADROOM:
-            return 0
-        return tokens
+        return 0 if small and decode_s < self.targets.tpot_s * HEADROOM else tokens
 
     def deadline_tokens(self, prefilling, tokens: int, rows: int, context: int, now: float) -> int:
         """Of the `tokens` prompt tokens this step may carry (its budget less its `rows`
@@ -302,7 +312,8 @@ class SloController:
                     now: float | None) -> tuple[float, float]:
         """(steady, planned): seconds to a new request's first token. Its prefill waits for
         the prefill work ahead and for a running slot, then takes its own chunks; steady
-        takes every step at the steady budget, after the rest of the step in flight.
+        takes every step at the steady budget, after the rest of the step in flight (a chunk
+        too small for its pass after the MAX_DEFERRED decode steps pass_tokens may hold it).
         in_flight: the step running now (None: none is, and the request can join the next
         step at once); no queued prompt, nor this one, is in it. now: the clock of the requests'
         arrivals (None: time.monotonic()).
@@ -315,14 +326,19 @@ class SloController:
         # while it waits, those ahead of it decode too: the prefill share of a step shrinks
         decoding = min(self.cap, len(running) + len(waiting))
         per_step = max(1, self.budget - decoding)
-        step_s = self.model.predict(per_step, decoding, int(decoding * self.row_context))
+        context = int(decoding * self.row_context)
+        step_s = self.model.predict(per_step, decoding, context)
+        decode_s = self.model.predict(0, decoding, context)
+        chunk_s = step_s  # the time a chunk of per_step prompt tokens takes
+        if self.targets.tpot_s is not None and not self._worth_a_pass(per_step, decoding, per_step + 1, decode_s, 0):
+            chunk_s += MAX_DEFERRED * decode_s  # too small for its pass: it may wait that many decode steps
         after = in_flight.prompts_after if in_flight is not None else {}
         ahead = sum(_prompt_left(s, after) for s in running if s.in_prefill)
         ahead += sum(s.num_prompt_tokens for s in waiting)
         prefill_steps = math.ceil(ahead / per_step)
         slot_steps = self._slot_wait_steps(running, waiting, per_step)
         own_steps = max(1, math.ceil(prompt_tokens / per_step))
-        steady = (max(prefill_steps, slot_steps) + own_steps) * step_s
+        steady = max(prefill_steps * chunk_s, slot_steps * step_s) + own_steps * chunk_s
         if in_flight is not None:
             steady += in_flight.left_s
         if slot_steps or self.targets.tpot_s is None:
@@ -376,7 +392,7 @@ class SloController:
             return [st for st in streams if st[0] < st[3]] + [[1, 0.0, certain, max_tokens, n + 1]
                                                               for _, certain, max_tokens, n, _ in done]
 
-        elapsed, typical_s = 0.0, self.typical_step_s
+        elapsed, typical_s, deferred = 0.0, self.typical_step_s, self.deferred_steps
         if in_flight is not None:  # its chunks are counted in the prompts' rest: it takes no more
             elapsed = in_flight.left_s
             typical_s += TYPICAL_ALPHA * (in_flight.step_s - typical_s)  # as observe_step will move it
@@ -394,8 +410,10 @@ class SloController:
             room = max(0, budget - rows) if rows else max(1, budget)
             if self.targets.ttft_s is not None:  # as the scheduler holds a step to its prompts' deadlines
                 room = self._deadline_room([(p[0], p[3], p[4] - elapsed) for p in prompts], room, rows, context)
-            if rows:  # as the scheduler skips a chunk that would pay mostly for its pass
-                room = self._worth_a_pass(room, rows, prompts[0][0], decode_s)
+            if rows and prompts:  # as the scheduler skips a chunk that would pay mostly for its pass
+                carried = self._worth_a_pass(room, rows, prompts[0][0], decode_s, deferred)
+                deferred = deferred + 1 if room and not carried else 0
+                room = carried
             chunk, positions, done = 0, 0, []
             while prompts and chunk < room:
                 take = min(room - chunk, prompts[0][0])

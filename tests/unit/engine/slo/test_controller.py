@@ -19,7 +19,7 @@ from tritonlm.engine.request import GenerationRequest, SamplingParams
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence
 from tritonlm.engine.slo import SloShedError, SloTargets
-from tritonlm.engine.slo.controller import COLD_STEPS, SloController, ahead_of
+from tritonlm.engine.slo.controller import COLD_STEPS, MAX_DEFERRED, SloController, ahead_of
 
 SPEC = ModelShape("gpt2", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, vocab_size=100, max_positions=4096)
 TTFT_S, TPOT_S = 1.0, 0.040
@@ -91,6 +91,7 @@ def simulate(times: list[float], slo: bool = True, host=None, prompt=(100, 300),
              max_num_seqs=64, max_num_batched_tokens=512, priority=None, targets: SloTargets | None = None) -> Run:
     """Serve requests arriving at `times` through the real Scheduler on a simulated clock.
     host: a Host, or a function of the time giving one (a host that changes);
+
     priority: a function of the arrival time giving the request's priority (None: all 0);
     targets: the SLO the controller keeps (None: TTFT_S and TPOT_S)."""
     targets = targets or SloTargets(TTFT_S, TPOT_S)
@@ -611,31 +612,47 @@ def test_a_long_step_in_flight_spends_slack_as_it_will_once_it_has_ended():
 
 def test_a_chunk_that_would_pay_mostly_for_its_pass_waits_for_slack():
     """Beside decoding rows a chunk runs a second pass. A chunk whose tokens cost less than
-    that pass, and that finishes no prompt, is not run while the decodes alone keep the TPOT
-    target (they bank the time for a larger chunk); a chunk worth its pass, the last chunk
-    of a prompt, or a step with no decoding rows runs as sized. A chunk's room in a step is
-    what is left after the decodes and the pass."""
+    that pass, and that finishes no prompt, is not run while the decodes alone keep 90% of
+    the TPOT target (they bank the time for a larger chunk), for at most MAX_DEFERRED steps
+    in a row; a chunk worth its pass, the last chunk of a prompt, one at the step's ceiling,
+    or a step with no decoding rows runs as sized. A chunk's room in a step is what is left
+    after the decodes and the pass."""
     host = Host(a=0.018, b=0.0008, d=0.0008, c=1e-7, noise=0, p=0.015)
     ctl = SloController(SMALL_TARGETS, 64, 512)
     rng = random.Random(14)
     for _ in range(COLD_STEPS + 60):
         prefill, rows, context = rng.choice([0, rng.randint(1, 128)]), rng.randint(1, 12), rng.randint(100, 2000)
         ctl.observe_step(prefill, rows, context, host.step_s(prefill, rows, context, rng))
-    assert ctl.model.cost.pass_s == pytest.approx(host.p, rel=0.1)
+    cost = ctl.model.cost
+    assert cost.pass_s == pytest.approx(host.p, rel=0.1)
 
     def prompt(tokens: int) -> Sequence:
         req = GenerationRequest([1] * tokens, SamplingParams(max_tokens=32), on_event=lambda e: None)
         return Sequence(request=req, token_ids=[1] * tokens, sampling=None, detok=None, reserve_tokens=tokens + 32)
 
     long_prompt = [prompt(120)]
-    assert ctl.pass_tokens(long_prompt, 10, 4, 400) == 0  # 8 ms of prompt work for a 15 ms pass
-    assert ctl.pass_tokens(long_prompt, 30, 4, 400) == 30  # 24 ms: worth it
-    assert ctl.pass_tokens([prompt(8)], 10, 4, 400) == 10  # it finishes a prompt: a first token
-    assert ctl.pass_tokens(long_prompt, 10, 0, 0) == 10  # no decoding rows: no second pass
-    busy = int((SMALL_TARGETS.tpot_s - host.a) / host.d)  # the decodes alone past the target: no slack to bank
-    assert ctl.pass_tokens(long_prompt, 10, busy, busy * 100) == 10
+    small = int(cost.pass_s / cost.prefill_token_s) - 2  # its tokens cost less than the pass
+    assert ctl.pass_tokens(long_prompt, small, 4, 400) == 0
+    assert ctl.deferred_steps == 1
+    assert ctl.pass_tokens(long_prompt, small + 4, 4, 400) == small + 4  # worth it
+    assert ctl.deferred_steps == 0
+    assert ctl.pass_tokens([prompt(small)], small, 4, 400) == small  # it finishes a prompt: a first token
+    assert ctl.pass_tokens(long_prompt, small, 0, 0) == small  # no decoding rows: no second pass
+    assert ctl.pass_tokens(long_prompt, small, 512 - small, 4000) == small  # the step's ceiling: it cannot grow
 
-    cost = ctl.model.cost
-    room_s = 0.060
+    # the decodes alone at 90% of slo_tpot: no slack to bank, so the chunk runs
+    tau = SMALL_TARGETS.tpot_s * 0.9
+    rows_at = next(r for r in range(1, 200) if ctl.model.predict(0, r, r * 100) >= tau)
+    assert ctl.pass_tokens(long_prompt, small, rows_at - 1, (rows_at - 1) * 100) == 0
+    ctl.deferred_steps = 0
+    assert ctl.pass_tokens(long_prompt, small, rows_at, rows_at * 100) == small
+
+    # never more than MAX_DEFERRED steps in a row
+    ctl.deferred_steps = 0
+    carried = [ctl.pass_tokens(long_prompt, small, 4, 400) for _ in range(2 * MAX_DEFERRED + 2)]
+    assert carried == [0] * MAX_DEFERRED + [small] + [0] * MAX_DEFERRED + [small]
+
+    room_s = 0.060  # a chunk's room: what the decodes and the pass leave
     chunk = ctl._tokens_within(room_s, 4, 400)
-    assert chunk == int((room_s - cost.predict(0, 4, 400) - cost.pass_s) / cost.prefill_token_s)
+    assert cost.predict(chunk, 4, 400) <= room_s < cost.predict(chunk + 1, 4, 400)
+
