@@ -241,20 +241,22 @@ class SloController:
         if not self.model.ready or self.targets.tpot_s is None or not prefilling:
             return tokens
         first = prefilling[0]
-        carried = self._worth_a_pass(tokens, rows, first.num_prompt_tokens - first.num_computed,
-                                     self.model.predict(0, rows, context), self.deferred_steps)
-        self.deferred_steps = self.deferred_steps + 1 if tokens and not carried else 0
+        carried, self.deferred_steps = self._worth_a_pass(tokens, rows, first.num_prompt_tokens - first.num_computed,
+                                                          self.model.predict(0, rows, context), self.deferred_steps)
         return carried
 
-    def _worth_a_pass(self, tokens: int, rows: int, first_left: int, decode_s: float, deferred: int) -> int:
+    def _worth_a_pass(self, tokens: int, rows: int, first_left: int, decode_s: float,
+                      deferred: int) -> tuple[int, int]:
         """pass_tokens' rule: `first_left` the first prompt's tokens still to run, `decode_s`
         the step's predicted seconds without prompt tokens, `deferred` the steps in a row
-        before it that carried none so."""
+        before it that carried none so. (tokens carried, such steps in a row after it.)"""
         cost = self.model.cost
         if cost.prefill_token_s <= 0 or deferred >= MAX_DEFERRED or tokens >= min(first_left, self.max_tokens - rows):
-            return tokens
+            return tokens, 0
         small = tokens * cost.prefill_token_s < cost.chunk_pass_s(rows, tokens)
-        return 0 if small and decode_s < self.targets.tpot_s * HEADROOM else tokens
+        if small and tokens and decode_s < self.targets.tpot_s * HEADROOM:
+            return 0, deferred + 1
+        return tokens, 0
 
     def deadline_tokens(self, prefilling, tokens: int, rows: int, context: int, now: float) -> int:
         """Of the `tokens` prompt tokens this step may carry (its budget less its `rows`
@@ -330,7 +332,7 @@ class SloController:
         step_s = self.model.predict(per_step, decoding, context)
         decode_s = self.model.predict(0, decoding, context)
         chunk_s = step_s  # the time a chunk of per_step prompt tokens takes
-        if self.targets.tpot_s is not None and not self._worth_a_pass(per_step, decoding, per_step + 1, decode_s, 0):
+        if self.targets.tpot_s is not None and not self._worth_a_pass(per_step, decoding, per_step + 1, decode_s, 0)[0]:
             chunk_s += MAX_DEFERRED * decode_s  # too small for its pass: it may wait that many decode steps
         after = in_flight.prompts_after if in_flight is not None else {}
         ahead = sum(_prompt_left(s, after) for s in running if s.in_prefill)
@@ -411,9 +413,7 @@ class SloController:
             if self.targets.ttft_s is not None:  # as the scheduler holds a step to its prompts' deadlines
                 room = self._deadline_room([(p[0], p[3], p[4] - elapsed) for p in prompts], room, rows, context)
             if rows and prompts:  # as the scheduler skips a chunk that would pay mostly for its pass
-                carried = self._worth_a_pass(room, rows, prompts[0][0], decode_s, deferred)
-                deferred = deferred + 1 if room and not carried else 0
-                room = carried
+                room, deferred = self._worth_a_pass(room, rows, prompts[0][0], decode_s, deferred)
             chunk, positions, done = 0, 0, []
             while prompts and chunk < room:
                 take = min(room - chunk, prompts[0][0])
