@@ -394,6 +394,16 @@ def drain(engine: Engine, max_steps: int = 10_000) -> None:
     raise AssertionError("engine did not finish")
 
 
+def assert_greedy_answers(engine: Engine, jobs: list[tuple[str, int]]) -> None:
+    """Run each (prompt, max_tokens) through `engine` (tiny-gpt2) to its length: each answer
+    is transformers' greedy one."""
+    col = Collector()
+    rids = [col.request(engine, prompt, max_tokens=n, end_id=-1) for prompt, n in jobs]
+    drain(engine)
+    for (prompt, n), rid in zip(jobs, rids):
+        assert col.ids(rid) == hf_greedy_text(prompt, n, eos_token_id=None)[:n]
+
+
 # the mixture-of-experts families served, each as a tiny seeded model
 MOE_NAMES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss")
 

@@ -3,10 +3,11 @@ controller sheds gets a clear error on Triton and a 503 with Retry-After on the 
 and is counted on the metrics port.
 
 No timing decides the outcome: the model's slo_ttft_ms is one microsecond, which no
-prediction meets once the step-time model has seen its first steps (before that every
-request is admitted, which the first request relies on). An idle engine admits whatever
-the prediction (controller.admit), so the shed requests arrive behind one the test holds in
-its step (the test-only stall file: helpers.servers.stall_env) until they have been refused."""
+prediction meets once the step-time model has seen its first steps (the warm-up at load
+runs them: engine/slo_warmup.py). An idle engine admits whatever the prediction
+(controller.admit), which the first request relies on, so the shed requests arrive behind
+one the test holds in its step (the test-only stall file: helpers.servers.stall_env) until
+they have been refused."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def frontend(triton_server, triton_repo):
 
 def test_a_shed_request_is_a_clear_error_on_triton_and_a_503_with_retry_after_on_openai(triton_server, frontend,
                                                                                         stall_file):
-    # the first request is admitted (the controller has seen no step yet) and served as usual
+    # the first request is admitted (the engine is idle) and served as usual
     first = generate_grpc(triton_server.grpc_url, "tiny_slo", "Hello there", max_tokens=WARM_TOKENS, end_id=-1,
                           exclude_input_in_output=True, timeout_s=HANG_GUARD_S)
     assert first.num_output_tokens == WARM_TOKENS

@@ -15,6 +15,8 @@ speculative- drafters (draft model, prompt lookup) and the verification rule
 detok      - incremental, UTF-8-safe detokenization and stop strings
 token_bytes- each token id's bytes, for byte-level BPE tokenizers (detok's fast path)
 loader     - settings -> a ready Engine (tokenizer, runner, KV budget, drafter)
+slo/       - latency SLOs: the step-time model, the controller, the ledger
+slo_warmup - with an SLO, a synthetic workload at load that fits the step-time model
 
 docs/architecture.md follows one request through all of them.
 """

@@ -26,6 +26,7 @@ from tritonlm.engine.output import Deferred, EngineObserver, EngineStats, Output
 from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError, check_priority
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence, SeqState
+from tritonlm.engine.slo import LatencyLedger
 from tritonlm.engine.speculation_governor import SpeculationGovernor
 from tritonlm.engine.speculative import Drafter
 from tritonlm.engine.threads import ENGINE_THREAD, named_thread
@@ -200,8 +201,10 @@ class Engine:
                 "and there are no stop_token_ids; keep the EOS (no end_id) or give stop_token_ids"
             )
 
-    def submit(self, request: GenerationRequest) -> None:
-        """Validate and queue. Raises InvalidRequestError / ServerBusyError (nothing queued then)."""
+    def submit(self, request: GenerationRequest, admission: bool = True) -> None:
+        """Validate and queue. Raises InvalidRequestError / ServerBusyError (nothing queued then).
+        admission=False: past the queue bound and the SLO controller's admission (the
+        engine's own warm-up, slo_warmup.py)."""
         self.validate(request)
         end_id = request.params.end_id
         eos = self.eos_id if end_id is None else (None if end_id < 0 else end_id)
@@ -216,10 +219,11 @@ class Engine:
         with self._cond:
             if self._stop:
                 raise ServerBusyError("the model is shutting down; retry on another instance")
-            self.scheduler.check_room(self.scheduler.num_waiting + len(self._inbox) + len(self._loading))
-            # judged now whether or not its adapter is loaded (a cold adapter is no way past
-            # shedding), behind those accepted before it, their adapters loading or not
-            self.scheduler.check_slo(seq, self._inbox + list(self._loading.values()))
+            if admission:
+                self.scheduler.check_room(self.scheduler.num_waiting + len(self._inbox) + len(self._loading))
+                # judged now whether or not its adapter is loaded (a cold adapter is no way past
+                # shedding), behind those accepted before it, their adapters loading or not
+                self.scheduler.check_slo(seq, self._inbox + list(self._loading.values()))
             if pending is not None:  # queued when its adapter is ready (_adapter_loaded)
                 self._loading[seq.id] = seq
                 self._cond.notify()  # an idle loop now waits with queue_timeout_s in view
@@ -252,6 +256,20 @@ class Engine:
         with self._cond:
             self._cancel.add(request_id)
             self._cond.notify()
+
+    def forget_steps(self) -> None:
+        """Forget the steps run so far (a warm-up's, before the loop starts): the counts the
+        metrics read, the SLO ledger, the prefix cache's hit counts, the speculation
+        governor's timings and the watchdog's current step. The SLO controller keeps its
+        step-time model (SloController.forget_load says what it forgets)."""
+        self.output.stats = EngineStats()
+        self.scheduler.ledger = LatencyLedger(self.scheduler.ledger.targets)
+        self.scheduler.cache.hit_tokens = self.scheduler.cache.query_tokens = 0
+        if self.executor.governor is not None:
+            self.executor.governor = SpeculationGovernor()
+        self._step_tokens = 0
+        if self.scheduler.slo is not None:
+            self.scheduler.slo.forget_load()
 
     # ---- the loop ------------------------------------------------------------
     def start(self) -> "Engine":

@@ -14,6 +14,7 @@ from tritonlm.engine.memory import default_kv_budget, free_memory_bytes
 from tritonlm.engine.scheduler import SchedulerConfig
 from tritonlm.engine.precision import Precision, PrecisionError, resolve_precision
 from tritonlm.engine.settings import EngineSettings, SettingsError
+from tritonlm.engine.slo_warmup import warm_up_slo
 from tritonlm.engine.tokenizer import check_same_tokenizer, error_summary, load_tokenizer
 from tritonlm.engine.window_kv import HybridKVCache
 
@@ -99,6 +100,8 @@ def _load_and_build(settings: EngineSettings, observer: EngineObserver | None, r
         check_attention_backend(settings, runner)
         engine = _build_engine(settings, observer, runner, tokenizer)
         engine.lora_registry = load_lora_registry(settings, runner)
+        if settings.slo_warmup:
+            warm_up_slo(engine)
     except BaseException:
         runner.close()
         raise

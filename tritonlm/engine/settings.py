@@ -76,6 +76,9 @@ class EngineSettings:
     # the SLO controller, which sizes each step under max_num_batched_tokens / max_num_seqs
     slo_ttft_ms: float = 0.0
     slo_tpot_ms: float = 0.0
+    # with an SLO set: a short synthetic workload at load fits the step-time model before the
+    # first request (engine/slo_warmup.py)
+    slo_warmup: bool = True
     # how often every live request is asked whether its client cancelled: each ask is a
     # round trip to tritonserver, and TensorRT-LLM's backend polls every 100 ms too
     cancellation_check_period_ms: int = 100
@@ -245,6 +248,7 @@ class EngineSettings:
             queue_timeout_s=get_float("queue_timeout_s", 0.0) or 0.0,
             slo_ttft_ms=get_float("slo_ttft_ms", 0.0) or 0.0,
             slo_tpot_ms=get_float("slo_tpot_ms", 0.0) or 0.0,
+            slo_warmup=get_bool("slo_warmup", True),
             cancellation_check_period_ms=get_int("cancellation_check_period_ms", 100, 1),
             stream_interval=get_int("stream_interval", 1, 1),
             default_max_tokens=get_int("default_max_tokens", 16, 1),
@@ -485,6 +489,10 @@ GENERATE_PARAMETERS: tuple[ParameterDoc, ...] = (
     _P("slo_tpot_ms", "0",
        "time-per-output-token SLO in ms; set, each step's token budget and the running sequences are sized "
        "to keep it, under `max_num_batched_tokens` / `max_num_seqs` ([slo.md](slo.md)); 0: none"),
+    _P("slo_warmup", "true",
+       "with an SLO set, a short synthetic workload (a few dozen steps) runs at load, before the model is ready, so "
+       "that the SLO controller judges the first requests by a fitted step-time model "
+       "([slo.md](slo.md#warm-up-at-load)); `false`: it learns from the first requests"),
     _P("cancellation_check_period_ms", "100",
        "how often each live request is asked whether its client cancelled or left; each ask is a round trip "
        "to tritonserver"),

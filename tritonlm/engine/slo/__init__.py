@@ -27,7 +27,8 @@ fitted online (step_time.py):
 The model's targets are smoothed over a few steps; a decision then drops as soon as the
 smoothed target is clearly below it and rises only past a dead band, so noise in the fit
 does not make it oscillate; each change is one log line. Until the model has seen a few
-steps the configured knobs hold and every request is admitted.
+steps the configured knobs hold and every request is admitted; with slo_warmup (the
+default) it has seen them before the first request (tritonlm/engine/slo_warmup.py).
 """
 
 from tritonlm.engine.slo.controller import Decision, InFlightStep, SloController, SloShedError

@@ -76,19 +76,26 @@ class SloController:
         self.max_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
         self.model = model or StepTimeModel()
-        self.budget = max_num_batched_tokens  # the steady budget
-        self.step_budget = max_num_batched_tokens  # the last step's: the steady one and the slack it spent
-        self.cap = max_num_seqs
+        self.steps_seen = 0  # steps reported, the cold ones included
+        self.forget_load()
+
+    def forget_load(self) -> None:
+        """Back to the configured knobs, and forget what the steps so far said of the load
+        (its prompts' share, its rows' context, its typical step, its answers' lengths);
+        the step-time model, which describes the host, is kept (the warm-up at load,
+        slo_warmup.py, runs a load of its own)."""
+        self.changes = 0  # decisions that changed budget or cap
+        self.budget = self.max_tokens  # the steady budget
+        self.step_budget = self.max_tokens  # the last step's: the steady one and the slack it spent
+        self.cap = self.max_seqs
         self.step_s = 0.0
         self.predicted_ttft_s = 0.0  # the last admission's prediction
         self.output_ratio = 1.0  # generated / max_tokens of finished requests (EWMA): slots free sooner than max_tokens
-        self.changes = 0  # decisions that changed budget or cap
         self.row_context = 0.0  # cached positions of a decoding row (EWMA over steps)
         self.typical_step_s = 0.0  # steps' measured seconds (EWMA)
-        self._smooth_budget = float(max_num_batched_tokens)  # the model's targets, smoothed over steps
-        self._smooth_cap = float(max_num_seqs)
+        self._smooth_budget = float(self.max_tokens)  # the model's targets, smoothed over steps
+        self._smooth_cap = float(self.max_seqs)
         self._primed = False
-        self.steps_seen = 0  # steps reported, the cold ones included
         self._prompt_s = 0.0  # seconds of a step spent on prompt tokens (EWMA)
         self.deferred_steps = 0  # steps in a row whose chunk waited for slack (pass_tokens)
         self._step_s = 0.0  # seconds of a step (EWMA)
@@ -129,8 +136,8 @@ class SloController:
         decoding = [s for s in running if not s.in_prefill]
         rows = len(decoding)
         context = sum(s.num_computed + 1 for s in decoding)
-        if decoding:  # the cap plans for a typical row, not for the mix of this instant
-            self.row_context += ROW_CONTEXT_ALPHA * (context / rows - self.row_context)
+        if decoding:  # the cap plans for a typical row, not for the mix of this instant (the first at once)
+            self.row_context += (ROW_CONTEXT_ALPHA if self.row_context else 1.0) * (context / rows - self.row_context)
         per_row = self.row_context
         cost = self.model.cost
         step_budget = budget
@@ -219,13 +226,8 @@ class SloController:
         new_cap = _banded(self.cap, cap, 1, self.max_seqs)
         if (new_budget, new_cap) != (self.budget, self.cap):
             self.changes += 1
-            cost = self.model.cost
-            log.info(
-                "SLO controller: token budget %d -> %d, running cap %d -> %d (step model: %.2f ms + %.3f ms/prompt "
-                "token + %.3f ms/decoding row + %.2f us/cached position + %.2f ms a chunk's pass beside decodes, steps "
-                "off by %.0f%%, those with prompt tokens by %.0f%%)", self.budget, new_budget, self.cap, new_cap,
-                cost.step_s * 1e3, cost.prefill_token_s * 1e3, cost.decode_row_s * 1e3, cost.position_s * 1e6,
-                cost.pass_s * 1e3, 100 * self.model.relative_error, 100 * self.model.prompt_step_error)
+            log.info("SLO controller: token budget %d -> %d, running cap %d -> %d (step model: %s)", self.budget,
+                     new_budget, self.cap, new_cap, self.model.describe())
             self.budget, self.cap = new_budget, new_cap
 
     def pass_tokens(self, prefilling, tokens: int, rows: int, context: int) -> int:

@@ -58,6 +58,7 @@ TIE = 0.01
 ROW_CONTEXT_ALPHA = 0.02  # weight of each step with decoding rows in a row's typical context
 ERROR_ALPHA = 0.05  # weight of each step in the relative error (~20 steps)
 PRIOR_ERROR = 0.2  # the relative error assumed before steps have measured it
+PRIOR_ERROR_STEPS = 2  # how many steps' measurements that assumption counts for
 
 
 def _tied(xtx: np.ndarray, row_context: float) -> np.ndarray:
@@ -91,6 +92,26 @@ class StepCost(NamedTuple):
         return self.pass_s if decode_rows > 0 and prefill_tokens > 0 else 0.0
 
 
+class DecayingMean:
+    """An exponentially weighted mean (each new sample weighs `alpha`) that starts from a
+    guess counted as `guess_samples` samples. A plain EWMA started at the guess keeps
+    (1 - alpha)^n of it after n samples, so a rough guess outweighs the first dozens of
+    measurements; here the guess fades as measurements add up."""
+
+    def __init__(self, guess: float, alpha: float, guess_samples: float):
+        self.alpha = alpha
+        self._sum = guess * alpha * guess_samples
+        self._weight = alpha * guess_samples
+
+    def add(self, sample: float) -> None:
+        self._sum += self.alpha * (sample - self._sum)
+        self._weight += self.alpha * (1.0 - self._weight)
+
+    @property
+    def value(self) -> float:
+        return self._sum / self._weight
+
+
 class StepTimeModel:
     def __init__(self, forget: float = 0.99, long_forget: float = 0.999, prior_weight: float = 1.0, min_steps: int = 8):
         """forget in (0, 1]: each older sample's weight per newer step (1: never forget);
@@ -113,8 +134,11 @@ class StepTimeModel:
         self.row_context = 0.0  # a decoding row's cached positions (EWMA over steps)
         # (measured / predicted - 1)^2 of the steps once ready, EWMA, over all steps and over
         # those with prompt tokens (a first token ends such a step); each starts at
-        # PRIOR_ERROR's square, so that a fit just ready is not taken for an exact one
-        self._square_error = self._prompt_square_error = PRIOR_ERROR**2
+        # PRIOR_ERROR's square, so that a fit just ready is not taken for an exact one, and
+        # counts it as PRIOR_ERROR_STEPS steps, so that a few dozen measured steps (the
+        # warm-up's at load: slo_warmup.py) replace the guess
+        self._square_error = DecayingMean(PRIOR_ERROR**2, ERROR_ALPHA, PRIOR_ERROR_STEPS)
+        self._prompt_square_error = DecayingMean(PRIOR_ERROR**2, ERROR_ALPHA, PRIOR_ERROR_STEPS)
 
     @staticmethod
     def _features(prefill_tokens: float, decode_rows: float, context: float) -> np.ndarray:
@@ -129,9 +153,9 @@ class StepTimeModel:
         predicted = float(x @ self._coef)
         if self.ready and predicted > 0:  # how far the fit was off, before it learns from this step
             square = (seconds / predicted - 1.0) ** 2
-            self._square_error += ERROR_ALPHA * (square - self._square_error)
+            self._square_error.add(square)
             if prefill_tokens:
-                self._prompt_square_error += ERROR_ALPHA * (square - self._prompt_square_error)
+                self._prompt_square_error.add(square)
         xx, xy = np.outer(x, x), x * seconds
         self._xtx = self.forget * self._xtx + xx
         self._xty = self.forget * self._xty + xy
@@ -157,14 +181,14 @@ class StepTimeModel:
     def relative_error(self) -> float:
         """The typical relative error of a step's prediction (root mean square, recent steps
         weighted most): the host's noise and what the linear model misses."""
-        return float(np.sqrt(self._square_error))
+        return float(np.sqrt(self._square_error.value))
 
     @property
     def prompt_step_error(self) -> float:
         """relative_error over the steps that ran prompt tokens: how far the step that makes
         a first token lands from its prediction. Decode-only steps, the many, err otherwise
         (one pass of the decode-width kernels, no chunk)."""
-        return float(np.sqrt(self._prompt_square_error))
+        return float(np.sqrt(self._prompt_square_error.value))
 
     @property
     def cost(self) -> StepCost:
@@ -175,6 +199,14 @@ class StepTimeModel:
         """Seconds a step of `prefill_tokens` prompt tokens and `decode_rows` decoding rows,
         reading `context` cached positions, takes."""
         return self.cost.predict(prefill_tokens, decode_rows, context)
+
+    def describe(self) -> str:
+        """The fitted costs and errors, for a log line."""
+        cost = self.cost
+        return (f"{cost.step_s * 1e3:.2f} ms + {cost.prefill_token_s * 1e3:.3f} ms/prompt token + "
+                f"{cost.decode_row_s * 1e3:.3f} ms/decoding row + {cost.position_s * 1e6:.2f} us/cached position + "
+                f"{cost.pass_s * 1e3:.2f} ms a chunk's pass beside decodes, steps off by {100 * self.relative_error:.0f}%, "
+                f"those with prompt tokens by {100 * self.prompt_step_error:.0f}%")
 
 
 _SUBSETS = [list(free) for k in range(1, FEATURES + 1) for free in combinations(range(FEATURES), k)]

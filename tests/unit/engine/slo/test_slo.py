@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers.models import MIXED_PROMPTS, Collector, drain, hf_greedy_text, make_engine
+from tests.helpers.models import MIXED_PROMPTS, Collector, assert_greedy_answers, drain, make_engine
 from tritonlm.engine.settings import EngineSettings, SettingsError
 from tritonlm.engine.slo import LatencyLedger, SloShedError, SloTargets
 from tritonlm.engine.slo.controller import COLD_STEPS
@@ -43,12 +43,8 @@ def test_without_an_slo_there_is_no_controller():
 def test_with_slos_the_answers_are_the_same_and_each_request_is_judged():
     # a generous SLO: the host's speed must not decide the counts
     engine = make_engine(max_num_batched_tokens=64, slo_ttft_s=600.0, slo_tpot_s=60.0)
-    col = Collector()
     jobs = [(MIXED_PROMPTS[i % len(MIXED_PROMPTS)], 3 + 2 * i) for i in range(6)]
-    rids = [col.request(engine, p, max_tokens=n, end_id=-1) for p, n in jobs]
-    drain(engine)
-    for (prompt, n), rid in zip(jobs, rids):
-        assert col.ids(rid) == hf_greedy_text(prompt, n, eos_token_id=None)[:n]
+    assert_greedy_answers(engine, jobs)
     ledger, slo = engine.scheduler.ledger, engine.scheduler.slo
     assert (ledger.met, ledger.missed, ledger.shed) == (len(jobs), 0, 0)
     # every step reported; the first ones after load (one-time costs) are kept out of the fit

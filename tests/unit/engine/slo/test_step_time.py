@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from tritonlm.engine.slo.step_time import StepCost, StepTimeModel, _nonnegative_solve
+from tritonlm.engine.slo.step_time import DecayingMean, StepCost, StepTimeModel, _nonnegative_solve
 
 # 12 ms + 0.25 ms per prompt token + 0.15 ms per decoding row + 0.3 us per cached position,
 # and 10 ms more where a step has both prompt tokens and decoding rows (its second pass)
@@ -48,6 +48,33 @@ def test_the_relative_error_is_the_hosts_noise(noise):
     for step in steps(random.Random(11), TRUE, 3000, noise=noise):
         model.observe(*step)
     assert model.relative_error == pytest.approx(noise, rel=0.35)
+
+
+def test_a_decaying_mean_counts_its_guess_as_so_many_samples():
+    mean = DecayingMean(1.0, alpha=0.1, guess_samples=2)
+    assert mean.value == pytest.approx(1.0)  # before any sample: the guess
+    mean.add(0.0)  # one sample against a guess worth two
+    assert mean.value == pytest.approx(2 / 3, rel=0.06)
+    for _ in range(30):
+        mean.add(0.0)
+    assert mean.value < 0.01
+    # a guess worth 1 / alpha samples is a plain EWMA started at the guess
+    plain, ewma = DecayingMean(1.0, alpha=0.1, guess_samples=10), 1.0
+    for x in (0.0, 0.5, 2.0, 0.0):
+        plain.add(x)
+        ewma += 0.1 * (x - ewma)
+        assert plain.value == pytest.approx(ewma)
+
+
+def test_the_assumed_error_gives_way_to_a_few_dozen_measured_steps():
+    """Before any step the error is assumed (a fit just ready is not taken for an exact
+    one); measured steps replace the guess as they add up, so after the few dozen steps of
+    the warm-up at load (slo_warmup.py) on a quiet host, admission's margin is that host's."""
+    model = StepTimeModel()
+    assert model.prompt_step_error > 0.1
+    for step in steps(random.Random(3), TRUE, model.min_steps + 50, noise=0.03):
+        model.observe(*step)
+    assert model.relative_error < 0.07 and model.prompt_step_error < 0.07
 
 
 def test_prompt_tokens_and_decoding_rows_are_told_apart():
