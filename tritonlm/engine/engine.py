@@ -268,6 +268,7 @@ class Engine:
         if self.executor.governor is not None:
             self.executor.governor = SpeculationGovernor()
         self._step_tokens = 0
+        self.scheduler.step_in_flight = None  # a step that failed never ended it
         if self.scheduler.slo is not None:
             self.scheduler.slo.forget_load()
 

@@ -10,9 +10,9 @@ same reason: what a server decides from measurements is measured before it takes
 
 The workload: prompts of several sizes (WARMUP_PROMPTS, up to a full step's tokens) arriving
 one every other step beside the streams already decoding, so the steps have chunks of
-several sizes beside one to several decoding rows, with decode-only steps between; then a
-burst of short prompts, as many as may run at once, for decode steps as wide as
-max_num_seqs. Its prompt tokens are ordinary tokens of the vocabulary drawn with a fixed
+several sizes beside one to several decoding rows, with decode-only steps between; halfway
+through them a burst of short prompts, as many as may run at once, for decode steps as wide
+as max_num_seqs. Its prompt tokens are ordinary tokens of the vocabulary drawn with a fixed
 seed; its answers run to their length. While it runs the controller only watches: the
 steps take the configured knobs, so the fit sees the whole range the controller may later
 plan in, not the narrow one a half-fitted model would choose. The steps run on the calling
@@ -21,8 +21,9 @@ nothing of them reaches a client or the metrics. Afterwards the engine forgets t
 (Engine.forget_steps): the controller keeps the step-time model, which describes the host,
 and forgets the warm-up's load.
 
-A warm-up that fails does not fail the load: the controller then learns from the first
-requests, as without one.
+A warm-up that fails is logged and its requests cancelled, and the model loads anyway: the
+controller then learns from the first requests, as without one (only an engine that cannot
+even end them fails the load: it could not serve).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ log = logging.getLogger(__name__)
 WARMUP_PROMPTS = (16, 64, 8, 128, 32, 256, 24, 96, 48, 192, 512)
 ARRIVAL_EVERY = 2
 ANSWER_TOKENS = 12  # each of those answers: they decode beside the later arrivals
-MAX_BURST = 256  # then min(max_num_seqs, this) short prompts at once: the widest decode steps
+# halfway through them, min(max_num_seqs, MAX_BURST) short prompts at once: the widest decode
+# steps, beside the larger chunks still to come (and early, should the time bound cut the rest)
+MAX_BURST = 256
+BURST_AFTER = 5  # arrivals before it
 BURST_PROMPT, BURST_ANSWER = 8, 8
 SEED = 0
 # the workload takes a few dozen steps; past either bound something holds it back (a cache
@@ -87,7 +91,7 @@ def _workload(engine: Engine) -> list[tuple[int, int, int]]:
     answer = max(1, min(ANSWER_TOKENS, room // 2))
     for i, prompt in enumerate(WARMUP_PROMPTS):
         jobs.append((i * ARRIVAL_EVERY, max(1, min(prompt, config.max_num_batched_tokens, room - answer)), answer))
-    burst_at = len(WARMUP_PROMPTS) * ARRIVAL_EVERY
+    burst_at = BURST_AFTER * ARRIVAL_EVERY
     answer = max(1, min(BURST_ANSWER, room // 2))
     jobs += [(burst_at, max(1, min(BURST_PROMPT, room - answer)), answer)] * min(MAX_BURST, config.max_num_seqs)
     return jobs

@@ -13,9 +13,11 @@ from types import SimpleNamespace
 
 from tests.helpers.models import (MIXED_PROMPTS, Collector, assert_greedy_answers, drain, make_engine,
                                   make_prefix_caching_engine)
+from tests.unit.engine.test_engine import overlap_engine
 from tests.unit.engine.test_output import Recorder
 from tritonlm.engine.settings import EngineSettings
 from tritonlm.engine.slo.controller import COLD_STEPS
+from tritonlm.engine import slo_warmup
 from tritonlm.engine.slo_warmup import WARMUP_PROMPTS, _token_draw, _workload, warm_up_slo
 
 
@@ -112,17 +114,20 @@ def test_a_failing_warm_up_leaves_a_model_that_serves(monkeypatch, caplog):
     calls = {"n": 0}
     process = engine.output.process
 
-    def fails_once(step):  # the third step's outputs: outside the forward pass, so step() raises
+    def fails_once(step):  # a step's outputs: outside the forward pass, so step() raises
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 20:  # past the cold steps: the step model has begun
             raise RuntimeError("a detokenizer that breaks")
         process(step)
 
     monkeypatch.setattr(engine.output, "process", fails_once)
+    observer = Recorder()
+    engine.output.observer = observer
     warm_up_slo(engine)
     assert "SLO warm-up failed" in caplog.text
     assert not engine.has_work() and not engine._inbox and engine.scheduler.cache.used_bytes == 0
     assert engine.scheduler.slo.targets.tpot_s == 60.0 and engine.stats.steps == 0
+    assert engine.output.observer is observer and engine.scheduler.step_in_flight is None
     assert_greedy_answers(engine, [(MIXED_PROMPTS[1], 5)])
 
 
@@ -137,3 +142,23 @@ def test_warm_up_prompts_are_ordinary_tokens_of_both_vocabularies():
     draw = _token_draw(engine)
     tokens = [draw() for _ in range(2000)]
     assert min(tokens) == 3 and max(tokens) == 49
+
+
+def test_a_warm_up_cut_at_its_bound_leaves_a_model_that_serves(monkeypatch, caplog):
+    monkeypatch.setattr(slo_warmup, "MAX_STEPS", 15)
+    engine = make_engine(slo_ttft_s=600.0, slo_tpot_s=60.0)
+    warm_up_slo(engine)
+    assert "still running after 15 steps" in caplog.text
+    assert not engine.has_work() and not engine._inbox and engine.scheduler.cache.used_bytes == 0
+    assert_greedy_answers(engine, [(MIXED_PROMPTS[2], 6)])
+
+
+@pytest.mark.parametrize("schedule_ahead", [False, True], ids=["overlap", "overlap+ahead"])
+def test_the_warm_up_ends_with_nothing_left_on_the_device_or_for_events(schedule_ahead):
+    engine = overlap_engine(True, schedule_ahead=schedule_ahead, max_num_batched_tokens=32, slo_ttft_s=600.0,
+                            slo_tpot_s=60.0)
+    warm_up_slo(engine)
+    assert engine.scheduler.slo.model.ready
+    assert not engine.has_work() and engine._ahead is None and engine._deferred == []
+    assert engine.scheduler.cache.used_bytes == 0
+    assert_greedy_answers(engine, [(MIXED_PROMPTS[0], 5), (MIXED_PROMPTS[3], 7)])
