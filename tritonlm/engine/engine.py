@@ -26,7 +26,6 @@ from tritonlm.engine.output import Deferred, EngineObserver, EngineStats, Output
 from tritonlm.engine.request import GenerationRequest, InvalidRequestError, ServerBusyError, check_priority
 from tritonlm.engine.scheduler import Scheduler, SchedulerConfig
 from tritonlm.engine.sequence import Sequence, SeqState
-from tritonlm.engine.slo import LatencyLedger
 from tritonlm.engine.speculation_governor import SpeculationGovernor
 from tritonlm.engine.speculative import Drafter
 from tritonlm.engine.threads import ENGINE_THREAD, named_thread
@@ -259,18 +258,13 @@ class Engine:
 
     def forget_steps(self) -> None:
         """Forget the steps run so far (a warm-up's, before the loop starts): the counts the
-        metrics read, the SLO ledger, the prefix cache's hit counts, the speculation
-        governor's timings and the watchdog's current step. The SLO controller keeps its
-        step-time model (SloController.forget_load says what it forgets)."""
+        metrics read, the speculation governor's timings, the watchdog's current step, and
+        the scheduler's own (Scheduler.forget_steps)."""
         self.output.stats = EngineStats()
-        self.scheduler.ledger = LatencyLedger(self.scheduler.ledger.targets)
-        self.scheduler.cache.hit_tokens = self.scheduler.cache.query_tokens = 0
         if self.executor.governor is not None:
             self.executor.governor = SpeculationGovernor()
         self._step_tokens = 0
-        self.scheduler.step_in_flight = None  # a step that failed never ended it
-        if self.scheduler.slo is not None:
-            self.scheduler.slo.forget_load()
+        self.scheduler.forget_steps()
 
     # ---- the loop ------------------------------------------------------------
     def start(self) -> "Engine":

@@ -78,6 +78,16 @@ class Scheduler:
         self.ledger = LatencyLedger(targets)  # what each request got, for the metrics
         self.slo = SloController(targets, config.max_num_seqs, config.max_num_batched_tokens) if targets.active else None
 
+    def forget_steps(self) -> None:
+        """Forget the steps run so far (Engine.forget_steps): the SLO ledger, the prefix
+        cache's hit counts and the step in flight (a step that failed never ended it); the
+        SLO controller keeps its step-time model (SloController.forget_load)."""
+        self.ledger = LatencyLedger(self.ledger.targets)
+        self.cache.hit_tokens = self.cache.query_tokens = 0
+        self.step_in_flight = None
+        if self.slo is not None:
+            self.slo.forget_load()
+
     # ---- the queue -------------------------------------------------------------------
     def check_room(self, pending: int) -> None:
         """ServerBusyError unless one more request may wait behind `pending` others.
