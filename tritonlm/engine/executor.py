@@ -166,6 +166,10 @@ class ModelExecutor:
         # this host decodes faster speculating; None: speculation as configured
         self.governor = None
         self.speculating = True  # the governor's word for the last step's switchable rows
+        # prompt tokens a step may run as one-token rows in its decoding rows' pass (the
+        # runner's word: where its decode-width kernels make that cheaper than a pass of their
+        # own); 0: chunks beside decodes always run apart
+        self.chunk_rows = getattr(runner, "chunk_rows", 0)
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, plan: ScheduledBatch, ahead: AheadTokens | None = None) -> ForwardResult:
@@ -196,12 +200,16 @@ class ModelExecutor:
             self._run(result, plain, all_logits=False)
             self._run(result, scored, all_logits=True)
         else:
-            decode = [row for row in plain if row[0].num_computed >= row[0].num_prompt_tokens]
-            self._run(result, verify + decode, all_logits=bool(verify))
-            # prefill chunks apart from the decodes: a chunk's width would take the decoding rows
-            # off the decode-width kernels (paged attention in place, the one-call decoder stack)
-            if len(decode) < len(plain):
-                for group in group_prefill([row for row in plain if row[0].in_prefill]):
+            decode = [row for row in plain if not row[0].in_prefill]
+            chunks = [row for row in plain if row[0].in_prefill]
+            if decode and chunks and not verify and sum(len(t) for _, t in chunks) <= self.chunk_rows:
+                self._run_beside_decodes(result, decode, chunks)
+            else:
+                self._run(result, verify + decode, all_logits=bool(verify))
+                # prefill chunks apart from the decodes: a chunk's width would take the decoding
+                # rows off the decode-width kernels (paged attention in place, the one-call
+                # decoder stack)
+                for group in group_prefill(chunks) if chunks else ():
                     self._run(result, group, all_logits=False)
             for group in group_prefill(scored):
                 self._run(result, group, all_logits=True)
@@ -214,6 +222,33 @@ class ModelExecutor:
             return
         result.passes.append((len(result.rows), self._pass(rows, all_logits)))
         result.rows += rows
+
+    def _run_beside_decodes(self, result: ForwardResult, decode: list[tuple[Sequence, list[int]]],
+                            chunks: list[tuple[Sequence, list[int]]]) -> None:
+        """The decoding rows and the prefill chunks in one decode-width pass: each prompt
+        token a one-token row of its own, at its position, over its sequence's slots. A pass
+        writes every new key and value before any row reads them (the paged kernels', and the
+        gathered path's), so a token sees the chunk's earlier tokens as in a chunk's pass. One
+        pass reads the weights once, where a chunk's pass of its own reads them again: on a
+        CPU that second read costs about as much as the decode step. The rows' logits are
+        kept for each decoding row and each chunk's last token only."""
+        rows, past, kept = [], [], []
+        for seq, toks in decode:
+            kept.append(len(rows))
+            rows.append((seq, toks))
+            past.append(seq.num_computed)
+        for seq, toks in chunks:
+            rows += [(seq, [token]) for token in toks]
+            past += range(seq.num_computed, seq.num_computed + len(toks))
+            kept.append(len(rows) - 1)
+        batch = self.scheduler.batch(rows, past)
+        if self._ahead is not None:
+            self._feed(batch, rows, self._ahead)
+        logits = self.runner.forward(batch, self.pool)  # [len(rows), V]
+        for seq, toks in decode + chunks:
+            self.scheduler.advance(seq, len(toks))
+        result.passes.append((len(result.rows), logits[to_device(kept, torch.int64, logits.device)]))
+        result.rows += decode + chunks
 
     def _speculation(self, plan: ScheduledBatch) -> dict[int, int]:
         """seq id -> K for the decoding sequences that speculate this step: with a governor

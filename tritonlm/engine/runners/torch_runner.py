@@ -28,6 +28,9 @@ from tritonlm.engine.runners.weight_only import quantize_weight_only
 
 log = logging.getLogger(__name__)
 
+# the most prompt tokens a CPU step runs as one-token rows beside its decoding rows (chunk_rows)
+FUSED_CHUNK_TOKENS = 128
+
 
 class TorchRunner:
     """forward(batch, pool) -> float32 logits; see runners.base for the contract."""
@@ -106,6 +109,17 @@ class TorchRunner:
         return cls(model, device=device, dtype=dtype, int8=int8, attention=attention, cuda_graphs=cuda_graphs,
                    max_batch=max_batch, max_context=max_context, compile_decode=compile_decode,
                    int8_weight_only=int8_weight_only)
+
+    @property
+    def chunk_rows(self) -> int:
+        """Prompt tokens a step may run as one-token rows in its decoding rows' pass
+        (ModelExecutor._run_beside_decodes). On a CPU every pass streams all the weights, so
+        a chunk's pass of its own costs about what a decode step does; run beside the
+        decodes, its tokens add only their share of the projections. A wide chunk gains
+        less (its own pass runs it as one wide product, and every one of its rows here also
+        pays the LM head), so only chunks up to FUSED_CHUNK_TOKENS join. 0 on a GPU: its
+        decode steps replay graphs captured for fixed batch sizes."""
+        return FUSED_CHUNK_TOKENS if self.device.type == "cpu" else 0
 
     @property
     def rope_recompute_at(self) -> int | None:
