@@ -84,6 +84,8 @@ class Engine:
         self.scheduler.rope_key = getattr(runner, "rope_key", None)
         self.scheduler.rope_recompute_at = getattr(runner, "rope_recompute_at", None)
         self.executor = ModelExecutor(runner, self.scheduler, drafter)
+        if self.scheduler.slo is not None:  # the steps whose chunks pay no pass of their own
+            self.scheduler.slo.model.joined = self.executor.chunk_rows
         if drafter is not None and adaptive_speculation and self.num_draft_tokens > 0:
             self.executor.governor = SpeculationGovernor()
         self.output = OutputProcessor(self.scheduler, max_context, observer, stream_interval)

@@ -118,11 +118,12 @@ class Scheduler:
             _, at, step_s, after = record
             in_flight = InFlightStep(step_s, max(0.0, step_s - (now - at)), after)
         try:
-            self.slo.admit(seq.num_prompt_tokens, list(self.running), list(self.waiting) + list(queued),
-                           priority=seq.request.priority, elapsed_s=gone, in_flight=in_flight, now=now)
+            planned = self.slo.admit(seq.num_prompt_tokens, list(self.running), list(self.waiting) + list(queued),
+                                     priority=seq.request.priority, elapsed_s=gone, in_flight=in_flight, now=now)
         except SloShedError:
             self.ledger.shed += 1
             raise
+        seq.slo_plan = (gone, planned) if planned is not None else None
 
     def add(self, seq: Sequence) -> None:
         """Queue a request the caller let in with check_room: behind every waiting request of
@@ -321,6 +322,9 @@ class Scheduler:
         self.ledger.finished(seq, reason)
         if self.slo is not None and reason in ("stop", "length"):
             self.slo.request_finished(seq.num_output_tokens, seq.request.params.max_tokens)
+            if seq.slo_plan is not None and seq.first_token_time is not None:
+                gone, planned = seq.slo_plan
+                self.slo.plan_kept(planned, seq.first_token_time - seq.request.arrival - gone)
         if seq.state is SeqState.RUNNING:
             if self.cache.prefix_caching:
                 self._register_full_blocks(seq)  # what its last step completed: a next turn may reuse it

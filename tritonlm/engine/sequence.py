@@ -38,6 +38,9 @@ class Sequence:
     rope_len: int | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # with an SLO: (seconds since its arrival when admitted, the planned seconds from then to
+    # its first token), where admission planned it step by step (SloController.plan_kept)
+    slo_plan: tuple[float, float] | None = None
     # what is generated but not yet sent: streaming requests send it as soon as it holds
     # text; the others keep it until the single final response
     pending_text: list[str] = field(default_factory=list)

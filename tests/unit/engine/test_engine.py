@@ -576,3 +576,13 @@ def test_a_request_whose_adapter_load_hangs_times_out_like_a_queued_one(tmp_path
         rig.engine.shutdown()
     with pytest.raises(ServerBusyError, match="shutting down"):
         rig.registry.acquire("dora")
+
+
+def test_the_slo_step_model_knows_which_chunks_run_in_the_decode_pass():
+    """With an SLO, the step-time model counts a second pass only for chunks wider than the
+    executor runs beside the decoding rows (ModelExecutor.chunk_rows)."""
+    from tritonlm.engine.runners.torch_runner import FUSED_CHUNK_TOKENS
+
+    engine = make_engine(slo_ttft_s=1.0, slo_tpot_s=0.05)
+    assert engine.executor.chunk_rows == FUSED_CHUNK_TOKENS
+    assert engine.scheduler.slo.model.cost.joined == FUSED_CHUNK_TOKENS

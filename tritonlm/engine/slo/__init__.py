@@ -21,9 +21,10 @@ fitted online (step_time.py):
   is past slo_ttft is refused at once (SloShedError, a 503 with Retry-After at the OpenAI
   API) rather than queued to miss its SLO and push the requests behind it past theirs; the
   steps to its first token are planned as the budget will size them (slack included), with
-  a margin for the step model's measured error, and a step that finishes prompts carries no
-  more than keeps their first tokens within slo_ttft (never less than the steady budget;
-  a prompt already past reach holds no one back).
+  a margin for the step model's measured error, stretched by how much later than planned
+  the recent admitted requests' first tokens came; and a step that finishes prompts
+  carries no more than keeps their first tokens within slo_ttft (never less than the
+  steady budget; a prompt already past reach holds no one back).
 The model's targets are smoothed over a few steps; a decision then drops as soon as the
 smoothed target is clearly below it and rises only past a dead band, so noise in the fit
 does not make it oscillate; each change is one log line. Until the model has seen a few

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tritonlm.engine.request import ServerBusyError
 from tritonlm.engine.slo.ledger import SloTargets
-from tritonlm.engine.slo.step_time import StepTimeModel
+from tritonlm.engine.slo.step_time import DecayingMean, StepTimeModel
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,15 @@ TYPICAL_ALPHA = 0.1  # weight of each step's seconds in the typical step's
 SLO_Z = 2.33
 MIN_TTFT_MARGIN = 0.5
 PLANNED_STEPS = 64  # admission plans at most this many steps to a first token
+# a plan's bias: the log of (time its first token took after admission / the plan), averaged
+# over admitted requests (each weighs PLAN_BIAS_ALPHA, ~10 requests), from a guess of no bias
+# counted as PLAN_BIAS_GUESS requests. Each request's ratio is clipped to within
+# MAX_PLAN_BIAS of 1 (a stalled host's one outlier does not shed the next dozen requests),
+# and plans are stretched by the bias found, never shrunk: a plan found long leaves the
+# margin to the step model's error alone
+PLAN_BIAS_ALPHA = 0.1
+PLAN_BIAS_GUESS = 5
+MAX_PLAN_BIAS = math.log(2.0)
 # a chunk too small for its pass waits at most this many steps in a row: the slack those
 # steps bank may not grow (a stream whose future steps are already planned at a decode
 # step's time banks none), and a prompt must not wait for the streams to end
@@ -99,6 +108,7 @@ class SloController:
         self._prompt_s = 0.0  # seconds of a step spent on prompt tokens (EWMA)
         self.deferred_steps = 0  # steps in a row whose chunk waited for slack (pass_tokens)
         self._step_s = 0.0  # seconds of a step (EWMA)
+        self._plan_bias = DecayingMean(0.0, PLAN_BIAS_ALPHA, PLAN_BIAS_GUESS)
 
     # ---- what the engine reports -------------------------------------------------------------
     def observe_step(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float,
@@ -129,6 +139,21 @@ class SloController:
         ratio = min(1.0, generated / max_tokens) if max_tokens > 0 else 1.0
         self.output_ratio += OUTPUT_RATIO_ALPHA * (ratio - self.output_ratio)
 
+    def plan_kept(self, planned_s: float, took_s: float) -> None:
+        """An admitted request's first token came `took_s` after its admission, whose plan
+        (planned_prefill_s) said `planned_s`."""
+        if planned_s > 0 and took_s > 0:
+            self._plan_bias.add(_clamp(math.log(took_s / planned_s), -MAX_PLAN_BIAS, MAX_PLAN_BIAS))
+
+    @property
+    def plan_stretch(self) -> float:
+        """What admission multiplies a plan by: how much longer than planned the recent
+        admitted requests' first tokens took (1: no longer). A plan follows the scheduler's
+        rules step by step, but under load it misses what comes between: arrivals after it
+        that fill the step finishing its prompt, the slack a slow step spends that the plan
+        had counted on. Each step's prediction can be close while the plan falls short."""
+        return math.exp(_clamp(self._plan_bias.value, 0.0, MAX_PLAN_BIAS))
+
     # ---- the scheduler's knobs ----------------------------------------------------------------
     def decide(self, running) -> Decision:
         """The next step's budget and the running cap, given the running sequences."""
@@ -144,9 +169,9 @@ class SloController:
         if self.model.ready and self.targets.tpot_s is not None:
             tau = self.targets.tpot_s * HEADROOM
             decode_s = cost.predict(0, rows, context)  # this step without prefill
-            # a prefill chunk runs a pass of its own and reads its own positions too: one row's
-            # worth beside the decodes
-            chunk_room = tau - decode_s - cost.chunk_pass_s(rows) - cost.position_s * per_row
+            # a prefill chunk reads its own positions too (one row's worth beside the decodes),
+            # and runs a pass of its own where it is wider than the decode pass takes
+            chunk_room = tau - decode_s - cost.position_s * per_row
             per_seq = cost.decode_row_s + cost.position_s * per_row
             # TPOT is a mean: a stream's steps average its decode step plus the prefill the
             # admitted load brings (the share of the time prompts took, measured), and at least
@@ -155,7 +180,7 @@ class SloController:
             cap_room = tau * (1.0 - share) - cost.predict(0, 0, 0)
             # the raw targets carry the fit's noise (a steady load barely tells the intercept
             # from the per-row cost): they are smoothed over steps before they decide
-            raw_budget = min(rows + self._chunk_tokens(chunk_room, cost), self.max_tokens)
+            raw_budget = min(rows + cost.tokens_within(chunk_room, rows), self.max_tokens)
             raw_cap = min(cap_room / per_seq, self.max_seqs) if per_seq > 0 else self.max_seqs
             raw_cap = max(1.0, raw_cap) if cap_room > 0 else 1.0  # not wound up below one sequence
             alpha = SMOOTH_ALPHA if self._primed else 1.0  # the first fit's targets at once
@@ -182,13 +207,6 @@ class SloController:
         context = sum(seq.num_computed + n for seq, n in plan)
         return self.model.predict(sum(n for _, n in plan) - rows, rows, context)
 
-    @staticmethod
-    def _chunk_tokens(room_s: float, cost) -> float:
-        """Prompt tokens that fit in `room_s` seconds of a step (no limit where they are free)."""
-        if room_s <= 0:
-            return 0.0
-        return room_s / cost.prefill_token_s if cost.prefill_token_s > 0 else math.inf
-
     def _slack_limit(self, decoding, decode_s: float, tau: float) -> float:
         """The longest this step may take and still let every decoding stream end within
         slo_tpot (with the headroom), planning its remaining steps at the typical step's
@@ -214,8 +232,8 @@ class SloController:
         cost = self.model.cost
         if cost.prefill_token_s <= 0:  # a prompt cost fitted at 0 says nothing of what slack buys
             return self.budget
-        chunk_s = limit_s - decode_s - cost.chunk_pass_s(rows) - cost.position_s * self.row_context
-        slack_tokens = rows + self._chunk_tokens(chunk_s, cost)
+        chunk_s = limit_s - decode_s - cost.position_s * self.row_context
+        slack_tokens = rows + cost.tokens_within(chunk_s, rows)
         return max(self.budget, _quantized(int(min(slack_tokens, self.max_tokens)), self.max_tokens))
 
     def _apply(self, budget: int, cap: int) -> None:
@@ -301,7 +319,7 @@ class SloController:
     def _tokens_within(self, seconds: float, rows: int, context: int) -> int:
         """Prompt tokens a step of `rows` decoding rows can carry and end within `seconds`."""
         cost = self.model.cost
-        tokens = self._chunk_tokens(seconds - cost.predict(0, rows, context) - cost.chunk_pass_s(rows), cost)
+        tokens = cost.tokens_within(seconds - cost.predict(0, rows, context), rows)
         return int(min(tokens, self.max_tokens))
 
     # ---- admission ------------------------------------------------------------------------------
@@ -452,9 +470,11 @@ class SloController:
         return max(1, expected - seq.num_output_tokens)
 
     def admit(self, prompt_tokens: int, running, waiting, priority: int = 0, elapsed_s: float = 0.0,
-              in_flight: InFlightStep | None = None, now: float | None = None) -> None:
-        """SloShedError when a request of `priority` would miss slo_ttft behind the queue ahead;
-        `elapsed_s`: the part of its time to first token already gone (since its arrival);
+              in_flight: InFlightStep | None = None, now: float | None = None) -> float | None:
+        """SloShedError when a request of `priority` would miss slo_ttft behind the queue ahead.
+        Admitted, it returns the plan it was admitted on (planned_prefill_s's seconds from
+        now to its first token, for plan_kept), or None where it was not planned step by step
+        or was let in whatever the prediction. `elapsed_s`: the part of its time to first token already gone (since its arrival);
         in_flight: the step running now (None: no step is); now: the clock of the requests'
         arrivals (None: time.monotonic()).
 
@@ -463,8 +483,9 @@ class SloController:
         high-priority arrival is not shed for a low-priority backlog.
 
         A plan of a few long steps errs as one step's prediction does, so it is judged with
-        ttft_margin() for the step model's error; a steady prediction, of many short steps
-        whose errors partly cancel, with the HEADROOM the TPOT side plans its steps with.
+        ttft_margin() for the step model's error, after plan_stretch; a steady prediction,
+        of many short steps whose errors partly cancel, with the HEADROOM the TPOT side
+        plans its steps with.
 
         With nothing running and nothing queued ahead the request is admitted whatever the
         prediction: refusing it protects no one, and an idle engine that refused every arrival
@@ -472,16 +493,19 @@ class SloController:
         stray slow step), so it would refuse them all for good. Such a request that misses
         slo_ttft is counted as missed."""
         if self.targets.ttft_s is None or not self.model.ready:
-            return
+            return None
         waiting = ahead_of(priority, waiting)
         steady, planned = self._ttft_plans(prompt_tokens, running, waiting, in_flight, now)
-        ttft = elapsed_s + min(steady / HEADROOM, planned / self.ttft_margin())
+        ttft = elapsed_s + min(steady / HEADROOM, planned * self.plan_stretch / self.ttft_margin())
         self.predicted_ttft_s = ttft
-        if ttft > self.targets.ttft_s and (running or waiting):
+        if ttft <= self.targets.ttft_s:
+            return planned if math.isfinite(planned) else None
+        if running or waiting:
             raise SloShedError(
                 f"overloaded: predicted time to first token {ttft * 1000:.4g} ms is past slo_ttft_ms="
                 f"{self.targets.ttft_s * 1000:g} with {len(waiting)} requests queued ahead and {len(running)} running; "
                 "retry later")
+        return None
 
 
 def ahead_of(priority: int, waiting) -> list:
@@ -537,7 +561,7 @@ def _quantized(budget: int, limit: int) -> int:
     return _clamp(budget, min(QUANTUM, limit), limit)
 
 
-def _clamp(value: int, lo: int, hi: int) -> int:
+def _clamp(value: float, lo: float, hi: float) -> float:
     return max(lo, min(hi, value))
 
 

@@ -6,11 +6,13 @@
 that each add a token to a running answer (a speculative verify row counts as one: its
 guesses run in the decode pass, and their positions count in the context),
 `context` the KV positions the pass reads (each row's cached length after it, summed), and
-`mixed` 1 for a step that runs prompt tokens beside decoding rows. On a
+`mixed` 1 for a step that runs prompt tokens in a pass of their own beside decoding rows
+(more of them than the executor runs in the decoding rows' pass: `joined`). On a
 CPU a pass streams every weight once (a), then pays per token for the projections and
 per cached position for attention (c). The executor runs a step's decoding rows in one
-pass (the decode-width kernels) and its prompt chunks in another, so a step with both
-reads the weights twice: it pays a second pass (p). With one fixed cost per step, the fit
+pass (the decode-width kernels) and its prompt chunks, where they are more than that pass
+takes, in another, so such a step reads the weights twice: it pays a second pass (p).
+With one fixed cost per step, the fit
 would spread that pass over the prompt tokens and rows and predict such steps short, and
 decode-only steps long. A prefill token and a decode row cost different
 amounts: a decode row also pays for its sampling, its detokenizing and its response to the
@@ -33,6 +35,7 @@ where recent steps say something, they win; where they are silent, the long-run 
 
 from __future__ import annotations
 
+import math
 from itertools import combinations
 from typing import NamedTuple
 
@@ -82,14 +85,31 @@ class StepCost(NamedTuple):
     decode_row_s: float  # b_decode: per decoding row
     position_s: float  # c: per cached position read
     pass_s: float = 0.0  # p: the second pass of a step with prompt tokens and decoding rows
+    # the most prompt tokens a step runs in its decoding rows' pass, paying no second pass
+    # (ModelExecutor.chunk_rows)
+    joined: int = 0
 
     def predict(self, prefill_tokens: float, decode_rows: float, context: float) -> float:
         return (self.step_s + self.chunk_pass_s(decode_rows, prefill_tokens) + self.prefill_token_s * prefill_tokens
                 + self.decode_row_s * decode_rows + self.position_s * context)
 
-    def chunk_pass_s(self, decode_rows: float, prefill_tokens: float = 1) -> float:
-        """The pass that prompt tokens add to a step of `decode_rows` decoding rows."""
-        return self.pass_s if decode_rows > 0 and prefill_tokens > 0 else 0.0
+    def chunk_pass_s(self, decode_rows: float, prefill_tokens: float) -> float:
+        """The pass that `prefill_tokens` prompt tokens add to a step of `decode_rows`
+        decoding rows: none for those the decoding rows' pass takes."""
+        return self.pass_s if decode_rows > 0 and prefill_tokens > self.joined else 0.0
+
+    def tokens_within(self, room_s: float, decode_rows: float) -> float:
+        """Prompt tokens that fit in `room_s` seconds beside `decode_rows` decoding rows, with
+        the pass they add where they are more than the decoding rows' pass takes (no limit
+        where they are free)."""
+        if room_s <= 0:
+            return 0.0
+        if self.prefill_token_s <= 0:
+            return math.inf
+        tokens = room_s / self.prefill_token_s
+        if self.chunk_pass_s(decode_rows, tokens) == 0.0:
+            return tokens
+        return max(float(self.joined), (room_s - self.pass_s) / self.prefill_token_s)
 
 
 class DecayingMean:
@@ -124,6 +144,7 @@ class StepTimeModel:
         self.long_forget = long_forget
         self.prior_weight = prior_weight
         self.min_steps = min_steps
+        self.joined = 0  # StepCost.joined: set where the executor runs small chunks in the decode pass
         # normal equations, x = [1, prefill tokens, decode rows, context, mixed] scaled:
         # sum of w x x^T [5, 5] and w x y [5]
         self._xtx, self._xty = np.zeros((FEATURES, FEATURES)), np.zeros(FEATURES)
@@ -140,9 +161,8 @@ class StepTimeModel:
         self._square_error = DecayingMean(PRIOR_ERROR**2, ERROR_ALPHA, PRIOR_ERROR_STEPS)
         self._prompt_square_error = DecayingMean(PRIOR_ERROR**2, ERROR_ALPHA, PRIOR_ERROR_STEPS)
 
-    @staticmethod
-    def _features(prefill_tokens: float, decode_rows: float, context: float) -> np.ndarray:
-        mixed = 1.0 if prefill_tokens > 0 and decode_rows > 0 else 0.0
+    def _features(self, prefill_tokens: float, decode_rows: float, context: float) -> np.ndarray:
+        mixed = 1.0 if prefill_tokens > self.joined and decode_rows > 0 else 0.0
         return np.array([1.0, prefill_tokens / TOKEN_SCALE, decode_rows / TOKEN_SCALE, context / CONTEXT_SCALE, mixed])
 
     def observe(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float,
@@ -193,7 +213,7 @@ class StepTimeModel:
     @property
     def cost(self) -> StepCost:
         a, bp, bd, c, p = (float(v) for v in self._coef)
-        return StepCost(a, bp / TOKEN_SCALE, bd / TOKEN_SCALE, c / CONTEXT_SCALE, p)
+        return StepCost(a, bp / TOKEN_SCALE, bd / TOKEN_SCALE, c / CONTEXT_SCALE, p, self.joined)
 
     def predict(self, prefill_tokens: int, decode_rows: int, context: int) -> float:
         """Seconds a step of `prefill_tokens` prompt tokens and `decode_rows` decoding rows,
@@ -203,9 +223,10 @@ class StepTimeModel:
     def describe(self) -> str:
         """The fitted costs and errors, for a log line."""
         cost = self.cost
+        chunk = f"a chunk past {cost.joined} prompt tokens" if cost.joined else "a chunk"
         return (f"{cost.step_s * 1e3:.2f} ms + {cost.prefill_token_s * 1e3:.3f} ms/prompt token + "
                 f"{cost.decode_row_s * 1e3:.3f} ms/decoding row + {cost.position_s * 1e6:.2f} us/cached position + "
-                f"{cost.pass_s * 1e3:.2f} ms a chunk's pass beside decodes, steps off by {100 * self.relative_error:.0f}%, "
+                f"{cost.pass_s * 1e3:.2f} ms the pass of {chunk} beside decodes, steps off by {100 * self.relative_error:.0f}%, "
                 f"those with prompt tokens by {100 * self.prompt_step_error:.0f}%")
 
 

@@ -659,3 +659,70 @@ def test_a_chunk_that_would_pay_mostly_for_its_pass_waits_for_slack():
     chunk = ctl._tokens_within(room_s, 4, 400)
     assert cost.predict(chunk, 4, 400) <= room_s < cost.predict(chunk + 1, 4, 400)
 
+
+
+def _fitted(host: Host, seed: int) -> SloController:
+    """A controller whose step model has learned `host` (noise-free steps of every kind)."""
+    ctl = SloController(TARGETS, 64, 512)
+    rng = random.Random(seed)
+    for _ in range(COLD_STEPS + 60):
+        prefill, rows, context = rng.choice([0, rng.randint(1, 300)]), rng.randint(1, 32), rng.randint(100, 5000)
+        ctl.observe_step(prefill, rows, context, host.step_s(prefill, rows, context, rng))
+    return ctl
+
+
+def test_plans_found_short_are_stretched_and_never_shrunk():
+    """Admission stretches its plans by how much later than planned the recent admitted
+    requests' first tokens came; plans found long leave them as they are, a single stalled
+    request moves the stretch only a little, and a new load starts with none."""
+    ctl = SloController(TARGETS, 64, 512)
+    assert ctl.plan_stretch == 1.0
+    ctl.plan_kept(0.1, 10.0)  # a host that stalled once
+    assert 1.0 < ctl.plan_stretch < 1.2
+    for _ in range(40):
+        ctl.plan_kept(0.1, 0.13)
+    assert ctl.plan_stretch == pytest.approx(1.3, rel=0.03)
+    for _ in range(60):
+        ctl.plan_kept(0.1, 0.07)
+    assert ctl.plan_stretch == 1.0
+    ctl.plan_kept(0.0, 0.1)  # nothing planned: nothing learned
+    ctl.plan_kept(0.1, 0.0)
+    assert ctl.plan_stretch == 1.0
+    for _ in range(40):
+        ctl.plan_kept(0.1, 0.2)
+    assert ctl.plan_stretch > 1.5
+    ctl.forget_load()
+    assert ctl.plan_stretch == 1.0
+
+
+def test_a_request_admitted_on_a_plan_is_shed_once_plans_run_late(monkeypatch):
+    """A request whose plan fits the target within the margin is admitted (and the plan it
+    was admitted on returned) while first tokens come as planned; the same plan is shed once
+    they come later than the margin covers. An idle engine admits what it planned too."""
+    ctl = _fitted(Host(noise=0), seed=15)
+    planned = 0.85 * TTFT_S * ctl.ttft_margin()
+    monkeypatch.setattr(ctl, "_ttft_plans", lambda *args: (math.inf, planned))
+    busy = simulate([0.0], slo=False).admitted  # a finished request stands in for a running one
+    assert ctl.admit(300, busy, [], now=0.0) == planned
+    for _ in range(40):
+        ctl.plan_kept(0.1, 0.15)
+    with pytest.raises(SloShedError):
+        ctl.admit(300, busy, [], now=0.0)
+    assert ctl.admit(300, [], [], now=0.0) is None  # let in whatever the plan: nothing learned from it
+    monkeypatch.setattr(ctl, "_ttft_plans", lambda *args: (0.5 * TTFT_S, math.inf))
+    assert ctl.admit(300, busy, [], now=0.0) is None  # waits for a slot: not planned step by step
+
+
+def test_the_scheduler_reports_when_each_planned_first_token_came(monkeypatch):
+    """Through the scheduler: every request admitted on a step-by-step plan reports, when it
+    ends, that plan and the time its first token took after admission; on the simulated
+    host, whose steps the model has learned, the plans come close."""
+    kept = []
+    monkeypatch.setattr(SloController, "plan_kept", lambda self, planned, took: kept.append((planned, took)))
+    run = simulate(arrivals(lambda t: 4.0, 20, seed=16))
+    planned = {id(s): s.slo_plan for s in run.admitted if s.slo_plan is not None}
+    assert len(kept) == len(planned) >= len(run.admitted) // 2
+    took = sorted(s.first_token_time - s.request.arrival - s.slo_plan[0] for s in run.admitted if id(s) in planned)
+    assert sorted(t for _, t in kept) == pytest.approx(took)
+    ratios = sorted(t / p for p, t in kept)
+    assert 0.8 < ratios[len(ratios) // 2] < 1.25

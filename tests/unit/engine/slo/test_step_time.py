@@ -222,3 +222,28 @@ def test_the_error_of_steps_with_prompt_tokens_is_their_own():
         model.observe(prefill, rows, context, TRUE.predict(prefill, rows, context) * (1 + rng.gauss(0, noise)))
     assert model.prompt_step_error == pytest.approx(0.2, rel=0.35)
     assert model.relative_error < 0.8 * model.prompt_step_error
+
+
+def test_chunks_the_decode_pass_takes_pay_no_second_pass():
+    """Where the executor runs chunks of up to `joined` prompt tokens in the decoding rows'
+    pass (ModelExecutor.chunk_rows), only wider chunks beside decoding rows pay a pass of
+    their own: the fit learns that pass from those steps alone, predicts both kinds, and
+    sizes the prompt tokens that fit in a step's room on either side of the limit."""
+    truth = StepCost(0.013, 0.0007, 0.0007, 1e-7, 0.015, joined=64)
+    model = StepTimeModel()
+    model.joined = 64
+    for step in steps(random.Random(22), truth, 800, noise=0.05):
+        model.observe(*step)
+    cost = model.cost
+    assert cost.joined == 64 and cost.pass_s == pytest.approx(truth.pass_s, rel=0.15)
+    for shape in ((16, 8, 816), (64, 8, 864), (200, 8, 1000), (0, 8, 800), (200, 0, 200)):
+        assert model.predict(*shape) == pytest.approx(truth.predict(*shape), rel=0.05)
+    assert truth.chunk_pass_s(8, 64) == 0.0 and truth.chunk_pass_s(8, 65) == truth.pass_s
+    assert truth.chunk_pass_s(0, 400) == 0.0  # no decoding rows: the chunk's pass is the step's
+    b = truth.prefill_token_s
+    assert truth.tokens_within(40 * b, 8) == pytest.approx(40)  # within the decode pass
+    assert truth.tokens_within(80 * b, 8) == 64  # past it the pass would leave fewer: the decode pass's
+    assert truth.tokens_within(100 * b + truth.pass_s, 8) == pytest.approx(100)  # past it, with the pass
+    assert truth.tokens_within(100 * b, 0) == pytest.approx(100)  # nothing decoding: no second pass
+    assert truth.tokens_within(0.0, 8) == 0.0
+    assert StepCost(0.01, 0.0, 0.001, 0.0).tokens_within(0.01, 4) == float("inf")
