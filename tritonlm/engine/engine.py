@@ -97,7 +97,7 @@ class Engine:
         self._ahead: AheadTokens | None = None  # the last step's tokens, still on the device
         # that step's plan, its rows' cached positions after its passes, and when it began:
         # the step-time model learns from it once its tokens are read
-        self._ahead_step: tuple[list, list[int], float] = ([], [], 0.0)
+        self._ahead_step: tuple[list, list[int], float, int] = ([], [], 0.0, 1)
         self._resolved_at = 0.0  # when the last such step's tokens were read
         self._inbox: list[Sequence] = []
         # requests whose LoRA adapter is being loaded (lora.registry.PendingAdapter), by request
@@ -226,6 +226,7 @@ class Engine:
                 # shedding), behind those accepted before it, their adapters loading or not
                 self.scheduler.check_slo(seq, self._inbox + list(self._loading.values()))
             if pending is not None:  # queued when its adapter is ready (_adapter_loaded)
+                seq.slo_plan = None  # no plan counts its adapter's load: its first token is no measure of one
                 self._loading[seq.id] = seq
                 self._cond.notify()  # an idle loop now waits with queue_timeout_s in view
             else:
@@ -441,7 +442,7 @@ class Engine:
             self.scheduler.step_ended(plan)
             return
         if ahead is not None:
-            self._ahead_step = (plan, [seq.num_computed for seq, _ in plan], started)
+            self._ahead_step = (plan, [seq.num_computed for seq, _ in plan], started, len(fwd.passes))
             self._place(ahead)
             return  # the step-time model learns from it when its tokens are read
         if self.overlap and all(len(out.tokens) == 1 or out.error is not None for out in outputs.rows):
@@ -451,7 +452,7 @@ class Engine:
         seconds = time.monotonic() - started
         if self.executor.governor is not None:
             self._time_speculation(plan, fwd, outputs, seconds if decoding_only else None)
-        self.scheduler.step_done(plan, seconds)
+        self.scheduler.step_done(plan, seconds, passes=len(fwd.passes))
 
     def _time_speculation(self, plan, fwd, outputs, seconds: float | None) -> None:
         """A decode step's whole time (its passes, sampling or verifying, outputs) per token
@@ -493,9 +494,9 @@ class Engine:
                 self.output.fail(seq, f"internal error while sampling: {e}")
         # its time: from its start, or from when the step before it was read, whichever is
         # later (the steps overlap; in a run of them, the time between their tokens)
-        plan, computed, started = self._ahead_step
+        plan, computed, started, passes = self._ahead_step
         now = time.monotonic()
-        self.scheduler.step_done(plan, now - max(started, self._resolved_at), computed)
+        self.scheduler.step_done(plan, now - max(started, self._resolved_at), computed, passes)
         self._resolved_at = now
 
     def _complete_deferred(self) -> None:

@@ -123,6 +123,11 @@ class AheadTokens:
         return StepOutput(rows, self.batch_size, self.num_tokens, self.seconds)
 
 
+# a prompt token run as a one-token row reads its sequence's keys alone (the paged kernel
+# shares a key's load only among one row's tokens): a chunk joins the decoding rows' pass
+# while its tokens read at most this many keys each on average, so a chunk far into a long
+# prompt (or after a long cached prefix) reads its keys once in a pass of its own
+JOINED_KEYS_PER_TOKEN = 512
 PREFILL_PADDING = 0.25  # padded attention a shared prefill pass may add, as a share of the useful attention
 ATTENTION_SLACK = 256  # and padded (query, key) pairs per useful token on top
 
@@ -170,6 +175,7 @@ class ModelExecutor:
         # runner's word: where its decode-width kernels make that cheaper than a pass of their
         # own); 0: chunks beside decodes always run apart
         self.chunk_rows = getattr(runner, "chunk_rows", 0)
+        self.chunk_keys = self.chunk_rows * JOINED_KEYS_PER_TOKEN  # (prompt token, key) pairs: the same rule
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, plan: ScheduledBatch, ahead: AheadTokens | None = None) -> ForwardResult:
@@ -202,7 +208,7 @@ class ModelExecutor:
         else:
             decode = [row for row in plain if not row[0].in_prefill]
             chunks = [row for row in plain if row[0].in_prefill]
-            if decode and chunks and not verify and sum(len(t) for _, t in chunks) <= self.chunk_rows:
+            if decode and chunks and not verify and self._joins(chunks):
                 self._run_beside_decodes(result, decode, chunks)
             else:
                 self._run(result, verify + decode, all_logits=bool(verify))
@@ -222,6 +228,14 @@ class ModelExecutor:
             return
         result.passes.append((len(result.rows), self._pass(rows, all_logits)))
         result.rows += rows
+
+    def _joins(self, chunks: list[tuple[Sequence, list[int]]]) -> bool:
+        """Whether the chunks run in the decoding rows' pass: at most chunk_rows prompt
+        tokens, reading at most chunk_keys (token, key) pairs."""
+        tokens = sum(len(t) for _, t in chunks)
+        if tokens > self.chunk_rows:
+            return False
+        return sum(len(t) * (seq.num_computed + len(t)) for seq, t in chunks) <= self.chunk_keys
 
     def _run_beside_decodes(self, result: ForwardResult, decode: list[tuple[Sequence, list[int]]],
                             chunks: list[tuple[Sequence, list[int]]]) -> None:

@@ -212,11 +212,13 @@ class Scheduler:
             seq.state = SeqState.WAITING
             self.waiting.appendleft(seq)
 
-    def step_done(self, plan: ScheduledBatch, seconds: float, computed: list[int] | None = None) -> None:
+    def step_done(self, plan: ScheduledBatch, seconds: float, computed: list[int] | None = None,
+                  passes: int | None = None) -> None:
         """The engine ran `plan` in `seconds` (its outputs processed): the step-time model
         learns from it and the ledger takes each row's gap since its previous token.
         computed: each row's cached positions right after the step's passes (a step whose
-        tokens were read a step later, when later passes have moved them); None: as now."""
+        tokens were read a step later, when later passes have moved them); None: as now.
+        passes: the forward passes the executor ran it in (None: not known)."""
         self.step_ended(plan)
         self.ledger.step_done([seq for seq, _ in plan if seq.state is not SeqState.FINISHED])
         if self.slo is not None:
@@ -228,7 +230,7 @@ class Scheduler:
             decoding = [c for (seq, n), c in zip(plan, computed) if c - n >= seq.num_prompt_tokens]
             tokens = sum(n for _, n in plan)
             self.slo.observe_step(tokens - len(decoding), len(decoding), sum(computed), seconds,
-                                  decode_context=sum(decoding))
+                                  decode_context=sum(decoding), second_pass=None if passes is None else passes > 1)
 
     def _admit(self) -> None:
         """Move waiting sequences to running, in queue order (priority, then arrival), while

@@ -578,11 +578,33 @@ def test_a_request_whose_adapter_load_hangs_times_out_like_a_queued_one(tmp_path
         rig.registry.acquire("dora")
 
 
-def test_the_slo_step_model_knows_which_chunks_run_in_the_decode_pass():
+def test_the_slo_step_model_learns_which_steps_ran_a_second_pass():
     """With an SLO, the step-time model counts a second pass only for chunks wider than the
-    executor runs beside the decoding rows (ModelExecutor.chunk_rows)."""
+    executor runs beside the decoding rows (ModelExecutor.chunk_rows), and learns each
+    step's passes as the executor ran them: a prompt arriving while others decode is one
+    pass with its chunk beside the decodes, two with the chunks apart."""
     from tritonlm.engine.runners.torch_runner import FUSED_CHUNK_TOKENS
 
-    engine = make_engine(slo_ttft_s=1.0, slo_tpot_s=0.05)
-    assert engine.executor.chunk_rows == FUSED_CHUNK_TOKENS
-    assert engine.scheduler.slo.model.cost.joined == FUSED_CHUNK_TOKENS
+    for chunk_rows in (None, 0):
+        engine = make_engine(slo_ttft_s=10.0, slo_tpot_s=1.0, max_num_batched_tokens=12)
+        if chunk_rows is None:
+            assert engine.executor.chunk_rows == FUSED_CHUNK_TOKENS
+            assert engine.scheduler.slo.model.cost.joined == FUSED_CHUNK_TOKENS
+        else:
+            engine.executor.chunk_rows = chunk_rows
+        seen = []  # second_pass of each step with prompt tokens and decoding rows
+        observe = engine.scheduler.slo.observe_step
+
+        def record(prefill, rows, context, seconds, decode_context=None, second_pass=None, observe=observe, seen=seen):
+            if prefill and rows:
+                seen.append(second_pass)
+            observe(prefill, rows, context, seconds, decode_context, second_pass)
+
+        engine.scheduler.slo.observe_step = record
+        col = Collector()
+        for i, prompt in enumerate(["The quick brown fox", "Once upon a time there was", "Hello there"]):
+            col.request(engine, prompt, max_tokens=8, end_id=-1)
+            for _ in range(2 + i):
+                engine.step()
+        drain(engine)
+        assert seen and set(seen) == {chunk_rows == 0}, (chunk_rows, seen)

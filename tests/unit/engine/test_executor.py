@@ -88,29 +88,36 @@ def test_a_row_whose_sampling_fails_does_not_fail_its_batch(monkeypatch):
 def test_chunks_beside_decoding_rows_share_their_pass_and_equal_hf_generate():
     """A prompt that arrives while others decode runs its chunk as one-token rows in the
     decoding rows' pass, so a step with both is one pass (on a CPU each pass reads every
-    weight); a step whose chunks are wider than the runner's chunk_rows runs them apart.
-    Either way every answer is transformers' own."""
+    weight); a step whose chunks are wider than the executor's chunk_rows, or read more
+    (token, key) pairs than its chunk_keys (a chunk far into a long prompt), runs them
+    apart. Either way every answer is transformers' own."""
+    from tritonlm.engine.executor import JOINED_KEYS_PER_TOKEN
     from tritonlm.engine.runners.torch_runner import FUSED_CHUNK_TOKENS
 
     jobs = [("The quick brown fox", 9), ("Once upon a time there was", 7), ("Hello", 8),
             ("A much longer prompt that takes several chunks of the step's budget to run", 6), ("Why", 5)]
-    for chunk_rows in (None, 0, 4):
+    for chunk_rows, chunk_keys in ((None, None), (0, None), (4, None), (None, 12 * 20)):
         engine = make_engine(max_num_batched_tokens=12)
+        executor = engine.executor
         if chunk_rows is None:
-            assert engine.executor.chunk_rows == FUSED_CHUNK_TOKENS
+            assert executor.chunk_rows == FUSED_CHUNK_TOKENS
+            assert executor.chunk_keys == FUSED_CHUNK_TOKENS * JOINED_KEYS_PER_TOKEN
         else:
-            engine.executor.chunk_rows = chunk_rows
-        passes, chunks = [], []  # per step: forward calls; prompt tokens beside decoding rows (None: not both)
-        real_forward, real_step = engine.runner.forward, engine.executor.forward
+            executor.chunk_rows = chunk_rows
+        if chunk_keys is not None:
+            executor.chunk_keys = chunk_keys
+        passes, chunks = [], []  # per step: forward calls; (prompt tokens, their (token, key) pairs) beside decoding rows
+        real_forward, real_step = engine.runner.forward, executor.forward
         engine.runner.forward = lambda batch, pool: passes.__setitem__(-1, passes[-1] + 1) or real_forward(batch, pool)
 
         def step(plan, ahead=None):
             passes.append(0)
-            prompt_tokens = sum(n for s, n in plan if s.in_prefill)
-            chunks.append(prompt_tokens if prompt_tokens and len(plan) > sum(s.in_prefill for s, _ in plan) else None)
+            prompt = [(s, n) for s, n in plan if s.in_prefill]
+            mixed = prompt and len(prompt) < len(plan)
+            chunks.append((sum(n for _, n in prompt), sum(n * (s.num_computed + n) for s, n in prompt)) if mixed else None)
             return real_step(plan, ahead)
 
-        engine.executor.forward = step
+        executor.forward = step
         col = Collector()
         rids = []
         for i, (prompt, n) in enumerate(jobs):  # each arrives while those before it decode
@@ -120,11 +127,10 @@ def test_chunks_beside_decoding_rows_share_their_pass_and_equal_hf_generate():
         drain(engine)
         for (prompt, n), rid in zip(jobs, rids):
             assert col.ids(rid) == hf_greedy_text(prompt, n, eos_token_id=None)[:n], (chunk_rows, prompt)
-        limit = engine.executor.chunk_rows
         both = [(p, c) for p, c in zip(passes, chunks) if c is not None]
         assert len(both) >= 3, (chunk_rows, passes, chunks)
-        assert all((p == 1) == (c <= limit) for p, c in both), (chunk_rows, both)
-        if chunk_rows is None:
+        assert all((p == 1) == (t <= executor.chunk_rows and k <= executor.chunk_keys) for p, (t, k) in both), both
+        if chunk_rows is None and chunk_keys is None:
             assert all(p == 1 for p, _ in both)
-        if chunk_rows == 4:  # some last chunks small enough to join, the 12-token ones apart
+        if chunk_rows == 4 or chunk_keys is not None:  # some steps together, some apart
             assert {p == 1 for p, _ in both} == {True, False}, both

@@ -71,6 +71,7 @@ class TorchRunner:
             rotate_residual(self.transformer)  # Llama family: outliers spread before calibration sees them
             calibrate(self.transformer)
             quantize_int8(self.transformer, keep_float=int8_keep_float)
+        self.int8_weight_only = int8_weight_only
         if int8_weight_only:
             quantize_weight_only(self.transformer)  # nearest rounding: GPTQ's gain did not pay for its load time
         self.transformer.block_weights()  # CPU float: oneDNN's blocked layout (after calibration, which reads w)
@@ -117,9 +118,14 @@ class TorchRunner:
         a chunk's pass of its own costs about what a decode step does; run beside the
         decodes, its tokens add only their share of the projections. A wide chunk gains
         less (its own pass runs it as one wide product, and every one of its rows here also
-        pays the LM head), so only chunks up to FUSED_CHUNK_TOKENS join. 0 on a GPU: its
-        decode steps replay graphs captured for fixed batch sizes."""
-        return FUSED_CHUNK_TOKENS if self.device.type == "cpu" else 0
+        pays the LM head), so only chunks up to FUSED_CHUNK_TOKENS join. Only where the
+        rows read the pool in place (float32, the C++ paged kernel): the gathered path would
+        copy each row's whole history once per prompt token. Not with int8 weights only,
+        whose kernel changes its way (and a row's bits) past a few dozen rows. 0 on a GPU:
+        its decode steps replay graphs captured for fixed batch sizes."""
+        if self.device.type != "cpu" or self.attention != "paged" or self.dtype != torch.float32:
+            return 0
+        return 0 if self.int8_weight_only else FUSED_CHUNK_TOKENS
 
     @property
     def rope_recompute_at(self) -> int | None:

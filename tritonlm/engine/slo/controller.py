@@ -112,7 +112,7 @@ class SloController:
 
     # ---- what the engine reports -------------------------------------------------------------
     def observe_step(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float,
-                     decode_context: int | None = None) -> None:
+                     decode_context: int | None = None, second_pass: bool | None = None) -> None:
         self.steps_seen += 1
         if self.steps_seen > COLD_STEPS:
             # the time prompt tokens took, by the fit (before it learns the step), in the steps
@@ -121,7 +121,7 @@ class SloController:
                 prompt_s = min(seconds, self.model.cost.prefill_token_s * prefill_tokens)
                 self._prompt_s += PREFILL_SHARE_ALPHA * (prompt_s - self._prompt_s)
                 self._step_s += PREFILL_SHARE_ALPHA * (seconds - self._step_s)
-            self.model.observe(prefill_tokens, decode_rows, context, seconds, decode_context)
+            self.model.observe(prefill_tokens, decode_rows, context, seconds, decode_context, second_pass)
             if self.typical_step_s == 0.0:
                 self.typical_step_s = seconds
             self.typical_step_s += TYPICAL_ALPHA * (seconds - self.typical_step_s)
@@ -472,9 +472,8 @@ class SloController:
     def admit(self, prompt_tokens: int, running, waiting, priority: int = 0, elapsed_s: float = 0.0,
               in_flight: InFlightStep | None = None, now: float | None = None) -> float | None:
         """SloShedError when a request of `priority` would miss slo_ttft behind the queue ahead.
-        Admitted, it returns the plan it was admitted on (planned_prefill_s's seconds from
-        now to its first token, for plan_kept), or None where it was not planned step by step
-        or was let in whatever the prediction. `elapsed_s`: the part of its time to first token already gone (since its arrival);
+        Admitted, it returns its plan (planned_prefill_s's seconds from now to its first
+        token, for plan_kept), or None where it was not planned step by step. `elapsed_s`: the part of its time to first token already gone (since its arrival);
         in_flight: the step running now (None: no step is); now: the clock of the requests'
         arrivals (None: time.monotonic()).
 
@@ -498,14 +497,15 @@ class SloController:
         steady, planned = self._ttft_plans(prompt_tokens, running, waiting, in_flight, now)
         ttft = elapsed_s + min(steady / HEADROOM, planned * self.plan_stretch / self.ttft_margin())
         self.predicted_ttft_s = ttft
+        plan = planned if math.isfinite(planned) else None
         if ttft <= self.targets.ttft_s:
-            return planned if math.isfinite(planned) else None
+            return plan
         if running or waiting:
             raise SloShedError(
                 f"overloaded: predicted time to first token {ttft * 1000:.4g} ms is past slo_ttft_ms="
                 f"{self.targets.ttft_s * 1000:g} with {len(waiting)} requests queued ahead and {len(running)} running; "
                 "retry later")
-        return None
+        return plan  # let in on an idle engine: what its plan said still counts (plan_kept)
 
 
 def ahead_of(priority: int, waiting) -> list:

@@ -161,15 +161,23 @@ class StepTimeModel:
         self._square_error = DecayingMean(PRIOR_ERROR**2, ERROR_ALPHA, PRIOR_ERROR_STEPS)
         self._prompt_square_error = DecayingMean(PRIOR_ERROR**2, ERROR_ALPHA, PRIOR_ERROR_STEPS)
 
-    def _features(self, prefill_tokens: float, decode_rows: float, context: float) -> np.ndarray:
-        mixed = 1.0 if prefill_tokens > self.joined and decode_rows > 0 else 0.0
+    def _features(self, prefill_tokens: float, decode_rows: float, context: float,
+                  second_pass: bool | None = None) -> np.ndarray:
+        """second_pass: whether the step ran its prompt tokens in a pass of their own beside
+        its decoding rows (None: by StepCost's rule, more than `joined` of them)."""
+        if second_pass is None:
+            second_pass = prefill_tokens > self.joined
+        mixed = 1.0 if second_pass and prefill_tokens > 0 and decode_rows > 0 else 0.0
         return np.array([1.0, prefill_tokens / TOKEN_SCALE, decode_rows / TOKEN_SCALE, context / CONTEXT_SCALE, mixed])
 
     def observe(self, prefill_tokens: int, decode_rows: int, context: int, seconds: float,
-                decode_context: int | None = None) -> None:
+                decode_context: int | None = None, second_pass: bool | None = None) -> None:
         """A finished step: refit with it. decode_context: the positions its decoding rows
-        read (None: `context`, where the step ran no prompt tokens)."""
-        x = self._features(prefill_tokens, decode_rows, context)
+        read (None: `context`, where the step ran no prompt tokens); second_pass: whether
+        its prompt tokens ran in a pass of their own beside the decoding rows, as the
+        executor ran it (None: by StepCost's rule; a verify row or a scored prompt keeps a
+        small chunk apart too)."""
+        x = self._features(prefill_tokens, decode_rows, context, second_pass)
         predicted = float(x @ self._coef)
         if self.ready and predicted > 0:  # how far the fit was off, before it learns from this step
             square = (seconds / predicted - 1.0) ** 2

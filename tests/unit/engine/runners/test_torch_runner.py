@@ -31,3 +31,19 @@ def test_attention_backend_falls_back_where_the_kernel_cannot_run(hf_models):
     assert half.attention == "gather" and "float32 on the CPU" in half.attention_why
     with pytest.raises(ValueError, match="attention: 'flash'"):
         load_runner("torch", hf_models["llama"], attention="flash")
+
+
+def test_prompt_chunks_join_the_decode_pass_only_where_rows_read_the_pool_in_place():
+    """chunk_rows (ModelExecutor._run_beside_decodes): on a CPU with the C++ paged kernel in
+    float32, up to FUSED_CHUNK_TOKENS; none on the gathered path (each row would copy its
+    whole history), with int8 weights only, or in bfloat16."""
+    from tests.helpers.models import tiny
+    from tritonlm.engine.kernels import kernels_available
+    from tritonlm.engine.runners.torch_runner import FUSED_CHUNK_TOKENS, TorchRunner
+
+    model, _ = tiny()
+    if kernels_available()[0]:
+        assert TorchRunner(model).chunk_rows == FUSED_CHUNK_TOKENS
+    assert TorchRunner(model, attention="gather").chunk_rows == 0
+    assert TorchRunner(model, int8_weight_only=True).chunk_rows == 0
+    assert TorchRunner(model, dtype=torch.bfloat16).chunk_rows == 0

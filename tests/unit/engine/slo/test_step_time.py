@@ -247,3 +247,15 @@ def test_chunks_the_decode_pass_takes_pay_no_second_pass():
     assert truth.tokens_within(100 * b, 0) == pytest.approx(100)  # nothing decoding: no second pass
     assert truth.tokens_within(0.0, 8) == 0.0
     assert StepCost(0.01, 0.0, 0.001, 0.0).tokens_within(0.01, 4) == float("inf")
+
+
+def test_the_passes_a_step_ran_in_decide_its_second_pass():
+    """A small chunk that ran apart all the same (beside a speculative verify row, or a
+    prompt whose log-probabilities are kept) pays the pass: told so, the fit learns it
+    from such steps whatever `joined` says."""
+    truth = StepCost(0.013, 0.0007, 0.0007, 1e-7, 0.015)  # every mixed step pays the pass
+    model = StepTimeModel()
+    model.joined = 500  # every chunk below would join the decode pass by the rule
+    for prefill, rows, context, seconds in steps(random.Random(23), truth, 800, noise=0.05):
+        model.observe(prefill, rows, context, seconds, second_pass=prefill > 0 and rows > 0)
+    assert model.cost.pass_s == pytest.approx(truth.pass_s, rel=0.15)
