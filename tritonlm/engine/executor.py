@@ -255,12 +255,7 @@ class ModelExecutor:
             rows += [(seq, [token]) for token in toks]
             past += range(seq.num_computed, seq.num_computed + len(toks))
             kept.append(len(rows) - 1)
-        batch = self.scheduler.batch(rows, past)
-        if self._ahead is not None:
-            self._feed(batch, rows, self._ahead)
-        logits = self.runner.forward(batch, self.pool)  # [len(rows), V]
-        for seq, toks in decode + chunks:
-            self.scheduler.advance(seq, len(toks))
+        logits = self._pass(rows, False, past)  # [len(rows), V]
         result.passes.append((len(result.rows), logits[to_device(kept, torch.int64, logits.device)]))
         result.rows += decode + chunks
 
@@ -286,9 +281,13 @@ class ModelExecutor:
                 out[seq.id] = k
         return out
 
-    def _pass(self, rows: list[tuple[Sequence, list[int]]], all_logits: bool) -> torch.Tensor:
-        """One forward pass -> logits [B, V], or [B, T, V] with all_logits (row i is rows[i])."""
-        batch = self.scheduler.batch(rows, [seq.num_computed for seq, _ in rows], all_logits)
+    def _pass(self, rows: list[tuple[Sequence, list[int]]], all_logits: bool,
+              past: list[int] | None = None) -> torch.Tensor:
+        """One forward pass -> logits [B, V], or [B, T, V] with all_logits (row i is rows[i]);
+        past: each row's cached positions before it (None: its sequence's num_computed), for
+        rows of one sequence side by side; each row moves its sequence on by its tokens."""
+        past = [seq.num_computed for seq, _ in rows] if past is None else past
+        batch = self.scheduler.batch(rows, past, all_logits)
         if self._ahead is not None:
             self._feed(batch, rows, self._ahead)
         logits = self.runner.forward(batch, self.pool)
