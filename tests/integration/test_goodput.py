@@ -1,10 +1,11 @@
 """`tritonlm perf goodput` end to end: a short open-loop run against a real tritonserver, through
 the OpenAI frontend and through gRPC, answers every request with the token counts asked
 (prompts of exact length with the model's tokenizer, answers forced to max_tokens), and the
-server's own counters agree; against a model whose slo_ttft_ms no prediction meets, the
-requests behind a running one are recorded as shed and the server counted the same refusals
-(an idle engine admits: the run's first request is held in its step, the test-only stall
-file, until the others have been refused).
+server's own counters agree, and the model unloads after a run (the generator lets each stream
+end rather than cancel it after its final response); against a model whose slo_ttft_ms no
+prediction meets, the requests behind a running one are recorded as shed and the server
+counted the same refusals (an idle engine admits: the run's first request is held in its
+step, the test-only stall file, until the others have been refused).
 
 Nothing depends on the host's speed: rates are low and only counts and statuses are checked
 (the latencies themselves are whatever the host gives)."""
@@ -15,8 +16,9 @@ import csv
 from pathlib import Path
 
 import pytest
+import tritonclient.http as httpclient
 
-from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, release_when
+from tests.helpers.servers import HANG_GUARD_S, add_generation_model, metric, release_when, wait_until
 from tritonlm.cli import main as cli_main
 from tritonlm.client.generate import generate_grpc
 from tritonlm.engine.slo.controller import COLD_STEPS
@@ -35,7 +37,13 @@ def triton_repo(tmp_path_factory, stall_file):
     repo = tmp_path_factory.mktemp("goodputrepo")
     add_generation_model(repo, "tiny")
     add_generation_model(repo, "tiny_slo", slo_ttft_ms="0.001")
+    add_generation_model(repo, "tiny_unload")
     return repo
+
+
+@pytest.fixture(scope="module")
+def triton_server_options() -> dict:
+    return {"model_control": "explicit", "load_models": ["tiny", "tiny_slo", "tiny_unload"]}
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +119,18 @@ def test_a_model_whose_slo_no_request_meets_sheds_and_the_run_records_it(capsys,
         refused = [r for r in requests if r["status"] == "shed"]
         assert all(("503" in r["error"]) if n == 0 else ("overloaded" in r["error"]) for r in refused)
         assert shed() - before == COUNT - 1
+
+
+def test_a_model_unloads_after_a_run_over_grpc(capsys, tmp_path, triton_server):
+    # tritonserver 2.51 can miss a cancellation that comes just after a stream's final
+    # response, and then holds the model in UNLOADING for good (docs/serving.md#unloading-a-model):
+    # the generator reads each stream to its end instead
+    goodput(capsys, tmp_path, "--grpc", triton_server.grpc_url, "--model", "tiny_unload", "--arrivals", "poisson:200",
+            "--count", "40", "--prompt-tokens", "8", "--output-tokens", "8", "--warmup", "0", "--slo-ttft-ms", "60000")
+    client = httpclient.InferenceServerClient(triton_server.http_url)
+    try:
+        client.unload_model("tiny_unload")
+        state = lambda: {m["name"]: m.get("state") for m in client.get_model_repository_index()}.get("tiny_unload")  # noqa: E731
+        assert wait_until(lambda: state() == "UNAVAILABLE", HANG_GUARD_S), state()
+    finally:
+        client.close()

@@ -18,6 +18,7 @@ OpenAI API, an `overloaded` error on Triton. Any other failure is `error`, with 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -167,14 +168,15 @@ class GrpcTarget:
                    "request_id": str(record.index), "parameters": {"triton_enable_empty_final_response": True}}
 
         responses = self.client.stream_infer(one_request(), stream_timeout=self.timeout_s)
+        ended = False  # the server closed the stream: nothing to cancel
         try:
             async for result, error in responses:
                 now = clock()
-                if error is not None:
+                if error is not None:  # a refusal or an error: the request's last response
                     message = str(error.message() if hasattr(error, "message") else error)
                     record.status = "shed" if _is_overload(message) else "error"
-                    record.error = message
-                    return
+                    record.error, record.end_s = message, now
+                    break
                 text = result.as_numpy("text_output")
                 if text is not None and b"".join(text.reshape(-1)):
                     record.chunk_s.append(now)
@@ -184,15 +186,25 @@ class GrpcTarget:
                     record.served_prompt_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
                 final = result.get_response().parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
-                    record.status = "ok"
-                    return
-            record.status, record.error = "error", "the stream ended before the final response"
+                    record.status, record.end_s = "ok", now
+                    break
+            else:
+                record.error, record.end_s = "the stream ended before the final response", clock()
+            # read the stream to its end rather than cancel it: tritonserver 2.51 can miss a
+            # cancellation that comes just after a request's last response, and the model then
+            # never unloads (docs/serving.md#unloading-a-model)
+            async for _ in responses:
+                pass
+            ended = True
         except Exception as e:  # the channel broke, the stream timed out
-            record.status = "shed" if _is_overload(str(e)) else "error"
-            record.error = _message(e)
+            if record.status == "error" and not record.error:
+                record.status = "shed" if _is_overload(str(e)) else "error"
+                record.error = _message(e)
         finally:
-            record.end_s = clock()
-            responses.cancel()
+            if math.isnan(record.end_s):
+                record.end_s = clock()
+            if not ended:
+                responses.cancel()
 
     async def close(self) -> None:
         await self.client.close()
