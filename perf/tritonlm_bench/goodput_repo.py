@@ -5,8 +5,10 @@ request's TTFT and TPOT, from which the SLO targets are set; the server that ser
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from tritonlm.engine.model_shape import ModelShape
@@ -20,10 +22,12 @@ from tritonlm_bench.benchrepo import link_generation_model, save_weights_once
 
 # max_context: the workload's longest request and this margin (a text prompt's token count
 # is near, not exactly, the one asked), or the model's positions when fewer. Sized to the
-# workload, the KV room stays small, and a configuration loads quickly while the previous
-# one's process still exits.
+# workload, the KV room stays small and a configuration loads quickly.
 CONTEXT_MARGIN = 64
 MAX_SEQS = 64  # the engine's default max_num_seqs: the KV room is sized for that many
+# an unload takes a second or two; one still going after this long is stuck, and the next
+# configuration would be measured beside its process (docs/serving.md#unloading-a-model)
+UNLOAD_WAIT_S = 300.0
 
 
 class GoodputRepo:
@@ -74,10 +78,22 @@ def serve(repo: GoodputRepo, out: Path) -> tuple[TritonServer, Target] | None:
 
 
 async def switch(control: Target, server: TritonServer, target, loaded: str, name: str) -> GrpcTarget:
-    """Configuration `name` served in place of `loaded` (unloaded first: one at a time), and a
-    gRPC target for it; `target`, the previous one, is closed."""
+    """Configuration `name` served in place of `loaded` (unloaded first, its process gone: one
+    at a time), and a gRPC target for it; `target`, the previous one, is closed."""
     if name != loaded:
         control.unload(loaded)
+        await unloaded(control, loaded)
         control.load(name)
     await target.close()
     return GrpcTarget(server.grpc_url, name, timeout_s=600)
+
+
+async def unloaded(control: Target, name: str) -> None:
+    """Wait until Triton has unloaded `name`; PerfError where it is still loaded (or
+    unloading) after UNLOAD_WAIT_S."""
+    deadline = time.monotonic() + UNLOAD_WAIT_S
+    while (state := control.model_state(name)) in ("READY", "UNLOADING"):
+        if time.monotonic() > deadline:
+            raise PerfError(f"model '{name}' is still {state} {UNLOAD_WAIT_S:.0f} s after its unload: the next "
+                            "configuration would run beside its process (docs/serving.md#unloading-a-model)")
+        await asyncio.sleep(0.1)

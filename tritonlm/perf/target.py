@@ -109,6 +109,15 @@ class Target:
             return []
         return sorted({m["name"] for m in index if m.get("state") == "READY"})
 
+    def model_state(self, model: str) -> str | None:
+        """The model's state in the repository index (READY, UNLOADING, UNAVAILABLE, ...);
+        None where the server cannot be asked."""
+        try:
+            index = self.client().get_model_repository_index()
+        except Exception:
+            return None
+        return next((m.get("state") for m in index if m["name"] == model), None)
+
     def require_model(self, model: str) -> None:
         self.check_live()
         try:
