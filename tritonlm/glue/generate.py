@@ -22,6 +22,7 @@ from tritonlm.engine.loader import build_engine
 from tritonlm.engine.slo import SloShedError
 from tritonlm.engine.request import GenerationEvent, GenerationRequest, InvalidRequestError, ServerBusyError
 from tritonlm.engine.settings import EngineSettings
+from tritonlm.glue.heap import freeze_startup_heap
 from tritonlm.glue.heartbeat import Heartbeat
 from tritonlm.glue.metrics import TritonMetrics
 from tritonlm.protocol import RequestLimits, bad_word_token_ids, event_outputs, parse_request, rename_error
@@ -71,6 +72,7 @@ class GenerateHandler:
         self.metrics.watch(self.engine)
         self.heartbeat = Heartbeat(self.name, args.get("model_instance_name", ""), self.engine.fault,
                                    progress=self.engine.progress).start()
+        freeze_startup_heap()  # this process serves this model alone: its start-up heap lives as long
 
     def execute(self, requests):
         # a request's time to first token counts from here, before its prompt is parsed and
