@@ -49,7 +49,7 @@ from tritonlm.perf.stats import mean_ci95
 from tritonlm.perf.target import Target
 from tritonlm.perf.trace import BUILTIN_TRACES, ScheduledRequest, build_schedule, parse_arrivals, with_rate
 from tritonlm.server import TritonServer, free_ports
-from tritonlm_bench.goodput_repo import GoodputRepo, lone_request, serve, switch
+from tritonlm_bench.goodput_repo import GoodputRepo, lone_request, serve, switch, unload
 from tritonlm_bench.llamacpp import LlamaServer, ensure_gguf, ensure_llama_cpp
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -97,6 +97,9 @@ async def measure(args, server: TritonServer, control: Target, repo: GoodputRepo
             target, loaded = await switch(control, server, target, loaded, name), name
             await warm_up(target, schedule_at(1.0)[:2], prompts)
             await sweep_loads(target, name, rep)
+        if args.peer_slots:  # llama-server runs alone too
+            await unload(control, loaded)
+            loaded = ""
         for slots in args.peer_slots:
             name = f"llama-server np{slots}"
             peer = LlamaServer(args.peer_gguf, free_ports(1)[0], args.peer_threads, Path(args.out) / "llama-server.log",

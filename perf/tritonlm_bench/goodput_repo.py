@@ -81,19 +81,21 @@ async def switch(control: Target, server: TritonServer, target, loaded: str, nam
     """Configuration `name` served in place of `loaded` (unloaded first, its process gone: one
     at a time), and a gRPC target for it; `target`, the previous one, is closed."""
     if name != loaded:
-        control.unload(loaded)
-        await unloaded(control, loaded)
+        if loaded:
+            await unload(control, loaded)
         control.load(name)
     await target.close()
     return GrpcTarget(server.grpc_url, name, timeout_s=600)
 
 
-async def unloaded(control: Target, name: str) -> None:
-    """Wait until Triton has unloaded `name`; PerfError where it is still loaded (or
-    unloading) after UNLOAD_WAIT_S."""
+async def unload(control: Target, name: str) -> None:
+    """Unload `name` and wait until Triton reports it unloaded; PerfError where it is still
+    loaded or unloading (or its state cannot be read) after UNLOAD_WAIT_S."""
+    control.unload(name)
     deadline = time.monotonic() + UNLOAD_WAIT_S
-    while (state := control.model_state(name)) in ("READY", "UNLOADING"):
+    while (state := control.model_state(name)) in ("READY", "UNLOADING", None):
         if time.monotonic() > deadline:
-            raise PerfError(f"model '{name}' is still {state} {UNLOAD_WAIT_S:.0f} s after its unload: the next "
-                            "configuration would run beside its process (docs/serving.md#unloading-a-model)")
+            raise PerfError(f"model '{name}' is still {state or 'of unknown state'} {UNLOAD_WAIT_S:.0f} s after its "
+                            "unload: the next configuration would run beside its process "
+                            "(docs/serving.md#unloading-a-model)")
         await asyncio.sleep(0.1)

@@ -37,13 +37,14 @@ def triton_repo(tmp_path_factory, stall_file):
     repo = tmp_path_factory.mktemp("goodputrepo")
     add_generation_model(repo, "tiny")
     add_generation_model(repo, "tiny_slo", slo_ttft_ms="0.001")
-    add_generation_model(repo, "tiny_unload")
+    add_generation_model(repo, "tiny_unload_grpc")
+    add_generation_model(repo, "tiny_unload_openai")
     return repo
 
 
 @pytest.fixture(scope="module")
 def triton_server_options() -> dict:
-    return {"model_control": "explicit", "load_models": ["tiny", "tiny_slo", "tiny_unload"]}
+    return {"model_control": "explicit", "load_models": ["tiny", "tiny_slo"]}  # the unload tests load their own
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +122,30 @@ def test_a_model_whose_slo_no_request_meets_sheds_and_the_run_records_it(capsys,
         assert shed() - before == COUNT - 1
 
 
-def test_a_model_unloads_after_a_run_over_grpc(capsys, tmp_path, triton_server):
+@pytest.mark.parametrize("via", ["grpc", "openai"])
+def test_a_model_unloads_after_a_run(capsys, tmp_path, triton_server, triton_repo, via):
     # tritonserver 2.51 can miss a cancellation that comes just after a stream's final
     # response, and then holds the model in UNLOADING for good (docs/serving.md#unloading-a-model):
-    # the generator reads each stream to its end instead
-    goodput(capsys, tmp_path, "--grpc", triton_server.grpc_url, "--model", "tiny_unload", "--arrivals", "poisson:200",
-            "--count", "40", "--prompt-tokens", "8", "--output-tokens", "8", "--warmup", "0", "--slo-ttft-ms", "60000")
+    # the generator and the OpenAI frontend read each stream to its end instead
+    model = f"tiny_unload_{via}"
     client = httpclient.InferenceServerClient(triton_server.http_url)
     try:
-        client.unload_model("tiny_unload")
-        state = lambda: {m["name"]: m.get("state") for m in client.get_model_repository_index()}.get("tiny_unload")  # noqa: E731
+        client.load_model(model)
+        if via == "openai":
+            (port,) = free_ports(1)
+            with OpenAIServer(triton_server.grpc_url, port=port, repo=triton_repo) as frontend:
+                where = ["--openai", frontend.url]
+                summary, _, _ = goodput(capsys, tmp_path, *where, "--model", model, "--arrivals", "poisson:200", "--count",
+                                        "40", "--prompt-tokens", "8", "--output-tokens", "8", "--warmup", "0",
+                                        "--slo-ttft-ms", "60000")
+        else:
+            summary, _, _ = goodput(capsys, tmp_path, "--grpc", triton_server.grpc_url, "--model", model, "--arrivals",
+                                    "poisson:200", "--count", "40", "--prompt-tokens", "8", "--output-tokens", "8",
+                                    "--warmup", "0", "--slo-ttft-ms", "60000")
+        (row,) = summary
+        assert int(row["ok"]) == 40  # every stream reached its final response
+        client.unload_model(model)
+        state = lambda: {m["name"]: m.get("state") for m in client.get_model_repository_index()}.get(model)  # noqa: E731
         assert wait_until(lambda: state() == "UNAVAILABLE", HANG_GUARD_S), state()
     finally:
         client.close()

@@ -7,8 +7,9 @@ CPython's full (generation 2) collection walks every one of them, holding the GI
 whichever thread happened to allocate: a step, or a stream's response, waits for it. Once
 loading is done they are moved to the permanent generation (gc.freeze), which the collector
 never walks; what serving allocates later is still collected, and anything frozen that
-dies is still freed by its reference count. vLLM and SGLang freeze their start-up heap the
-same way."""
+dies is still freed by its reference count (a frozen object that dies inside a reference
+cycle is not: such garbage stays, bounded by the start-up heap). vLLM and SGLang freeze
+their start-up heap the same way."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tritonlm.client.stream_end import read_to_end
 from tritonlm.openai.errors import OpenAIError, from_triton
 
 MODEL_LIST_TTL_S = 2.0  # the repository index is asked again after this long
@@ -312,10 +313,12 @@ class Generation:
             raise OpenAIError(503, f"Triton at {self.backend.url}: {_first_line(e)}", code="triton_unavailable") from None
         if error is not None:
             self._end()  # an error response is the request's last
+            self._close_later()
             raise from_triton(error.message(), chat=self.chat)
         piece = parse_response(result)
         if piece.final:
             self._end()
+            self._close_later()
             if piece.finish_reason is None:
                 # the model's last response always says why it ended; a final one without a reason
                 # is Triton closing the request for a model process that went away, not an answer
@@ -328,11 +331,23 @@ class Generation:
         self.done = True
         self._finished.set()
 
+    def _close_later(self) -> None:
+        """After the request's last response: the call is held until the server closes the
+        stream, in a task of its own, not freed with this object (grpc.aio would cancel it,
+        and a cancellation at that moment can keep the model from unloading:
+        tritonlm/client/stream_end.py)."""
+        task = asyncio.ensure_future(read_to_end(self._call))
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+
     def cancel(self) -> None:
         """End the request now unless it has already finished (no-op then)."""
         if not self.done:
             self._call.cancel()
             self._end()
+
+
+_CLOSING: set[asyncio.Task] = set()  # the streams read to their end (the loop holds tasks only weakly)
 
 
 def _first_line(e: Exception) -> str:

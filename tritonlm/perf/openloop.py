@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tritonlm.client.stream_end import read_to_end
 from tritonlm.perf.llm import PROMPT_WORDS
 from tritonlm.perf.target import PerfError
 from tritonlm.perf.trace import ScheduledRequest
@@ -190,12 +191,9 @@ class GrpcTarget:
                     break
             else:
                 record.error, record.end_s = "the stream ended before the final response", clock()
-            # read the stream to its end rather than cancel it: tritonserver 2.51 can miss a
-            # cancellation that comes just after a request's last response, and the model then
-            # never unloads (docs/serving.md#unloading-a-model)
-            async for _ in responses:
-                pass
-            ended = True
+            # to its end, not cancelled: a cancellation just after the last response can keep
+            # the model from ever unloading (tritonlm/client/stream_end.py)
+            ended = await read_to_end(responses)
         except Exception as e:  # the channel broke, the stream timed out
             if record.status == "error" and not record.error:
                 record.status = "shed" if _is_overload(str(e)) else "error"
