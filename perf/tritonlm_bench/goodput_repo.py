@@ -25,8 +25,8 @@ from tritonlm_bench.benchrepo import link_generation_model, save_weights_once
 # workload, the KV room stays small and a configuration loads quickly.
 CONTEXT_MARGIN = 64
 MAX_SEQS = 64  # the engine's default max_num_seqs: the KV room is sized for that many
-# an unload takes a second or two; one still going after this long is stuck, and the next
-# configuration would be measured beside its process (docs/serving.md#unloading-a-model)
+# an unload still going after this long is stuck, and the next configuration would be
+# measured beside its process (docs/serving.md#unloading-a-model)
 UNLOAD_WAIT_S = 300.0
 
 

@@ -102,21 +102,21 @@ class Target:
         if not live:
             raise PerfError(f"tritonserver at http://{self.http_url} answers but is not live")
 
-    def loaded_models(self) -> list[str]:
-        try:
-            index = self.client().get_model_repository_index()
-        except Exception:
-            return []
-        return sorted({m["name"] for m in index if m.get("state") == "READY"})
-
-    def model_state(self, model: str) -> str | None:
-        """The model's state in the repository index (READY, UNLOADING, UNAVAILABLE, ...);
+    def model_states(self) -> dict[str, str] | None:
+        """Each model's state in the repository index (READY, UNLOADING, UNAVAILABLE, ...);
         None where the server cannot be asked."""
         try:
             index = self.client().get_model_repository_index()
         except Exception:
             return None
-        return next((m.get("state") for m in index if m["name"] == model), None)
+        return {m["name"]: m.get("state") for m in index}
+
+    def loaded_models(self) -> list[str]:
+        return sorted(name for name, state in (self.model_states() or {}).items() if state == "READY")
+
+    def model_state(self, model: str) -> str | None:
+        """One model's state (model_states); None where it is not known."""
+        return (self.model_states() or {}).get(model)
 
     def require_model(self, model: str) -> None:
         self.check_live()
