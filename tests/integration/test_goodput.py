@@ -1,8 +1,8 @@
 """`tritonlm perf goodput` end to end: a short open-loop run against a real tritonserver, through
 the OpenAI frontend and through gRPC, answers every request with the token counts asked
 (prompts of exact length with the model's tokenizer, answers forced to max_tokens), and the
-server's own counters agree, and the model unloads after a run (the generator lets each stream
-end rather than cancel it after its final response); against a model whose slo_ttft_ms no
+server's own counters agree, and the model unloads after a run (the generator and the OpenAI
+frontend let each stream end rather than cancel it after its final response); against a model whose slo_ttft_ms no
 prediction meets, the requests behind a running one are recorded as shed and the server
 counted the same refusals (an idle engine admits: the run's first request is held in its
 step, the test-only stall file, until the others have been refused).

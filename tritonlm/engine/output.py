@@ -129,8 +129,7 @@ class OutputProcessor:
             top = out.top_log_probs[0] if out.top_log_probs else None
             rank = out.ranks[0] if out.ranks else None
             if seq.first_token_time is None:
-                seq.first_token_time = now
-                self._observe("on_first_token", now - seq.request.arrival)
+                self._first_token(seq, now)
             seq.last_token_time = now
             if seq.sampling.ends_on(token):
                 if placed:
@@ -175,6 +174,11 @@ class OutputProcessor:
         elif seq.request.stream:
             self._stream(seq)
 
+    def _first_token(self, seq: Sequence, now: float) -> None:
+        seq.first_token_time = now
+        self._observe("on_first_token", now - seq.request.arrival)
+        self.scheduler.first_token(seq)
+
     def _observe(self, hook: str, *args) -> None:
         if self.observer is None:
             return
@@ -195,8 +199,7 @@ class OutputProcessor:
         # max_tokens reached or the context full, as one history length (this runs per token)
         length_at = self.length_at(seq)
         if seq.first_token_time is None:
-            seq.first_token_time = now
-            self._observe("on_first_token", now - seq.request.arrival)
+            self._first_token(seq, now)
         seq.last_token_time = now
         for used, (token, logprob) in enumerate(tokens, start=1):
             if sampling.ends_on(token):  # EOS or a stop token id: not part of the answer

@@ -318,15 +318,21 @@ class Scheduler:
             raise ValueError(f"cannot roll sequence {seq.id} back from {seq.num_computed} to {keep} tokens")
         seq.num_computed = keep
 
+    def first_token(self, seq: Sequence) -> None:
+        """The sequence's first token came (seq.first_token_time is set): where admission
+        planned it step by step, the controller learns how its plan held now, not when the
+        answer ends, so that plans stretch within a few first tokens of a change."""
+        if self.slo is not None and seq.slo_plan is not None:
+            gone, planned = seq.slo_plan
+            seq.slo_plan = None
+            self.slo.plan_kept(planned, seq.first_token_time - seq.request.arrival - gone)
+
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Leave the batch or the queue now and give the cache back; `reason` (stop, length,
         cancelled, error) decides whether the ledger judges it against the SLOs."""
         self.ledger.finished(seq, reason)
         if self.slo is not None and reason in ("stop", "length"):
             self.slo.request_finished(seq.num_output_tokens, seq.request.params.max_tokens)
-            if seq.slo_plan is not None and seq.first_token_time is not None:
-                gone, planned = seq.slo_plan
-                self.slo.plan_kept(planned, seq.first_token_time - seq.request.arrival - gone)
         if seq.state is SeqState.RUNNING:
             if self.cache.prefix_caching:
                 self._register_full_blocks(seq)  # what its last step completed: a next turn may reuse it

@@ -154,6 +154,7 @@ def simulate(times: list[float], slo: bool = True, host=None, prompt=(100, 300),
             seq.token_ids.append(2)  # a token: the next step decodes it
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                sched.first_token(seq)
             seq.last_token_time = now
             if seq.num_output_tokens >= max_tokens:
                 sched.finish(seq, "length")
@@ -715,15 +716,31 @@ def test_a_request_admitted_on_a_plan_is_shed_once_plans_run_late(monkeypatch):
 
 
 def test_the_scheduler_reports_when_each_planned_first_token_came(monkeypatch):
-    """Through the scheduler: every request admitted on a step-by-step plan reports, when it
-    ends, that plan and the time its first token took after admission; on the simulated
-    host, whose steps the model has learned, the plans come close."""
-    kept = []
-    monkeypatch.setattr(SloController, "plan_kept", lambda self, planned, took: kept.append((planned, took)))
+    """Through the scheduler: every request admitted on a step-by-step plan reports, at its
+    first token (not when its answer ends), that plan and the time the first token took
+    after admission; on the simulated host, whose steps the model has learned, the plans
+    come close."""
+    kept, plans, seqs, at_first = [], {}, [], []
+    real_check = Scheduler.check_slo
+
+    def check_slo(self, seq, queued):
+        real_check(self, seq, queued)
+        if seq.slo_plan is not None:
+            plans[id(seq)] = seq.slo_plan
+            seqs.append(seq)
+
+    def plan_kept(self, planned, took):
+        kept.append((planned, took))
+        at_first.append(any(s.num_output_tokens == 1 and s.first_token_time - s.request.arrival - plans[id(s)][0] == took
+                            for s in seqs))
+
+    monkeypatch.setattr(Scheduler, "check_slo", check_slo)
+    monkeypatch.setattr(SloController, "plan_kept", plan_kept)
     run = simulate(arrivals(lambda t: 4.0, 20, seed=16))
-    planned = {id(s): s.slo_plan for s in run.admitted if s.slo_plan is not None}
-    assert len(kept) == len(planned) >= len(run.admitted) // 2
-    took = sorted(s.first_token_time - s.request.arrival - s.slo_plan[0] for s in run.admitted if id(s) in planned)
+    assert len(kept) == len(plans) >= len(run.admitted) // 2
+    assert all(at_first)  # each reported as its first token came
+    assert all(s.slo_plan is None for s in run.admitted)  # each reported once
+    took = sorted(s.first_token_time - s.request.arrival - plans[id(s)][0] for s in run.admitted if id(s) in plans)
     assert sorted(t for _, t in kept) == pytest.approx(took)
     ratios = sorted(t / p for p, t in kept)
     assert 0.8 < ratios[len(ratios) // 2] < 1.25
