@@ -720,19 +720,23 @@ def test_the_scheduler_reports_when_each_planned_first_token_came(monkeypatch):
     first token (not when its answer ends), that plan and the time the first token took
     after admission; on the simulated host, whose steps the model has learned, the plans
     come close."""
-    kept, plans, seqs, at_first = [], {}, [], []
+    kept, plans, seqs, at_first, scheduler = [], {}, [], [], []
     real_check = Scheduler.check_slo
 
     def check_slo(self, seq, queued):
+        scheduler[:] = [self]
         real_check(self, seq, queued)
         if seq.slo_plan is not None:
             plans[id(seq)] = seq.slo_plan
             seqs.append(seq)
 
     def plan_kept(self, planned, took):
+        """Reported while the simulated clock stands at a planned request's first token, with
+        that request's plan and time: the request it reports for has only that token yet."""
         kept.append((planned, took))
-        at_first.append(any(s.num_output_tokens == 1 and s.first_token_time - s.request.arrival - plans[id(s)][0] == took
-                            for s in seqs))
+        now = scheduler[0].clock()
+        at_first.append(any(s.first_token_time == now and s.num_output_tokens == 1 and plans[id(s)][1] == planned
+                            and s.first_token_time - s.request.arrival - plans[id(s)][0] == took for s in seqs))
 
     monkeypatch.setattr(Scheduler, "check_slo", check_slo)
     monkeypatch.setattr(SloController, "plan_kept", plan_kept)
