@@ -320,8 +320,8 @@ class Scheduler:
 
     def first_token(self, seq: Sequence) -> None:
         """The sequence's first token came (seq.first_token_time is set): where admission
-        planned it step by step, the controller learns how its plan held now, not when the
-        answer ends, so that plans stretch within a few first tokens of a change."""
+        planned it step by step, the controller learns at once how its plan held, so that
+        plans stretch within a few first tokens of a change of pace."""
         if self.slo is not None and seq.slo_plan is not None:
             gone, planned = seq.slo_plan
             seq.slo_plan = None
