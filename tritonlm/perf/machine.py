@@ -21,23 +21,25 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def describe_cpu() -> str:
-    """'Intel(R) Xeon(R) ... | 2 cores | avx2 avx512f avx512_vnni': the CPU's name, the
-    cores this process may use, and which of FLAGS (the ones that decide CPU inference
-    speed here) it has."""
-    model, flags = "", set()
+def describe_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """'AMD EPYC (family 26 model 2) | 2 cores | avx2 avx512f avx512_vnni': the CPU's name, its
+    x86 family and model (one name covers several generations: an AMD EPYC may be Zen 2, 3,
+    4 or 5, each with its own vector units and caches), the cores this process may use, and
+    which of FLAGS (the ones that decide CPU inference speed here) it has."""
+    info: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and not model:
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
+                info.setdefault(key.strip(), value.strip())
+                if key.strip() == "flags":  # the last field of the first processor that matters here
                     break
     except OSError:
         pass
-    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    model = info.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    if info.get("cpu family") and info.get("model"):
+        model = f"{model} (family {info['cpu family']} model {info['model']})"
+    flags = set(info.get("flags", "").split())
     have = " ".join(f for f in FLAGS if f in flags) or "none of " + "/".join(FLAGS)
     return f"{model} | {usable_cores()} cores | {have}"
 
