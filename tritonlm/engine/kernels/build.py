@@ -48,7 +48,7 @@ ENV_DIR = "TRITONLM_KERNELS_DIR"
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "paged_attention.cpp", _HERE / "decode_ops.cpp", _HERE / "decoder_stack.cpp",
            _HERE / "weight_only_int8.cpp", _HERE / "float_panel.cpp", _HERE / "int8_act8.cpp", _HERE / "lora_ops.cpp"]
-HEADERS = [_HERE / "simd_math.h", _HERE / "lora_ops.h"]
+HEADERS = [_HERE / "simd_math.h", _HERE / "lora_ops.h", _HERE / "float_panel.h"]
 # -fopenmp: at::parallel_for runs on torch's own OpenMP team (the process already has torch's
 # libgomp loaded; the extension links to it by its soname)
 _COMMON_CFLAGS = ("-O3", "-fopenmp")

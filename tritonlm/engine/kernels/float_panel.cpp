@@ -34,20 +34,15 @@
 #include <cstdint>
 #include <optional>
 
+#include "float_panel.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;  // output channels in a panel: one zmm of float32
+using tritonlm_panel::kLanes;
 // how far ahead in its panel a tile asks for weights, in floats (64 k steps): with many rows
 // a tile computes long enough per load that the hardware prefetcher alone falls behind
 constexpr int64_t kPrefetchAhead = 1024;
 
-bool panel_supported() {
-#if defined(__AVX512F__) || defined(__AVX2__)
-  return true;
-#else
-  return false;
-#endif
-}
 
 #if defined(__AVX512F__)
 
@@ -153,9 +148,55 @@ void all_rows(const float* x, int64_t rows, int64_t in, const float* w, const fl
 
 #endif
 
+}  // namespace
+
+namespace tritonlm_panel {
+
+bool panel_vectors() {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void panel_rows(const float* x, int64_t rows, int64_t in, const float* w, int64_t np, const float* bias, float* y,
+                int64_t out, int64_t n0) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  // at one or two rows the k loop is a chain of dependent FMAs per accumulator: more panels
+  // at a time give the core more chains; more rows bring their own, and fewer panels halve
+  // the broadcasts per FMA. AVX2 has half the registers (16 ymm) for half-width vectors.
+#if defined(__AVX512F__)
+  constexpr int64_t kFewRowsPanels = 4, kFewRowsTile = 2, kManyRowsPanels = 2, kManyRowsTile = 12;
+#else
+  constexpr int64_t kFewRowsPanels = 2, kFewRowsTile = 2, kManyRowsPanels = 1, kManyRowsTile = 6;
+#endif
+  int64_t p = 0;
+  if (rows <= 2)
+    for (; p + kFewRowsPanels <= np; p += kFewRowsPanels)
+      all_rows<kFewRowsPanels, kFewRowsTile>(x, rows, in, w + p * in * kLanes, bias, y, out, n0 + p * kLanes);
+  for (; p + kManyRowsPanels <= np; p += kManyRowsPanels)
+    all_rows<kManyRowsPanels, kManyRowsTile>(x, rows, in, w + p * in * kLanes, bias, y, out, n0 + p * kLanes);
+  for (; p < np; ++p) all_rows<1, kManyRowsTile>(x, rows, in, w + p * in * kLanes, bias, y, out, n0 + p * kLanes);
+#endif
+}
+
+int64_t panels_per_task(int64_t rows) {
+#if defined(__AVX512F__)
+  return rows <= 2 ? 4 : 2;
+#else
+  return rows <= 2 ? 2 : 1;
+#endif
+}
+
+}  // namespace tritonlm_panel
+
+namespace {
+
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panel, const std::optional<at::Tensor>& bias,
                         int64_t out) {
-  TORCH_CHECK(panel_supported(), "panel_linear: this build has no vector kernel (panel_supported() is false)");
+  TORCH_CHECK(tritonlm_panel::panel_vectors(),
+              "panel_linear: this build has no vector kernel (panel_supported() is false)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && panel.scalar_type() == at::kFloat,
               "panel_linear: x and panel must be float32");
   TORCH_CHECK(panel.dim() == 3 && panel.size(2) == kLanes && panel.is_contiguous(),
@@ -170,38 +211,21 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panel, const std:
   auto sizes = x.sizes().vec();
   sizes.back() = out;
   at::Tensor y = at::empty({rows, out}, x.options());
-#if defined(__AVX512F__) || defined(__AVX2__)
   const float* xp = flat.data_ptr<float>();
   const float* wp = panel.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // at one or two rows the k loop is a chain of dependent FMAs per accumulator: more panels
-  // at a time give the core more chains; more rows bring their own, and fewer panels halve
-  // the broadcasts per FMA. AVX2 has half the registers (16 ymm) for half-width vectors.
-#if defined(__AVX512F__)
-  constexpr int64_t kFewRowsPanels = 4, kFewRowsTile = 2, kManyRowsPanels = 2, kManyRowsTile = 12;
-#else
-  constexpr int64_t kFewRowsPanels = 2, kFewRowsTile = 2, kManyRowsPanels = 1, kManyRowsTile = 6;
-#endif
-  const int64_t np = rows <= 2 ? kFewRowsPanels : kManyRowsPanels;
-  const int64_t groups = (P + np - 1) / np;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  const int64_t np = tritonlm_panel::panels_per_task(rows);
+  at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p = g * np, have = std::min(np, P - p);
-      const float* w = wp + p * in * kLanes;
-      if (np == kFewRowsPanels && have == kFewRowsPanels) {
-        all_rows<kFewRowsPanels, kFewRowsTile>(xp, rows, in, w, bp, yp, out, p * kLanes);
-      } else if (have == kManyRowsPanels) {
-        all_rows<kManyRowsPanels, kManyRowsTile>(xp, rows, in, w, bp, yp, out, p * kLanes);
-      } else {
-        for (int64_t q = 0; q < have; ++q)
-          all_rows<1, kManyRowsTile>(xp, rows, in, w + q * in * kLanes, bp, yp, out, (p + q) * kLanes);
-      }
+      const int64_t p = g * np;
+      tritonlm_panel::panel_rows(xp, rows, in, wp + p * in * kLanes, std::min(np, P - p), bp, yp, out, p * kLanes);
     }
   });
-#endif
   return y.view(sizes);
 }
+
+bool panel_supported() { return tritonlm_panel::panel_vectors(); }
 
 }  // namespace
 

@@ -41,10 +41,15 @@
 //                     integers are exact and every path and tile shape makes the same float
 //                     steps, so a row's bits depend on neither its batch nor the ISA path.
 //                     Threads: torch's team, by groups of panels; each panel is read once per call.
-//   M >  kDirectRows  (prefill chunks) compute-bound: the weight is widened once per call into
-//                     a reused float buffer [in, out] and multiplied by a GEMM (at::addmm) with
-//                     x rounded to the same codes (round_rows): one function on both paths, so
-//                     a row's result differs between them by float summation order only
+//   M >  kDirectRows  (prefill chunks) compute-bound: x is rounded to the same codes
+//                     (round_rows) and multiplied by the weights widened to float, one function
+//                     on both paths, so a row's result differs between them by float summation
+//                     order only. Each task widens a few panels at a time into a float panel
+//                     buffer that stays in the core's cache and runs the float32 panel kernel's
+//                     tiles over every row (float_panel.h): the widened weights are never
+//                     written to memory, and a row's bits do not depend on its batch. The
+//                     scalar path (and a build without vector kernels) widens the whole weight
+//                     into [in, out] for a GEMM (at::addmm) instead.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -67,11 +72,13 @@
 #include <string_view>
 #include <vector>
 
+#include "float_panel.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;            // output channels in a panel
 constexpr int64_t kQuad = 4;              // consecutive inputs of one channel side by side in a panel
-constexpr int64_t kDirectRows = 64;       // above this, dequantize once and run a GEMM
+constexpr int64_t kDirectRows = 64;       // above this, widen the weights to float for a GEMM
 constexpr int64_t kGrainWeights = 65536;  // int8 weights per task: below this, one thread
 constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in its panel that a tile asks for (16 quads)
 // The largest activation code. A quad's four products are at most 4 x 255 x 32767 in
@@ -479,6 +486,61 @@ PanelKernel kernel_for(Isa isa) {
 
 // panel codes * scale + offset -> buf [in, out] float32 (x @ buf is the GEMM: input k of
 // output channel 16 p + j is byte (k's quad, j, k % 4) of panel p), over torch's thread team
+// Panels [p0, p0 + np) widened to float panels [np, in, 16] (float_panel.h's layout) at dst:
+// w[k][j] = q * s + o, by one fused multiply-add on every path, so the AVX-512 and AVX2
+// builds widen to the same floats. Each quad's 64 bytes hold 16 channels x 4 inputs: input r
+// of channel j is byte r of the quad's 32-bit lane j.
+void widen_panels(const Args& a, int64_t p0, int64_t np, float* dst) {
+  for (int64_t p = p0; p < p0 + np; ++p) {
+    for (int64_t g = 0; g < a.groups; ++g) {
+      const int64_t at = (p * a.groups + g) * kLanes;
+      const uint8_t* quad = a.w + p * a.panel_bytes() + g * a.group_quads * kLanes * kQuad;
+      float* row = dst + g * a.group * kLanes;  // input g * group of this panel
+      int64_t t = 0;
+#if defined(__AVX512F__)
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + at)));
+      const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset + at)));
+      const __m512i byte = _mm512_set1_epi32(0xFF);
+      for (; kQuad * (t + 1) <= a.group; ++t, quad += kLanes * kQuad, row += kQuad * kLanes) {
+        const __m512i v = _mm512_loadu_si512(quad);
+        const auto put = [&](__m512i codes, int r) {
+          _mm512_storeu_ps(row + r * kLanes, _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), s, o));
+        };
+        put(_mm512_and_si512(v, byte), 0);
+        put(_mm512_and_si512(_mm512_srli_epi32(v, 8), byte), 1);
+        put(_mm512_and_si512(_mm512_srli_epi32(v, 16), byte), 2);
+        put(_mm512_srli_epi32(v, 24), 3);
+      }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      const __m256 s_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + at)));
+      const __m256 s_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + at + 8)));
+      const __m256 o_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.offset + at)));
+      const __m256 o_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.offset + at + 8)));
+      const __m256i byte = _mm256_set1_epi32(0xFF);
+      for (; kQuad * (t + 1) <= a.group; ++t, quad += kLanes * kQuad, row += kQuad * kLanes) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 32));
+        const auto put = [&](__m256i codes_lo, __m256i codes_hi, int r) {
+          _mm256_storeu_ps(row + r * kLanes, _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_lo), s_lo, o_lo));
+          _mm256_storeu_ps(row + r * kLanes + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_hi), s_hi, o_hi));
+        };
+        put(_mm256_and_si256(lo, byte), _mm256_and_si256(hi, byte), 0);
+        put(_mm256_and_si256(_mm256_srli_epi32(lo, 8), byte), _mm256_and_si256(_mm256_srli_epi32(hi, 8), byte), 1);
+        put(_mm256_and_si256(_mm256_srli_epi32(lo, 16), byte), _mm256_and_si256(_mm256_srli_epi32(hi, 16), byte), 2);
+        put(_mm256_srli_epi32(lo, 24), _mm256_srli_epi32(hi, 24), 3);
+      }
+#endif
+      // a group whose inputs do not fill its last quad (and builds without vectors)
+      for (; kQuad * t < a.group; ++t, quad += kLanes * kQuad, row += kQuad * kLanes)
+        for (int64_t r = 0; r < std::min(kQuad, a.group - kQuad * t); ++r)
+          for (int64_t j = 0; j < kLanes; ++j)
+            row[r * kLanes + j] = std::fma(static_cast<float>(quad[j * kQuad + r]), static_cast<float>(a.scale[at + j]),
+                                           static_cast<float>(a.offset[at + j]));
+    }
+    dst += a.in * kLanes;
+  }
+}
+
 void dequantize(const Args& a, float* buf) {
   const int64_t P = (a.out + kLanes - 1) / kLanes;
   at::parallel_for(0, a.in, std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(a.out, 1)), [&](int64_t lo, int64_t hi) {
@@ -541,14 +603,29 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
          offset.data_ptr<at::Half>(), nullptr, nullptr, nullptr, bp, y.data_ptr<float>(), in, out, groups, in / groups,
          quads_of(in / groups), 0};
   if (rows > kDirectRows) {
+    at::Tensor rounded = at::empty({rows, in}, x.options());
+    round_rows(a.x, rows, in, groups, rounded.data_ptr<float>());
+    if (isa != Isa::kScalar && tritonlm_panel::panel_vectors()) {
+      const float* xr = rounded.data_ptr<float>();
+      const int64_t np = tritonlm_panel::panels_per_task(rows);
+      at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t lo, int64_t hi) {
+        // a few panels of floats (np x in x 16): kept per thread, in the core's cache
+        static thread_local std::vector<float> widened;
+        widened.resize(np * in * kLanes);
+        for (int64_t task = lo; task < hi; ++task) {
+          const int64_t p = task * np, have = std::min(np, P - p);
+          widen_panels(a, p, have, widened.data());
+          tritonlm_panel::panel_rows(xr, rows, in, widened.data(), have, bp, a.y, out, p * kLanes);
+        }
+      });
+      return y.view(sizes);
+    }
     // widened once per call; the buffer is kept (per thread) so a prefill does not map and
     // fault in fresh pages for every projection
     static thread_local at::Tensor buf;
     if (!buf.defined() || buf.numel() < out * in) buf = at::empty({out * in}, x.options());
     dequantize(a, buf.data_ptr<float>());
     const at::Tensor wf = buf.narrow(0, 0, in * out).view({in, out});
-    at::Tensor rounded = at::empty({rows, in}, x.options());
-    round_rows(a.x, rows, in, groups, rounded.data_ptr<float>());
     return (bias ? at::addmm(*bias, rounded, wf) : at::mm(rounded, wf)).view(sizes);
   }
   // sum_k x[k] * (q[k] * s + o) = s * sum_k x[k] q[k] + o * sum_k x[k], per group, with x's

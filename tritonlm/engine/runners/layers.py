@@ -407,7 +407,8 @@ class WeightOnlyInt8Linear(Linear):
     scale[p, g, j] = s[16 p + j, g] and offset likewise. With the C++ kernels (`cpp_op`) the
     activations are rounded to 16-bit codes (a scale per row and block of at most 256 inputs
     of a group); a decode-sized batch multiplies them with the codes in integer arithmetic, a
-    prefill-sized one with the weights widened to float in a GEMM (kernels/weight_only_int8.cpp).
+    prefill-sized one with the weights widened to float a few panels at a time for the float32
+    panel kernel (kernels/weight_only_int8.cpp).
     Without the kernels, the same rounding in torch ops, times a float copy of the weights."""
 
     panel: torch.Tensor  # [P, G * Q, 16, 4] uint8

@@ -152,12 +152,13 @@ def test_each_level_this_cpu_runs_passes_the_kernel_checks_when_forced(level):
 
 
 # what each level's vector kernels compute for seeded inputs: the panel projections (AVX2's
-# two ymm per panel against AVX-512's one zmm) and the int8 projections (i8_linear's best path
-# there), every tile shape, with and without a bias
+# two ymm per panel against AVX-512's one zmm), weight-only int8's prefill-sized calls (its
+# panels widened to float for the panel kernel) and the int8 projections (i8_linear's best
+# path there), every tile shape, with and without a bias
 SAME_BITS = """
 import hashlib, torch
 from tritonlm.engine.kernels import kernels_available
-from tritonlm.engine.runners.layers import FloatLinear, Int8Linear, PanelLinear, panels_available
+from tritonlm.engine.runners.layers import FloatLinear, Int8Linear, PanelLinear, WeightOnlyInt8Linear, panels_available
 assert kernels_available()[0]
 g = torch.Generator().manual_seed(0)
 float_digest, int8_digest = hashlib.sha256(), hashlib.sha256()
@@ -166,18 +167,26 @@ for n_in, out in ((576, 960), (100, 49), (7, 33)):
     float_proj = PanelLinear.from_float(FloatLinear(w, b)) if panels_available() else None
     int8_proj = Int8Linear.from_float(w, b)
     int8_proj.use_act8()
-    for rows in (1, 2, 3, 7, 13, 40):
+    groups = 4 if n_in % 4 == 0 else 1
+    q = torch.randint(0, 256, (out, n_in), dtype=torch.uint8, generator=g)
+    weight_only = WeightOnlyInt8Linear.from_rows(q, torch.rand(out, groups, generator=g) * 0.02,
+                                                 torch.randn(out, groups, generator=g) * 0.5, None)
+    weight_only.cpp_op = True
+    for rows in (1, 2, 3, 7, 13, 40, 65, 100):
         x = torch.randn(rows, n_in, generator=g)
         if float_proj is not None:
             float_digest.update(float_proj(x).numpy().tobytes())
+            if rows > 64:
+                float_digest.update(weight_only.apply(x, b).numpy().tobytes())
         int8_digest.update(int8_proj(x).numpy().tobytes())
 print("digests", int8_digest.hexdigest(), float_digest.hexdigest() if panels_available() else "-")
 """
 
 
 def test_every_level_computes_the_same_projection_bits():
-    """The float32 panel kernel (AVX-512 and AVX2 levels) and i8_linear (every level) give the
-    same bits on every level this CPU runs: a model's projections answer alike on any x86 CPU."""
+    """The float32 panel kernel and weight-only int8's prefill-sized calls (AVX-512 and AVX2
+    levels) and i8_linear (every level) give the same bits on every level this CPU runs: a
+    model's projections answer alike on any x86 CPU."""
     runs = [lv.name for lv in isa.supported(isa.cpu_flags())]
     digests = {}
     for level in runs:

@@ -73,7 +73,8 @@ def test_w8_linear_equals_the_dequantized_matmul_on_every_path(ops, out_features
     the rounded activations (activation_codes) to float32 summation error on both sides of the
     limit, and within the rounding's own bound (half a step per input times |w|) of the
     float64 matmul of x itself; up to 64 rows the same bits on every path. A row's result is
-    the same bits alone and inside a batch."""
+    the same bits alone and inside a batch, and above 64 rows inside either of two batches
+    (the vector paths)."""
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
     w = torch.randint(0, 256, (out_features, in_features), dtype=torch.uint8, generator=g)
     scale = (torch.rand(out_features, groups, generator=g) * 0.02 + 1e-3).half()
@@ -116,6 +117,11 @@ def test_w8_linear_equals_the_dequantized_matmul_on_every_path(ops, out_features
         bad[1, 0] = float("inf")  # not finite in: that row's outputs are NaN, the others untouched
         got = ops.w8_linear(bad, panel, panel_scale, panel_offset, bias, in_features, out, isa)
         assert got[1].isnan().all() and torch.equal(got[[0, 2]], batch[[0, 2]]), isa
+    x = torch.randn(70, in_features, generator=g)  # the GEMM path's rows do not depend on their batch either
+    for isa in isas[:-1]:  # the vector paths: the panel kernel; scalar runs torch's GEMM
+        assert torch.equal(ops.w8_linear(x, panel, panel_scale, panel_offset, bias, in_features, out, isa)[3:68],
+                           ops.w8_linear(x[3:68].clone(), panel, panel_scale, panel_offset, bias, in_features, out,
+                                         isa)), isa
     x3 = torch.randn(2, 3, in_features, generator=g)  # [..., in] keeps its leading shape
     got3 = ops.w8_linear(x3, panel, panel_scale, panel_offset, bias, in_features, out, "auto")
     assert got3.shape == (2, 3, out_features)
