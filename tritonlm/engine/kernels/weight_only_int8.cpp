@@ -44,12 +44,14 @@
 //   M >  kDirectRows  (prefill chunks) compute-bound: x is rounded to the same codes
 //                     (round_rows) and multiplied by the weights widened to float, one function
 //                     on both paths, so a row's result differs between them by float summation
-//                     order only. Each task widens a few panels at a time into a float panel
-//                     buffer that stays in the core's cache and runs the float32 panel kernel's
-//                     tiles over every row (float_panel.h): the widened weights are never
-//                     written to memory, and a row's bits do not depend on its batch. The
-//                     scalar path (and a build without vector kernels) widens the whole weight
-//                     into [in, out] for a GEMM (at::addmm) instead.
+//                     order only. Each task widens one or two panels into a float panel buffer
+//                     of at most kWidenedBytes, which stays in the core's cache, and runs the
+//                     float32 panel kernel's tiles over its rows (float_panel.h): the widened
+//                     weights are never written to memory, and a row's bits do not depend on
+//                     its batch. This is the build's own vector level whichever vector isa is
+//                     asked for (an AVX-512 build's "avx2" runs AVX-512 here; the levels give
+//                     the same bits). The scalar path (and a build without vector kernels)
+//                     widens the whole weight into [in, out] for a GEMM (at::addmm) instead.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -78,9 +80,12 @@ namespace {
 
 constexpr int64_t kLanes = 16;            // output channels in a panel
 constexpr int64_t kQuad = 4;              // consecutive inputs of one channel side by side in a panel
-constexpr int64_t kDirectRows = 64;       // above this, widen the weights to float for a GEMM
+constexpr int64_t kDirectRows = 64;       // above this, widen the weights to float (the panel kernel or a GEMM)
 constexpr int64_t kGrainWeights = 65536;  // int8 weights per task: below this, one thread
 constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in its panel that a tile asks for (16 quads)
+// the most a prefill task widens at once: its float panels stay in a core's L2 (1-2 MiB on
+// the CPUs this serves) while the panel kernel's row tiles read them again and again
+constexpr int64_t kWidenedBytes = 256 << 10;
 // The largest activation code. A quad's four products are at most 4 x 255 x 32767 in
 // magnitude, so kChunkQuads quads sum within int32: every integer sum the kernel makes is exact.
 constexpr float kActMax = 32767.0f;
@@ -484,22 +489,20 @@ PanelKernel kernel_for(Isa isa) {
   }
 }
 
-// panel codes * scale + offset -> buf [in, out] float32 (x @ buf is the GEMM: input k of
-// output channel 16 p + j is byte (k's quad, j, k % 4) of panel p), over torch's thread team
 // Panels [p0, p0 + np) widened to float panels [np, in, 16] (float_panel.h's layout) at dst:
-// w[k][j] = q * s + o, by one fused multiply-add on every path, so the AVX-512 and AVX2
-// builds widen to the same floats. Each quad's 64 bytes hold 16 channels x 4 inputs: input r
+// w[k][j] = q * s + o, by one fused multiply-add in the vector loops and the scalar tail alike,
+// so the AVX-512 and AVX2 builds widen to the same floats. Each quad's 64 bytes hold 16 channels x 4 inputs: input r
 // of channel j is byte r of the quad's 32-bit lane j.
 void widen_panels(const Args& a, int64_t p0, int64_t np, float* dst) {
   for (int64_t p = p0; p < p0 + np; ++p) {
     for (int64_t g = 0; g < a.groups; ++g) {
-      const int64_t at = (p * a.groups + g) * kLanes;
+      const int64_t group_at = (p * a.groups + g) * kLanes;
       const uint8_t* quad = a.w + p * a.panel_bytes() + g * a.group_quads * kLanes * kQuad;
       float* row = dst + g * a.group * kLanes;  // input g * group of this panel
       int64_t t = 0;
 #if defined(__AVX512F__)
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + at)));
-      const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset + at)));
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.scale + group_at)));
+      const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.offset + group_at)));
       const __m512i byte = _mm512_set1_epi32(0xFF);
       for (; kQuad * (t + 1) <= a.group; ++t, quad += kLanes * kQuad, row += kQuad * kLanes) {
         const __m512i v = _mm512_loadu_si512(quad);
@@ -512,10 +515,10 @@ void widen_panels(const Args& a, int64_t p0, int64_t np, float* dst) {
         put(_mm512_srli_epi32(v, 24), 3);
       }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-      const __m256 s_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + at)));
-      const __m256 s_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + at + 8)));
-      const __m256 o_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.offset + at)));
-      const __m256 o_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.offset + at + 8)));
+      const __m256 s_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + group_at)));
+      const __m256 s_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + group_at + 8)));
+      const __m256 o_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.offset + group_at)));
+      const __m256 o_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.offset + group_at + 8)));
       const __m256i byte = _mm256_set1_epi32(0xFF);
       for (; kQuad * (t + 1) <= a.group; ++t, quad += kLanes * kQuad, row += kQuad * kLanes) {
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad));
@@ -534,13 +537,15 @@ void widen_panels(const Args& a, int64_t p0, int64_t np, float* dst) {
       for (; kQuad * t < a.group; ++t, quad += kLanes * kQuad, row += kQuad * kLanes)
         for (int64_t r = 0; r < std::min(kQuad, a.group - kQuad * t); ++r)
           for (int64_t j = 0; j < kLanes; ++j)
-            row[r * kLanes + j] = std::fma(static_cast<float>(quad[j * kQuad + r]), static_cast<float>(a.scale[at + j]),
-                                           static_cast<float>(a.offset[at + j]));
+            row[r * kLanes + j] = std::fma(static_cast<float>(quad[j * kQuad + r]), static_cast<float>(a.scale[group_at + j]),
+                                           static_cast<float>(a.offset[group_at + j]));
     }
     dst += a.in * kLanes;
   }
 }
 
+// panel codes * scale + offset -> buf [in, out] float32 (x @ buf is the GEMM: input k of
+// output channel 16 p + j is byte (k's quad, j, k % 4) of panel p), over torch's thread team
 void dequantize(const Args& a, float* buf) {
   const int64_t P = (a.out + kLanes - 1) / kLanes;
   at::parallel_for(0, a.in, std::max<int64_t>(1, kGrainWeights / std::max<int64_t>(a.out, 1)), [&](int64_t lo, int64_t hi) {
@@ -607,15 +612,25 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& panel, const at::Ten
     round_rows(a.x, rows, in, groups, rounded.data_ptr<float>());
     if (isa != Isa::kScalar && tritonlm_panel::panel_vectors()) {
       const float* xr = rounded.data_ptr<float>();
-      const int64_t np = tritonlm_panel::panels_per_task(rows);
-      at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t lo, int64_t hi) {
-        // a few panels of floats (np x in x 16): kept per thread, in the core's cache
-        static thread_local std::vector<float> widened;
+      // one panel a task where the panel kernel's widest tile would pass kWidenedBytes
+      const int64_t np = std::max<int64_t>(
+          1, std::min(tritonlm_panel::panels_per_task(rows), kWidenedBytes / (in * kLanes * int64_t(sizeof(float)))));
+      const int64_t panel_tasks = (P + np - 1) / np;
+      // a narrow projection (few panels) splits its rows too, so that every thread has work;
+      // each block of rows widens its panels again, which kDirectRows rows at least pay for
+      const int64_t row_blocks = std::clamp<int64_t>((2 * at::get_num_threads() + panel_tasks - 1) / panel_tasks, 1,
+                                                     rows / kDirectRows);
+      const int64_t block = (rows + row_blocks - 1) / row_blocks;
+      at::parallel_for(0, panel_tasks * row_blocks, 1, [&](int64_t lo, int64_t hi) {
+        static thread_local std::vector<float> widened;  // np x in x 16, kept per thread
         widened.resize(np * in * kLanes);
         for (int64_t task = lo; task < hi; ++task) {
-          const int64_t p = task * np, have = std::min(np, P - p);
+          const int64_t p = task / row_blocks * np, have = std::min(np, P - p);
+          const int64_t m0 = task % row_blocks * block, m1 = std::min(rows, m0 + block);
+          if (m0 >= m1) continue;
           widen_panels(a, p, have, widened.data());
-          tritonlm_panel::panel_rows(xr, rows, in, widened.data(), have, bp, a.y, out, p * kLanes);
+          tritonlm_panel::panel_rows(xr + m0 * in, m1 - m0, in, widened.data(), have, bp, a.y + m0 * out, out,
+                                     p * kLanes);
         }
       });
       return y.view(sizes);

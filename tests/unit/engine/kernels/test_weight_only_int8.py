@@ -61,14 +61,17 @@ def activation_codes(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.
 
 @pytest.mark.parametrize("out_features, in_features, groups",
                          [(96, 64, 1), (13, 37, 1), (40, 576, 1), (7, 15, 1), (260, 100, 1), (96, 64, 4), (21, 576, 9),
-                          (13, 96, 3), (200, 96, 12), (24, 1536, 1), (9, 30, 5)],
+                          (13, 96, 3), (200, 96, 12), (24, 1536, 1), (9, 30, 5), (16, 6, 3)],
                          ids=["aligned", "odd", "wide", "tiny", "ragged-panels", "groups-of-16", "groups-of-64",
-                              "groups-of-32-odd-outputs", "groups-of-8", "chunks-of-256", "groups-of-6"])
+                              "groups-of-32-odd-outputs", "groups-of-8", "chunks-of-256", "groups-of-6",
+                              "groups-of-2"])
 def test_w8_linear_equals_the_dequantized_matmul_on_every_path(ops, out_features, in_features, groups):
     """Every path the CPU has (w8_isas: AVX-512, AVX2, scalar), row counts on both sides of
-    the direct kernel's limit (64; above it the weights are widened once for a GEMM) and of
-    its tiles, outputs that do not fill the last panel or a tile of panels, groups whose
-    inputs do not fill their last quad; one scale and offset per output channel (groups 1) or
+    the direct kernel's limit (64; above it the weights are widened to float, for the float32
+    panel kernel on the vector paths, in blocks of rows where there are few panels, or for a
+    GEMM on scalar) and of its tiles, outputs that do not fill the last panel or a tile of
+    panels, groups whose inputs do not fill their last quad or any quad (2 inputs); one
+    scale and offset per output channel (groups 1) or
     per group of inputs. The activations are 16-bit codes: the result is the float64 matmul of
     the rounded activations (activation_codes) to float32 summation error on both sides of the
     limit, and within the rounding's own bound (half a step per input times |w|) of the
@@ -85,7 +88,7 @@ def test_w8_linear_equals_the_dequantized_matmul_on_every_path(ops, out_features
     weights = dequantized(w, scale, offset)  # [out, in]
     isas = ops.w8_isas()
     assert isas[-1] == "scalar" and set(isas) <= {"avx512", "avx2", "scalar"}
-    for rows in (1, 2, 3, 5, 7, 13, 37, 64, 65):
+    for rows in (1, 2, 3, 5, 7, 13, 37, 64, 65, 200):
         x = torch.randn(rows, in_features, generator=g) * torch.rand(1, in_features, generator=g) * 4
         rounded, half_step = activation_codes(x, groups)
         for b in (bias, None):
@@ -101,7 +104,7 @@ def test_w8_linear_equals_the_dequantized_matmul_on_every_path(ops, out_features
                 assert err <= tol, f"{isa}, {rows} rows: max error {err:.3g} from the rounded activations > {tol:.3g}"
                 over = (got.double() - want.double()).abs() - bound - tol
                 assert over.max().item() <= 0, f"{isa}, {rows} rows: past the 16-bit rounding's bound by {over.max():.3g}"
-                if rows > 64:  # the GEMM path: its own summation order
+                if rows > 64:  # widened to float: its own summation order
                     continue
                 same_bits = got if same_bits is None else same_bits
                 assert torch.equal(got, same_bits), f"{isa}, {rows} rows: other bits than {isas[0]}'s"
@@ -117,11 +120,14 @@ def test_w8_linear_equals_the_dequantized_matmul_on_every_path(ops, out_features
         bad[1, 0] = float("inf")  # not finite in: that row's outputs are NaN, the others untouched
         got = ops.w8_linear(bad, panel, panel_scale, panel_offset, bias, in_features, out, isa)
         assert got[1].isnan().all() and torch.equal(got[[0, 2]], batch[[0, 2]]), isa
-    x = torch.randn(70, in_features, generator=g)  # the GEMM path's rows do not depend on their batch either
-    for isa in isas[:-1]:  # the vector paths: the panel kernel; scalar runs torch's GEMM
-        assert torch.equal(ops.w8_linear(x, panel, panel_scale, panel_offset, bias, in_features, out, isa)[3:68],
-                           ops.w8_linear(x[3:68].clone(), panel, panel_scale, panel_offset, bias, in_features, out,
-                                         isa)), isa
+    # above 64 rows a row's bits depend on its batch neither (the vector paths run the build's
+    # panel kernel, whichever is asked for; blocks of rows differ between these two batches)
+    x = torch.randn(200, in_features, generator=g)
+    for isa in isas[:-1]:
+        batch = ops.w8_linear(x, panel, panel_scale, panel_offset, bias, in_features, out, isa)
+        for lo, hi in ((3, 68), (3, 190)):
+            part = ops.w8_linear(x[lo:hi].clone(), panel, panel_scale, panel_offset, bias, in_features, out, isa)
+            assert torch.equal(batch[lo:hi], part), (isa, lo, hi)
     x3 = torch.randn(2, 3, in_features, generator=g)  # [..., in] keeps its leading shape
     got3 = ops.w8_linear(x3, panel, panel_scale, panel_offset, bias, in_features, out, "auto")
     assert got3.shape == (2, 3, out_features)

@@ -111,7 +111,7 @@ def test_gptq_rounding_lowers_the_output_error_on_its_calibration_inputs():
 def test_weight_only_decoder_stack_gives_the_python_loops_bits():
     """The DecoderStack's weight-only projections against run_layers' Python loop of the same
     ops: equal logits, bit for bit, over decode and mixed-width steps (a prefill over 8 wide
-    runs the loop, whose widest projections take the widen-then-GEMM path)."""
+    runs the loop, whose widest projections widen their weights to float)."""
     runner = TorchRunner(tiny_llama(attention_bias=True), int8_weight_only=True)
     if runner.attention != "paged":
         pytest.skip(f"no C++ kernels here: {runner.attention_why}")
