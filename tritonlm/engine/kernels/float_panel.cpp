@@ -43,7 +43,6 @@ using tritonlm_panel::kLanes;
 // a tile computes long enough per load that the hardware prefetcher alone falls behind
 constexpr int64_t kPrefetchAhead = 1024;
 
-
 #if defined(__AVX512F__)
 
 // rows [MB] x panels [NP] of y from x [MB, in] (row stride in) and NP panels (stride in * 16)

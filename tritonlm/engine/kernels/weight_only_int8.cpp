@@ -490,9 +490,9 @@ PanelKernel kernel_for(Isa isa) {
 }
 
 // Panels [p0, p0 + np) widened to float panels [np, in, 16] (float_panel.h's layout) at dst:
-// w[k][j] = q * s + o, by one fused multiply-add in the vector loops and the scalar tail alike,
-// so the AVX-512 and AVX2 builds widen to the same floats. Each quad's 64 bytes hold 16 channels x 4 inputs: input r
-// of channel j is byte r of the quad's 32-bit lane j.
+// w[k][j] = q * s + o, by one fused multiply-add in the vector loops and the scalar tail
+// alike, so the AVX-512 and AVX2 builds widen to the same floats. Each quad's 64 bytes hold
+// 16 channels x 4 inputs: input r of channel j is byte r of the quad's 32-bit lane j.
 void widen_panels(const Args& a, int64_t p0, int64_t np, float* dst) {
   for (int64_t p = p0; p < p0 + np; ++p) {
     for (int64_t g = 0; g < a.groups; ++g) {
@@ -537,7 +537,8 @@ void widen_panels(const Args& a, int64_t p0, int64_t np, float* dst) {
       for (; kQuad * t < a.group; ++t, quad += kLanes * kQuad, row += kQuad * kLanes)
         for (int64_t r = 0; r < std::min(kQuad, a.group - kQuad * t); ++r)
           for (int64_t j = 0; j < kLanes; ++j)
-            row[r * kLanes + j] = std::fma(static_cast<float>(quad[j * kQuad + r]), static_cast<float>(a.scale[group_at + j]),
+            row[r * kLanes + j] = std::fma(static_cast<float>(quad[j * kQuad + r]),
+                                           static_cast<float>(a.scale[group_at + j]),
                                            static_cast<float>(a.offset[group_at + j]));
     }
     dst += a.in * kLanes;
