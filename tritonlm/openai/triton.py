@@ -256,8 +256,10 @@ class TritonBackend:
         deadline = loop.time() + EXPLAIN_WAIT_S
         while True:
             found = self.health.explain(model, since_epoch)
-            if found is not None or loop.time() > deadline:
+            if found is not None:
                 return found
+            if loop.time() > deadline:  # no fault named in time: what the board says of the model now
+                return self.health.unavailable(model)
             await asyncio.sleep(0.05)
 
 

@@ -140,12 +140,18 @@ class HealthBoard:
         """Why a request to `model` that began at since_epoch (epoch()) lost its connection:
         the model is down now, or it went down and came back while the request ran. A
         restart the request lived through is named even while the model still loads after
-        it: "not ready yet" alone would hide the fault that ended the request."""
+        it: "not ready yet" alone would hide the fault that ended the request. None while the
+        model is down with no fault marked since (the caller waits, then asks unavailable())."""
         with self._lock:
             health = self._models.get(model)
             if (self._epoch != since_epoch and health is not None and self._gave_up is None
                     and health.state in (READY, LOADING)):
                 return f"model {model} was restarted while this request ran ({self._last_cause}); retry"
+            if (self._epoch == since_epoch and health is not None and self._gave_up is None
+                    and health.state == LOADING):
+                # fewer live processes and no fault marked: a check saw the process gone before
+                # the supervisor named why, which it does on its next look; not an answer yet
+                return None
         return self.unavailable(model)
 
     def status(self) -> dict:

@@ -24,7 +24,9 @@ def unfrozen():
 def test_the_startup_heap_leaves_full_collections_and_later_garbage_is_still_collected(unfrozen):
     startup = [Node() for _ in range(1000)]
     frozen = freeze_startup_heap()
-    assert frozen >= len(startup) and gc.get_freeze_count() == frozen
+    # a frozen object that dies is still freed by its reference count, on any of the process's
+    # threads at any moment, so the count can only have fallen since
+    assert frozen >= len(startup) and 0 < gc.get_freeze_count() <= frozen
     walked = {id(o) for o in gc.get_objects(generation=2)}
     assert not any(id(n) in walked for n in startup)  # a full collection no longer walks them
 

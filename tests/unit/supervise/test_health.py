@@ -111,3 +111,18 @@ def test_a_request_that_lived_through_a_restart_is_told_why():
     assert board.explain("a", began) == ("model a was restarted while this request ran "
                                          "(model a: its process (pid 9) died); retry")
     assert board.explain("a", board.epoch()) is None  # a request begun after it: nothing to explain
+
+
+def test_a_process_seen_gone_before_its_fault_is_named_explains_nothing_yet():
+    """A check can see a model's process gone (the model loading: fewer live processes than
+    it asks for) before the supervisor names the fault. A request that lost its connection
+    then gets no explanation yet, not "not ready yet", which would hide the fault; once the
+    fault is marked it is named."""
+    board = HealthBoard()
+    board.set_models(["a"])
+    began = board.epoch()
+    board.follow({"a": ModelView("a", (), (), 1)})
+    assert board.unavailable("a").startswith("model a is not ready yet")
+    assert board.explain("a", began) is None
+    board.recovering("a", "model a: its process (pid 9) died", "died")
+    assert board.explain("a", began).startswith("model a is restarting (model a: its process (pid 9) died)")
