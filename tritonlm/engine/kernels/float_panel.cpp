@@ -145,6 +145,16 @@ void all_rows(const float* x, int64_t rows, int64_t in, const float* w, const fl
   }
 }
 
+// at one or two rows the k loop is a chain of dependent FMAs per accumulator: more panels
+// at a time give the core more chains; more rows bring their own, and fewer panels halve
+// the broadcasts per FMA. AVX2 has half the registers (16 ymm) for half-width vectors.
+constexpr int64_t kFewRows = 2;  // rows that take the wide tile
+#if defined(__AVX512F__)
+constexpr int64_t kFewRowsPanels = 4, kFewRowsTile = 2, kManyRowsPanels = 2, kManyRowsTile = 12;
+#else
+constexpr int64_t kFewRowsPanels = 2, kFewRowsTile = 2, kManyRowsPanels = 1, kManyRowsTile = 6;
+#endif
+
 #endif
 
 }  // namespace
@@ -162,16 +172,8 @@ bool panel_vectors() {
 void panel_rows(const float* x, int64_t rows, int64_t in, const float* w, int64_t np, const float* bias, float* y,
                 int64_t out, int64_t n0) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-  // at one or two rows the k loop is a chain of dependent FMAs per accumulator: more panels
-  // at a time give the core more chains; more rows bring their own, and fewer panels halve
-  // the broadcasts per FMA. AVX2 has half the registers (16 ymm) for half-width vectors.
-#if defined(__AVX512F__)
-  constexpr int64_t kFewRowsPanels = 4, kFewRowsTile = 2, kManyRowsPanels = 2, kManyRowsTile = 12;
-#else
-  constexpr int64_t kFewRowsPanels = 2, kFewRowsTile = 2, kManyRowsPanels = 1, kManyRowsTile = 6;
-#endif
   int64_t p = 0;
-  if (rows <= 2)
+  if (rows <= kFewRows)
     for (; p + kFewRowsPanels <= np; p += kFewRowsPanels)
       all_rows<kFewRowsPanels, kFewRowsTile>(x, rows, in, w + p * in * kLanes, bias, y, out, n0 + p * kLanes);
   for (; p + kManyRowsPanels <= np; p += kManyRowsPanels)
@@ -181,10 +183,10 @@ void panel_rows(const float* x, int64_t rows, int64_t in, const float* w, int64_
 }
 
 int64_t panels_per_task(int64_t rows) {
-#if defined(__AVX512F__)
-  return rows <= 2 ? 4 : 2;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  return rows <= kFewRows ? kFewRowsPanels : kManyRowsPanels;
 #else
-  return rows <= 2 ? 2 : 1;
+  return 1;
 #endif
 }
 
